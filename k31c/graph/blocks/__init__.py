@@ -1,0 +1,1 @@
+"""The model's blocks in plain PyTorch (spec/model.md), named as in the HF K3 checkpoint."""

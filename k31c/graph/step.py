@@ -1,0 +1,73 @@
+"""What one forward step receives besides token ids: cache tensors and device-side metadata.
+
+The model never allocates or frees these (runtime/kv.py does); it only reads and writes them
+through the k31c ops. Everything here is a tensor so one captured graph replays for every step.
+
+Row layout. A step processes N rows. Decode/verify: B requests x R rows, request-major
+(rows b*R .. b*R+R-1 belong to request b). Prefill: the new tokens of B requests concatenated,
+request b owning rows cu_seqlens[b] .. cu_seqlens[b+1]-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+
+@dataclass
+class StepMeta:
+    slot_mapping: torch.Tensor   # [N] int64: physical cache slot (block * block_size + offset) of each row
+    block_table: torch.Tensor    # [B, max_blocks] int32: physical block of each logical block; -1 unused
+    row_req: torch.Tensor        # [N] int32: request (index into block_table / kda_slots) of each row
+    row_len: torch.Tensor        # [N] int32: keys the row sees, itself included (= position + 1)
+    kda_slots: torch.Tensor      # [B] int64: KDA state slot of each request
+    cu_seqlens: torch.Tensor     # [B+1] int32: row offsets per request (prefill); arange(B+1)*R (decode)
+
+
+@dataclass
+class MLALayerCache:
+    """One MLA layer's share of the flat block pool (blocks are shared by all layers).
+
+    latent: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype.
+    index:  BF16/F32 keys [num_blocks, block_size, index_head_dim], or the FP8 layout of
+            spec §6.5 as uint8 [num_blocks, block_size * (index_head_dim + 4 * n_scales)]:
+            per block all FP8 values token-major first, then the fp32 scales
+            (n_scales = ceil(index_head_dim / 128)).
+    """
+    latent: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass
+class KDALayerState:
+    """One KDA layer's per-request state pool.
+
+    conv:      [num_slots, W-1, 3P] model dtype: the last W-1 pre-conv inputs of q|k|v, oldest first.
+    recurrent: [num_slots, H, K, V] float32 (layout [H, K, V], as vLLM's Kimi Linear).
+    """
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+@dataclass
+class KDASnapshots:
+    """Per-row states written during verification, so rejected rows can be rolled back.
+
+    conv:      [B, R, W-1, 3P] conv window after row r of request b.
+    recurrent: [B, R, H, K, V] float32 state after row r of request b.
+    """
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+@dataclass
+class Caches:
+    mla: list[MLALayerCache]                          # one per MLA layer, in layer order
+    kda: list[KDALayerState]                          # one per KDA layer, in layer order
+    kda_snapshots: Optional[list[KDASnapshots]] = None  # verification only, one per KDA layer
+
+
+for _cls in (StepMeta, MLALayerCache, KDALayerState, KDASnapshots, Caches):
+    pytree.register_dataclass(_cls)

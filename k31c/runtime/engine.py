@@ -1,0 +1,161 @@
+"""The engine: requests, step metadata, prefill / decode / verify, sampling and generation.
+
+It drives any callable with the model's step interface `fn(input_ids, meta, caches, mode, rows)`,
+the eager model or a compiled one, over a CachePool.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..graph.step import StepMeta
+from .kv import CachePool
+
+
+class Engine:
+    def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
+                 block_size: int = 16, index_cache: str = "bf16", device=None, step_fn=None):
+        self.model = model
+        self.cfg = model.config
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
+        self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
+                              block_size=block_size, index_cache=index_cache, device=self.device)
+        self.step_fn = step_fn or model
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self) -> int:
+        return self.pool.add_request()
+
+    def free(self, rid: int) -> None:
+        self.pool.free(rid)
+
+    def length(self, rid: int) -> int:
+        return self.pool.requests[rid].length
+
+    # ---- steps ----------------------------------------------------------------------------------------
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        V = self.cfg.vocab_size
+        bad = [t for t in tokens if not 0 <= int(t) < V]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {V}): {bad[:8]}")
+
+    def _meta(self, rids: Sequence[int], starts: list[int], counts: list[int]) -> StepMeta:
+        pool, dev = self.pool, self.device
+        slot_mapping, row_req, row_len, cu = [], [], [], [0]
+        for b, (rid, s, n) in enumerate(zip(rids, starts, counts)):
+            pool.reserve(rid, s + n)
+            slot_mapping += pool.slots_for(rid, s, s + n)
+            row_req += [b] * n
+            row_len += list(range(s + 1, s + n + 1))
+            cu.append(cu[-1] + n)
+        kda_slots = [pool.requests[r].slot for r in rids]
+        as_t = lambda v, dt: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
+        return StepMeta(slot_mapping=as_t(slot_mapping, torch.int64),
+                        block_table=pool.block_table[as_t(kda_slots, torch.int64)],
+                        row_req=as_t(row_req, torch.int32), row_len=as_t(row_len, torch.int32),
+                        kda_slots=as_t(kda_slots, torch.int64), cu_seqlens=as_t(cu, torch.int32))
+
+    @torch.no_grad()
+    def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append `tokens[b]` to request `rids[b]` (a fresh request or a chunk after a prefix).
+        Returns logits [sum(len), vocab] float32 in row order."""
+        if len(rids) != len(tokens) or any(len(t) == 0 for t in tokens):
+            raise ValueError("prefill needs one non-empty token list per request")
+        flat = [t for ts in tokens for t in ts]
+        self._check_tokens(flat)
+        starts = [self.length(r) for r in rids]
+        meta = self._meta(rids, starts, [len(t) for t in tokens])
+        ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        logits = self.step_fn(ids, meta, self.pool.caches(), "prefill", 1)
+        for r, t in zip(rids, tokens):
+            self.pool.requests[r].length += len(t)
+        return logits
+
+    @torch.no_grad()
+    def decode(self, rids: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One new token per request. Returns logits [B, vocab]."""
+        return self.verify(rids, [[t] for t in tokens])[0]
+
+    @torch.no_grad()
+    def verify(self, rids: Sequence[int], rows: Sequence[Sequence[int]]):
+        """R rows per request (last accepted token + drafts), processed as one decode step.
+        Returns (logits [B*R, vocab], handle); pass the handle to `accept` to commit."""
+        R = len(rows[0])
+        if any(len(r) != R for r in rows) or len(rows) != len(rids) or R == 0:
+            raise ValueError("verify needs the same positive number of rows for every request")
+        flat = [t for rs in rows for t in rs]
+        self._check_tokens(flat)
+        starts = [self.length(r) for r in rids]
+        meta = self._meta(rids, starts, [R] * len(rids))
+        snaps = self.pool.new_snapshots(len(rids), R) if R > 1 else None
+        ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        logits = self.step_fn(ids, meta, self.pool.caches(snaps), "decode", R)
+        for r in rids:
+            self.pool.requests[r].length += R
+        return logits, (list(rids), starts, R, snaps)
+
+    def accept(self, handle, accepted: Sequence[int]) -> None:
+        """Keep the first accepted[b] rows of request b from a `verify`; roll back the rest."""
+        rids, starts, R, snaps = handle
+        if R > 1:
+            self.pool.rollback([self.pool.requests[r].slot for r in rids], list(accepted), R, snaps)
+        elif any(a != 1 for a in accepted):
+            raise ValueError("a single-row step can only accept its row")
+        for r, s, a in zip(rids, starts, accepted):
+            self.pool.requests[r].length = s + a
+
+    # ---- user-level -----------------------------------------------------------------------------------
+    def prefill_logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Logits [T, vocab] float32 of one prefill of a fresh request."""
+        self._check_length(len(tokens))
+        rid = self.add_request()
+        try:
+            return self.prefill([rid], [list(tokens)])
+        finally:
+            self.free(rid)
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0,
+                 on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self._check_length(len(prompt) + max_new_tokens)
+        gen = torch.Generator().manual_seed(seed)
+        rid = self.add_request()
+        out: list[int] = []
+        try:
+            logits = self.prefill([rid], [list(prompt)])[-1]
+            while True:
+                tok = sample(logits, temperature, top_p, gen)
+                out.append(tok)
+                if on_token is not None:
+                    on_token(tok)
+                if len(out) == max_new_tokens:
+                    return out
+                logits = self.decode([rid], [tok])[0]
+        finally:
+            self.free(rid)
+
+    def _check_length(self, n: int) -> None:
+        if n > self.max_seq_len:
+            raise ValueError(f"{n} tokens exceed the maximum length {self.max_seq_len}")
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """Greedy at temperature 0; otherwise temperature + nucleus sampling on the CPU generator."""
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    logits = logits.float().cpu()
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_p, order = probs.sort(descending=True)
+    keep = sorted_p.cumsum(0) - sorted_p < top_p       # always keeps the most likely token
+    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
+    return int(order[choice])
+

@@ -1,0 +1,131 @@
+"""Cache pools: the MLA pool of flat blocks (latent plane + index-key plane, shared block ids for
+all MLA layers) and the KDA state pool (conv window + fp32 recurrent state per request slot).
+
+The pool owns memory and bookkeeping (free lists, per-request blocks and lengths); the model only
+sees the tensors, through graph/step.py's dataclasses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import K31Config
+from ..graph.ops.cache_write import index_row_bytes
+from ..graph.step import Caches, KDALayerState, KDASnapshots, MLALayerCache
+
+INDEX_CACHE_KINDS = ("bf16", "fp8")
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+@dataclass
+class Request:
+    slot: int                         # KDA state slot and block-table row
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0                   # committed tokens in the caches
+
+
+class CachePool:
+    def __init__(self, cfg: K31Config, *, max_requests: int, max_seq_len: int, block_size: int = 16,
+                 num_blocks: int | None = None, index_cache: str = "bf16", device="cpu"):
+        if index_cache not in INDEX_CACHE_KINDS:
+            raise ValueError(f"index_cache must be one of {INDEX_CACHE_KINDS}, got {index_cache!r}")
+        if block_size <= 0 or max_requests <= 0 or max_seq_len <= 0:
+            raise ValueError("block_size, max_requests and max_seq_len must be positive")
+        self.cfg, self.block_size, self.device = cfg, block_size, torch.device(device)
+        self.max_seq_len = max_seq_len
+        self.max_blocks_per_req = math.ceil(max_seq_len / block_size)
+        self.num_blocks = num_blocks or max_requests * self.max_blocks_per_req
+        dt = cfg.torch_dtype
+        self.mla: list[MLALayerCache] = []
+        for _ in cfg.mla_layers:
+            latent = torch.zeros(self.num_blocks, block_size, cfg.latent_dim, dtype=dt, device=device)
+            if not cfg.has_indexer:
+                index = torch.zeros(0, dtype=dt, device=device)
+            elif index_cache == "fp8":
+                index = torch.zeros(self.num_blocks, block_size * index_row_bytes(cfg.index_head_dim),
+                                    dtype=torch.uint8, device=device)
+            else:
+                index_dt = torch.float32 if dt == torch.float32 else torch.bfloat16
+                index = torch.zeros(self.num_blocks, block_size, cfg.index_head_dim, dtype=index_dt,
+                                    device=device)
+            self.mla.append(MLALayerCache(latent, index))
+        W, P = cfg.short_conv_kernel_size, cfg.kda_proj_dim
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        self.kda = [KDALayerState(torch.zeros(max_requests, W - 1, 3 * P, dtype=dt, device=device),
+                                  torch.zeros(max_requests, H, K, K, dtype=torch.float32, device=device))
+                    for _ in cfg.kda_layers]
+        self.free_slots = list(range(max_requests - 1, -1, -1))
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.block_table = torch.full((max_requests, self.max_blocks_per_req), -1, dtype=torch.int32,
+                                      device=device)
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self) -> int:
+        if not self.free_slots:
+            raise PoolExhausted(f"all {len(self.block_table)} request slots are in use")
+        slot = self.free_slots.pop()
+        for st in self.kda:  # a new request starts from zero state
+            st.conv[slot].zero_()
+            st.recurrent[slot].zero_()
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.requests[rid] = Request(slot)
+        return rid
+
+    def free(self, rid: int) -> None:
+        req = self.requests.pop(rid)
+        self.free_blocks.extend(reversed(req.blocks))
+        self.block_table[req.slot].fill_(-1)
+        self.free_slots.append(req.slot)
+
+    def reserve(self, rid: int, new_length: int) -> None:
+        """Make sure request `rid` owns blocks for positions < new_length."""
+        if new_length > self.max_seq_len:
+            raise ValueError(f"request {rid} would reach {new_length} tokens; max_seq_len is {self.max_seq_len}")
+        req = self.requests[rid]
+        need = math.ceil(new_length / self.block_size) - len(req.blocks)
+        if need > len(self.free_blocks):
+            raise PoolExhausted(f"need {need} more blocks, {len(self.free_blocks)} free")
+        for _ in range(max(need, 0)):
+            b = self.free_blocks.pop()
+            self.block_table[req.slot, len(req.blocks)] = b
+            req.blocks.append(b)
+
+    def slots_for(self, rid: int, start: int, stop: int) -> list[int]:
+        """Physical cache slots of logical positions start..stop-1 of request rid."""
+        req, bs = self.requests[rid], self.block_size
+        return [req.blocks[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    # ---- views handed to the model ----------------------------------------------------------------
+    def caches(self, snapshots: list[KDASnapshots] | None = None) -> Caches:
+        return Caches(self.mla, self.kda, snapshots)
+
+    def new_snapshots(self, batch: int, rows: int) -> list[KDASnapshots]:
+        return [KDASnapshots(torch.empty(batch, rows, *st.conv.shape[1:], dtype=st.conv.dtype,
+                                         device=self.device),
+                             torch.empty(batch, rows, *st.recurrent.shape[1:], dtype=torch.float32,
+                                         device=self.device))
+                for st in self.kda]
+
+    def rollback(self, slots: list[int], accepted: list[int], rows: int,
+                 snapshots: list[KDASnapshots]) -> None:
+        """After verifying `rows` rows, make the state after row accepted[b]-1 the committed one.
+
+        kda_decode already committed the state after the last row; only requests that rejected
+        some rows copy their snapshot back. MLA/indexer caches need nothing: the request length is
+        truncated by the caller, so rejected rows are simply overwritten later.
+        """
+        for b, (slot, a) in enumerate(zip(slots, accepted)):
+            if not 1 <= a <= rows:
+                raise ValueError(f"accepted rows must be in 1..{rows}, got {a} for request {b}")
+            if a == rows:
+                continue
+            for st, snap in zip(self.kda, snapshots):
+                st.conv[slot].copy_(snap.conv[b, a - 1])
+                st.recurrent[slot].copy_(snap.recurrent[b, a - 1])
