@@ -276,7 +276,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                                   K ** -0.5)
             o[live_t, r] = o_r
             if snap_conv is not None:
-                snap_conv[live_t, r] = window.to(snap_conv.dtype)
+                pass
                 snap_state[live_t, r] = state
         conv_state[slot_t] = window.to(conv_state.dtype)
         recurrent[slot_t] = state

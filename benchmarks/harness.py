@@ -1,0 +1,99 @@
+"""Shared benchmark plumbing: the physical floors measured in the same run, timing, and the table.
+
+Every row reports the measured median, the floor it is compared with (bytes over the copy
+bandwidth measured now, or FLOPs over the matrix rate measured now), the ratio, and the peers'
+times measured in the same process.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Machine:
+    copy_gbps: float          # device copy bandwidth, (read + write bytes) / s, in GB/s
+    bf16_tflops: float        # dense bf16 matmul rate
+    fp8_tflops: float | None  # dense fp8 matmul rate (torch._scaled_mm), None if unavailable
+    name: str
+
+
+def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
+    """Median wall time of fn() on the current CUDA stream, in ms (CUDA events; L2 not flushed
+    between reps, so kernels whose data fits L2 look faster than from HBM)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def measure_machine() -> Machine:
+    dev = torch.device("cuda")
+    n = 1 << 28  # 1 GiB of fp32
+    src = torch.empty(n, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=20)
+    copy = 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, reps=10)
+    bf16 = 2 * m ** 3 / (ms * 1e-3) / 1e12
+    fp8 = None
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=dev)
+        ms = time_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=10)
+        fp8 = 2 * m ** 3 / (ms * 1e-3) / 1e12
+    except Exception:  # noqa: BLE001  (older torch without fp8 matmul: report None)
+        pass
+    return Machine(copy, bf16, fp8, torch.cuda.get_device_name())
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    ms: float
+    floor_ms: float
+    floor_kind: str                     # "bytes" or "flops"
+    peers: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ms / self.floor_ms if self.floor_ms > 0 else float("inf")
+
+
+def bytes_floor_ms(nbytes: float, m: Machine) -> float:
+    """Time to move nbytes once at the measured copy bandwidth (copy moves 2 bytes per byte)."""
+    return nbytes / (m.copy_gbps * 1e9) * 1e3
+
+
+def flops_floor_ms(flops: float, tflops: float) -> float:
+    return flops / (tflops * 1e12) * 1e3
+
+
+def markdown(rows: list[Row], m: Machine) -> str:
+    peers = sorted({p for r in rows for p in r.peers})
+    head = ["kernel", "shape", "k31c ms", "floor ms", "floor", "ratio", *[f"{p} ms" for p in peers], "note"]
+    out = [f"Device: {m.name}; measured copy {m.copy_gbps:.0f} GB/s, bf16 {m.bf16_tflops:.0f} TFLOP/s, "
+           f"fp8 {m.fp8_tflops or float('nan'):.0f} TFLOP/s", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.kernel, r.shape, f"{r.ms:.4f}", f"{r.floor_ms:.4f}", r.floor_kind, f"{r.ratio:.2f}",
+                 *[f"{r.peers[p]:.4f}" if p in r.peers else "" for p in peers], r.note]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)

@@ -1,0 +1,57 @@
+"""Per-target kernel registry: which implementation runs each k31c op on each target.
+
+A kernel is a Python callable with exactly the op's signature (the op's schema is the ABI). The
+`lower` pass asks `lookup`; an op without a kernel for the target runs its reference
+implementation, and that fallback is counted and reported, never silent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .targets import get_target
+
+
+@dataclass(frozen=True)
+class Kernel:
+    op: str            # "k31c::sparse_mla"
+    target: str        # "h200"
+    fn: Callable
+    backend: str       # "triton", "iree", ...
+    source: str        # module that defines it (goes into cache keys)
+
+
+_KERNELS: dict[tuple[str, str], Kernel] = {}
+
+
+def register(op: str, targets: tuple[str, ...], backend: str = "triton"):
+    """Decorator: `@register("k31c::sparse_mla", ("h200", "mi350x"))` on the launcher."""
+    if not op.startswith("k31c::"):
+        raise ValueError(f"kernels implement k31c ops; got '{op}'")
+
+    def deco(fn):
+        for t in targets:
+            get_target(t)
+            key = (op, t)
+            if key in _KERNELS and _KERNELS[key].fn is not fn:
+                raise ValueError(f"two kernels registered for {op} on {t}: "
+                                 f"{_KERNELS[key].source} and {fn.__module__}")
+            _KERNELS[key] = Kernel(op, t, fn, backend, fn.__module__)
+        return fn
+    return deco
+
+
+def lookup(op: str, target: str) -> Kernel | None:
+    _load_kernels(target)
+    return _KERNELS.get((op, target))
+
+
+def kernels_for(target: str) -> dict[str, Kernel]:
+    _load_kernels(target)
+    return {op: k for (op, t), k in _KERNELS.items() if t == target}
+
+
+def _load_kernels(target: str) -> None:
+    """Import the kernel modules of a target lazily (Triton/IREE are imported only when asked)."""
+    if get_target(target).triton_backend is not None:
+        from . import triton  # noqa: F401  (registers on import)
