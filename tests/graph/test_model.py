@@ -23,7 +23,7 @@ def make_model(seed=0, **changes):
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "res_proj" in name:
-                p.normal_(0, 0.5)
+                p.normal_(0, 0.05)
     return m.eval()
 
 
@@ -61,7 +61,7 @@ def test_prefill_then_decode_equals_long_prefill(model, long_logits, prefix):
     rid = eng.add_request()
     got = [eng.prefill([rid], [toks[:prefix]])]
     for t in toks[prefix:prefix + 6]:
-        got.append(eng.decode([rid], [t])[None])
+        got.append(eng.decode([rid], [t]))
     got = torch.cat(got)
     close(got, ref[:prefix + 6])
 
@@ -105,7 +105,7 @@ def test_verify_rows_equal_sequential_and_rollback_is_exact(model, accepted):
     seq.prefill([r], [prompt])
     seq_logits, seq_states = [], []
     for t in drafts:
-        seq_logits.append(seq.decode([r], [t]))
+        seq_logits.append(seq.decode([r], [t])[0])
         seq_states.append(kda_state(seq, r))
 
     ver = Engine(model, max_requests=2, max_seq_len=256)
@@ -115,8 +115,13 @@ def test_verify_rows_equal_sequential_and_rollback_is_exact(model, accepted):
     close(logits, torch.stack(seq_logits))
     ver.accept(handle, [accepted])
     assert ver.length(v) == len(prompt) + accepted
-    for (c, s), (c_ref, s_ref) in zip(kda_state(ver, v), seq_states[accepted - 1]):
-        assert torch.equal(c, c_ref) and torch.equal(s, s_ref)
+    snaps = handle[3]
+    for (c, s), (c_seq, s_seq), snap in zip(kda_state(ver, v), seq_states[accepted - 1], snaps):
+        # exactly the state verification computed after the last accepted row ...
+        assert torch.equal(c, snap.conv[0, accepted - 1]) and torch.equal(s, snap.recurrent[0, accepted - 1])
+        # ... which is the sequential state (up to GEMM rounding of a 4-row vs 1-row batch)
+        close(c, c_seq, tol=1e-5)
+        close(s, s_seq, tol=1e-5)
     # continuing after the rollback equals the sequential run that only saw accepted rows
     ref = Engine(model, max_requests=1, max_seq_len=256)
     q = ref.add_request()
@@ -136,7 +141,7 @@ def test_verify_batch_of_requests(model):
         solo = Engine(model, max_requests=1, max_seq_len=256)
         s = solo.add_request()
         solo.prefill([s], [p])
-        ref = torch.stack([solo.decode([s], [t]) for t in rr])
+        ref = torch.cat([solo.decode([s], [t]) for t in rr])
         close(logits[b * 3:(b + 1) * 3], ref)
 
 
@@ -153,14 +158,18 @@ def test_relatives_prefill_then_decode(variant):
     ref = Engine(m, max_requests=1, max_seq_len=128).prefill_logits(toks)
     eng = Engine(m, max_requests=1, max_seq_len=128)
     r = eng.add_request()
-    got = [eng.prefill([r], [toks[:30]])] + [eng.decode([r], [t])[None] for t in toks[30:]]
+    got = [eng.prefill([r], [toks[:30]])] + [eng.decode([r], [t]) for t in toks[30:]]
     close(torch.cat(got), ref)
 
 
 def test_bf16_runs_close_to_fp32():
-    m32 = make_model(seed=2)
-    m16 = make_model(seed=2, dtype="bfloat16")
-    toks = tokens(24, seed=8)
+    # Discrete choices (expert top-k, indexer top-k) flip under bf16 rounding and move a random
+    # net's logits by O(1); with every expert selected and rows within index_topk the model is
+    # smooth, so the comparison measures bf16 arithmetic, not flipped choices.
+    smooth = dict(num_experts_per_token=8)
+    m32 = make_model(seed=2, **smooth)
+    m16 = make_model(seed=2, dtype="bfloat16", **smooth)
+    toks = tokens(16, seed=8)
     a = Engine(m32, max_requests=1, max_seq_len=64).prefill_logits(toks)
     b = Engine(m16, max_requests=1, max_seq_len=64).prefill_logits(toks)
     assert torch.isfinite(b).all()

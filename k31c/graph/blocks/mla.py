@@ -61,6 +61,8 @@ class LightningIndexer(nn.Module):
 
 
 class GatedMLA(nn.Module):
+    """One MLA layer (§5) with its indexer (§6) when cfg.has_indexer; dense attention otherwise."""
+
     def __init__(self, cfg: K31Config, dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
         dtype = dtype or cfg.torch_dtype
@@ -145,25 +147,29 @@ class GatedMLA(nn.Module):
         return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
 
     def _attend_mha(self, q_nope, q_rope, latent_cache, meta, idx) -> torch.Tensor:
-        """§5.3 over every cached position of each row's request (rows may mix requests)."""
+        """§5.3 as masked dense attention: keys are every cached position of every request in the
+        block table (column m = request m // S, position m % S); a row sees the columns of its own
+        request that are visible and selected. No gather per row, so one request costs no extra."""
         block_size = latent_cache.shape[1]
-        width = meta.block_table.shape[1] * block_size
+        width = meta.block_table.shape[1] * block_size                        # S positions a request
         pos = torch.arange(width, device=q_nope.device)
         blocks = meta.block_table.long()[:, pos // block_size]                # [B, S]
-        slots = blocks.clamp_min(0) * block_size + pos % block_size           # -1 blocks: masked below
-        rows = latent_cache.flatten(0, 1)[slots]                              # [B, S, Dl]
-        c_kv, k_rope = rows.split([self.kv_rank, self.rope_dim], dim=-1)
+        slots = (blocks.clamp_min(0) * block_size + pos % block_size).flatten()  # -1 blocks: masked
+        c_kv, k_rope = latent_cache.flatten(0, 1)[slots].split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv.to(q_nope.dtype)).unflatten(-1, (self.n_heads, -1))
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)            # [B, S, Hq, *]
-        req = meta.row_req.long()
-        scores = (torch.einsum("nhd,nshd->nhs", q_nope.float(), k_nope[req].float())
-                  + torch.einsum("nhd,nsd->nhs", q_rope.float(), k_rope[req].float())) * self.sm_scale
-        mask = pos.unsqueeze(0) < meta.row_len.unsqueeze(1)                   # [N, S]
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)            # [B*S, Hq, *]
+        scores = (torch.einsum("nhd,mhd->nhm", q_nope.float(), k_nope.float())
+                  + torch.einsum("nhd,md->nhm", q_rope.float(), k_rope.float())) * self.sm_scale
+
+        visible = pos.unsqueeze(0) < meta.row_len.unsqueeze(1)                # [N, S]
         if idx is not None:
             chosen = torch.where(idx >= 0, idx.long(), width)                 # -1 → a dropped column
-            selected = torch.zeros(mask.shape[0], width + 1, dtype=torch.bool, device=mask.device)
-            mask = mask & selected.scatter(1, chosen, True)[:, :width]
+            selected = torch.zeros(idx.shape[0], width + 1, dtype=torch.bool, device=idx.device)
+            visible = visible & selected.scatter(1, chosen, True)[:, :width]
+        columns = torch.arange(slots.shape[0], device=q_nope.device)
+        own_request = (columns // width).unsqueeze(0) == meta.row_req.long().unsqueeze(1)
+        mask = own_request & visible[:, columns % width]                      # [N, B*S]
+
         probs = torch.softmax(scores.masked_fill(~mask.unsqueeze(1), float("-inf")), dim=-1)
         probs = torch.where(mask.unsqueeze(1), probs, 0.0)                    # a row with no key → 0
-        o = torch.einsum("nhs,nshv->nhv", probs, v[req].float())
-        return o.to(q_nope.dtype)
+        return torch.einsum("nhm,mhv->nhv", probs, v.float()).to(q_nope.dtype)

@@ -214,8 +214,9 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
             continue
         y, window = causal_conv_silu(u[s:e], conv_weight, conv_state[slot])
         qc, kc, vc = (t.unflatten(-1, (H, K)) for t in y.split(P, dim=-1))
-        o[s:e], state = kda_chunked(l2_normalize(qc), l2_normalize(kc), vc, g[s:e], b[s:e],
-                                    K ** -0.5, recurrent[slot], chunk_size)
+        o_req, state = kda_chunked(l2_normalize(qc), l2_normalize(kc), vc, g[s:e], b[s:e],
+                                   K ** -0.5, recurrent[slot], chunk_size)
+        o[s:e] = o_req
         conv_state[slot] = window.to(conv_state.dtype)
         recurrent[slot] = state
     out = gated_rms_norm(o, o_norm_weight, gate.unflatten(-1, (H, K)), eps)
@@ -276,7 +277,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
                                   K ** -0.5)
             o[live_t, r] = o_r
             if snap_conv is not None:
-                pass
+                snap_conv[live_t, r] = window.to(snap_conv.dtype)
                 snap_state[live_t, r] = state
         conv_state[slot_t] = window.to(conv_state.dtype)
         recurrent[slot_t] = state

@@ -69,7 +69,7 @@ def _attend(q, latent_cache, slots, valid, sm_scale, dv) -> tuple[torch.Tensor, 
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                     # -inf when empty
     empty = ~valid.any(dim=1, keepdim=True)
-    lse = lse
+    lse = torch.where(empty, float("inf"), lse)
     probs = torch.exp(scores - lse.unsqueeze(-1))                             # 0 on masked / empty
     out = torch.einsum("nhk,nkv->nhv", probs, rows[..., :dv])
     return out.to(q.dtype), lse

@@ -1,0 +1,204 @@
+"""Benchmark of the Triton lightning indexer scan and the cache writes at K3.1 Pro shapes (issue 4,
+spec/performance.md §6 (b), goal G1 of §8).
+
+Shapes: B = 16 requests x R = 4 verify rows, 32 indexer heads x 128, FP8 index cache (132 B/token:
+128 e4m3 + one fp32 scale), block size 64, blocks scattered through the pool, contexts 16K..1M.
+Peers in the same run: the eager reference op and torch.compile of a plain-torch formulation
+(gather → dequantise → einsum → ReLU → head-weighted sum → mask).
+
+Floor of the scan (bytes over the copy bandwidth measured now), counting exactly:
+  index keys read once per request  B·L·132      (e4m3 values + fp32 scales)
++ block table                       B·(L/64)·4
++ q (bf16) and weights (fp32)       N·32·128·2 + N·32·4
++ scores written                    N·L·4         (the op's [N, L] fp32 output, -inf tail included)
+The note also gives the ratio against the keys-only floor of spec §6 (B·L·132).
+time_ms does not flush L2 (50 MB): at 16K the 35 MB of keys can stay in L2, so the ratio there
+may fall below 1.
+
+    PYTHONPATH=. python benchmarks/bench_indexer.py           # table
+    PYTHONPATH=. python benchmarks/bench_indexer.py --sweep   # launch-config sweep at 128K and 1M
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+try:
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+except ImportError:  # run as a script from benchmarks/
+    from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+
+HEADS, DIM, BLOCK = 32, 128, 64
+ROW_BYTES = DIM + 4                 # 132 B per token
+B, R = 16, 4
+N = B * R
+CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
+COMPILE_MAX = 256 << 10             # the plain formulation materialises [B, R, H, L] fp32 logits
+
+
+def plain_indexer(q, weights, cache, block_table, row_len, block_size: int):
+    """The torch.compile peer (decode layout: rows b*R .. b*R+R-1 belong to request b)."""
+    n_req, max_blocks = block_table.shape
+    n, heads, d = q.shape
+    r = n // n_req
+    width = max_blocks * block_size
+    pos = torch.arange(width, device=q.device)
+    blocks = block_table[:, pos // block_size].long()                       # [B, L]
+    offs = pos % block_size
+    values = cache[:, : block_size * d].unflatten(1, (block_size, d))[blocks, offs]      # [B, L, d]
+    scales = cache[:, block_size * d:].unflatten(1, (block_size, 4))[blocks, offs]       # [B, L, 4]
+    scales = scales.view(torch.float32).squeeze(-1)
+    keys = values.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    logits = torch.einsum("brhd,bld->brhl", q.view(n_req, r, heads, d).to(torch.bfloat16), keys)
+    scores = (logits.float().relu() * weights.view(n_req, r, heads, 1)).sum(2) * scales[:, None, :]
+    scores = scores.reshape(n, width)
+    return scores.masked_fill(pos[None, :] >= row_len[:, None].long(), float("-inf"))
+
+
+class Pool:
+    """An FP8 index pool big enough for the largest context; tables are a shuffled permutation."""
+
+    def __init__(self, max_ctx: int, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        blocks_per_req = max_ctx // BLOCK
+        num_blocks = B * blocks_per_req + 7
+        cache = torch.empty(num_blocks, BLOCK * ROW_BYTES, dtype=torch.uint8, device="cuda")
+        # finite e4m3 bytes (0x7F/0xFF are NaN) and positive scales
+        magnitude = torch.randint(0, 0x7F, (num_blocks, BLOCK * DIM), device="cuda", generator=g,
+                                  dtype=torch.uint8)
+        sign = torch.randint(0, 2, magnitude.shape, device="cuda", generator=g, dtype=torch.uint8) << 7
+        cache[:, : BLOCK * DIM] = magnitude | sign
+        cache[:, BLOCK * DIM:].view(torch.float32).uniform_(1e-3, 2e-3, generator=g)
+        self.cache = cache
+        perm = torch.randperm(num_blocks, device="cuda", generator=g)[: B * blocks_per_req]
+        self.block_table = perm.view(B, blocks_per_req).to(torch.int32)
+        self.q = torch.randn(N, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        self.weights = torch.randn(N, HEADS, device="cuda", generator=g) * (HEADS * DIM) ** -0.5
+        self.row_req = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(R)
+
+    def context(self, ctx: int):
+        """(block_table, row_len) for requests of `ctx` tokens; row r sees ctx - R + 1 + r keys."""
+        row_len = (ctx - R + 1 + torch.arange(R, device="cuda", dtype=torch.int32)).repeat(B)
+        return self.block_table[:, : ctx // BLOCK], row_len
+
+
+def scan_bytes(ctx: int) -> float:
+    return (B * ctx * ROW_BYTES + B * (ctx // BLOCK) * 4 + N * HEADS * DIM * 2 + N * HEADS * 4
+            + N * ctx * 4)
+
+
+def _try_time(fn, **kw) -> float | None:
+    try:
+        return time_ms(fn, **kw)
+    except Exception as e:  # noqa: BLE001  (a peer that fails to run or compile is reported absent)
+        print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        torch.cuda.empty_cache()
+        return None
+
+
+def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
+    from k31c.lowering.triton import indexer as tix
+
+    rows = []
+    compiled = torch.compile(plain_indexer, dynamic=True)   # one compile for all L
+    for ctx in contexts:
+        table, row_len = pool.context(ctx)
+        args = (pool.q, pool.weights, pool.cache, table, pool.row_req, row_len)
+        ms = time_ms(lambda: tix.lightning_indexer(*args))
+        peers = {}
+        slow = ctx >= (256 << 10)
+        t = _try_time(lambda: torch.ops.k31c.lightning_indexer(*args), warmup=1, reps=3 if slow else 10)
+        if t is not None:
+            peers["eager ref"] = t
+        if ctx <= COMPILE_MAX:
+            t = _try_time(lambda: compiled(pool.q, pool.weights, pool.cache, table, row_len, BLOCK),
+                          warmup=2, reps=10)
+            if t is not None:
+                peers["torch.compile"] = t
+        floor = bytes_floor_ms(scan_bytes(ctx), machine)
+        keys_only = bytes_floor_ms(B * ctx * ROW_BYTES, machine)
+        gbps = scan_bytes(ctx) / (ms * 1e-3) / 1e9
+        note = f"{gbps:.0f} GB/s; {ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)"
+        if ctx > COMPILE_MAX:
+            note += "; torch.compile peer skipped (its [B,R,H,L] fp32 logits do not fit)"
+        rows.append(Row("lightning_indexer (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
+                        ms, floor, "bytes", peers, note))
+    return rows
+
+
+def _write_rows(machine: Machine) -> list[Row]:
+    """The cache writes at one decode step (64 new tokens) and one 8K prefill chunk."""
+    from k31c.lowering.triton import cache_write as tcw
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    num_blocks = 4096
+    index = torch.zeros(num_blocks, BLOCK * ROW_BYTES, dtype=torch.uint8, device="cuda")
+    latent = torch.zeros(num_blocks, BLOCK, 576, dtype=torch.bfloat16, device="cuda")
+    w = torch.rand(DIM, device="cuda", generator=g) + 0.5
+    b = torch.randn(DIM, device="cuda", generator=g)
+    for n in (N, 8192):
+        slots = torch.randperm(num_blocks * BLOCK, device="cuda", generator=g)[:n]
+        k_pre = torch.randn(n, DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+        rows_in = torch.randn(n, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        cases = (
+            ("index_key_norm_write (fp8)", n * (DIM * 2 + ROW_BYTES + 8),
+             lambda: tcw.index_key_norm_write(index, k_pre, w, b, slots, 1e-6),
+             lambda: torch.ops.k31c.index_key_norm_write(index, k_pre, w, b, slots, 1e-6)),
+            ("mla_cache_write (bf16)", n * (576 * 2 * 2 + 8),
+             lambda: tcw.mla_cache_write(latent, rows_in, slots),
+             lambda: torch.ops.k31c.mla_cache_write(latent, rows_in, slots)),
+        )
+        for name, nbytes, kernel, eager in cases:
+            ms = time_ms(kernel)
+            peers = {}
+            t = _try_time(eager, warmup=2, reps=10)
+            if t is not None:
+                peers["eager ref"] = t
+            rows.append(Row(name, f"{n} tokens", ms, bytes_floor_ms(nbytes, machine), "bytes", peers,
+                            "launch-bound" if n == N else ""))
+    return rows
+
+
+def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+    from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
+
+    pool = Pool(max(contexts))
+    rows = _scan_rows(machine, pool, contexts)
+    del pool
+    torch.cuda.empty_cache()
+    return rows + _write_rows(machine)
+
+
+def sweep(machine: Machine, contexts=(128 << 10, 1 << 20)) -> None:
+    """Time launch configurations of the scan (keys per step, warps, pipeline stages, splits)."""
+    from k31c.lowering.triton import indexer as tix
+
+    pool = Pool(max(contexts))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = [dict(keys_per_step=k, num_warps=w, num_stages=s, splits=sp)
+               for k, w, s in ((128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 8, 5))
+               for sp in (None, 2 * sms // 16 + 8, sms // 4, sms)]
+    for ctx in contexts:
+        table, row_len = pool.context(ctx)
+        args = (pool.q, pool.weights, pool.cache, table, pool.row_req, row_len)
+        floor = bytes_floor_ms(scan_bytes(ctx), machine)
+        for cfg in configs:
+            t = _try_time(lambda: tix.launch_indexer(*args, **cfg))
+            if t is not None:
+                print(f"L={ctx >> 10}K {cfg}: {t * 1e3:.1f} us = {t / floor:.2f}x floor")
+    try:  # registers and spills of the compiled variants (Triton's cache layout varies by version)
+        for cache in tix._indexer_kernel.device_caches.values():
+            for key, k in cache[0].items():
+                print(f"# kernel n_regs={k.n_regs} n_spills={k.n_spills} shared={k.metadata.shared}")
+    except Exception as e:  # noqa: BLE001
+        print(f"# kernel stats unavailable: {e}")
+
+
+if __name__ == "__main__":
+    m = measure_machine()
+    if "--sweep" in sys.argv:
+        sweep(m)
+    else:
+        print(markdown(run(m), m))

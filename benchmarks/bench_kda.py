@@ -1,0 +1,242 @@
+"""KDA decode / verify and prefill at K3 shapes (issue 4; spec/performance.md §8 G8, G9).
+
+Decode: B = 16 requests x R = 1 or 4 rows, 96 heads x 128, bf16 activations and conv window, fp32
+state. k31c's one-kernel `kda_decode` against, in the same run: fla's `fused_recurrent_kda` alone
+(gate, beta sigmoid and q/k L2 norm in its kernel; inputs already convolved), fla's chain (its
+causal conv + fused_recurrent_kda + FusedRMSNormGated), the eager reference op and torch.compile
+of the reference math. Everything but the eager reference is timed as CUDA-graph replays (fla's
+Python wrappers cost ~100 us per eager call). Floor: every byte the layer must move (fp32 state
+read + written dominates: 6 MiB per request) over the copy bandwidth measured in the run.
+
+Prefill: one request of T = 8192 tokens from a live state, chunk 64, against fla's `chunk_kda`
+(and its conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale).
+
+Run: PYTHONPATH=. python benchmarks/bench_kda.py   (fla-core must be importable for the fla peers)
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+
+H, K, W = 96, 128, 4
+P = H * K
+B_DECODE = 16
+T_PREFILL = 8192
+LB, EPS, CHUNK = -5.0, 1e-5, 64
+ACT = torch.bfloat16
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """Per-call time of fn replayed from one CUDA graph holding `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, warmup=2, reps=10) / calls
+
+
+def layer(num_slots: int, gen: torch.Generator) -> dict:
+    dev = "cuda"
+    return dict(conv_weight=(0.5 * torch.randn(3 * P, W, generator=gen)).to(dev),
+                A_log=torch.empty(H).uniform_(1, 16, generator=gen).log().to(dev),
+                dt_bias=torch.randn(P, generator=gen).to(dev),
+                o_norm_weight=(1 + 0.1 * torch.randn(K, generator=gen)).to(dev),
+                conv_state=torch.randn(num_slots, W - 1, 3 * P, generator=gen).to(dev, ACT),
+                recurrent=(0.5 * torch.randn(num_slots, H, K, K, generator=gen)).to(dev))
+
+
+def tokens(n: int, gen: torch.Generator) -> dict:
+    t = {name: torch.randn(n, P, generator=gen) for name in ("q", "k", "v", "f", "gate")}
+    t["beta"] = torch.randn(n, H, generator=gen)
+    return {name: x.to("cuda", ACT) for name, x in t.items()}
+
+
+def args(tok, lay):
+    return (tok["q"], tok["k"], tok["v"], tok["f"], tok["beta"], tok["gate"], lay["conv_weight"],
+            lay["A_log"], lay["dt_bias"], lay["o_norm_weight"], lay["conv_state"], lay["recurrent"])
+
+
+def decode_bytes(B, R, snaps):
+    state = 2 * B * H * K * K * 4
+    rows = B * R * (6 * P * 2 + H * 2)                       # q k v f gate in, out; beta
+    conv = 2 * B * (W - 1) * 3 * P * 2
+    snap = B * R * (H * K * K * 4 + (W - 1) * 3 * P * 2) if snaps else 0
+    return state + rows + conv + snap
+
+
+def torch_decode(u, f, beta, gate, conv_weight, A_log, dt_bias, norm_w, conv_state, state, R):
+    """The reference math for B live requests (slots 0..B-1), vectorised over requests: the peer
+    that torch.compile gets (the op itself is opaque and syncs on its slot list)."""
+    from k31c.graph.ops.kda import (causal_conv_silu, gated_rms_norm, kda_gate, kda_step,
+                                    l2_normalize)
+    B = u.shape[0] // R
+    y, window = causal_conv_silu(u.unflatten(0, (B, R)), conv_weight, conv_state[:B])
+    q, k, v = (t.unflatten(-1, (H, K)) for t in y.split(P, dim=-1))
+    q, k = l2_normalize(q), l2_normalize(k)
+    g = kda_gate(f, A_log, dt_bias, LB).unflatten(0, (B, R))
+    b = torch.sigmoid(beta.float()).unflatten(0, (B, R))
+    S, outs = state[:B], []
+    for r in range(R):
+        o, S = kda_step(S, q[:, r], k[:, r], v[:, r], g[:, r], b[:, r], K ** -0.5)
+        outs.append(o)
+    state[:B] = S
+    conv_state[:B] = window.to(conv_state.dtype)
+    o = torch.stack(outs, 1).flatten(0, 1)
+    return gated_rms_norm(o, norm_w, gate.unflatten(-1, (H, K)), EPS).flatten(-2).to(u.dtype)
+
+
+def fla_decode_peers(tok, lay, B, R):
+    """fla's fused_recurrent_kda alone, and fla's conv + recurrent + gated-norm chain."""
+    from fla.modules import FusedRMSNormGated
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.kda import fused_recurrent_kda
+    qkv = lambda name: tok[name].view(B, R, H, K)  # noqa: E731
+    state = lay["recurrent"][:B]
+
+    def recurrent_only():
+        return fused_recurrent_kda(qkv("q"), qkv("k"), qkv("v"), qkv("f"), tok["beta"].view(B, R, H),
+                                   A_log=lay["A_log"], dt_bias=lay["dt_bias"], initial_state=state,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                   lower_bound=LB)
+
+    x = torch.cat([tok["q"], tok["k"], tok["v"]], -1).view(B, R, 3 * P)
+    w = lay["conv_weight"].to(ACT)
+    cache = torch.randn(B, 3 * P, W, device="cuda", dtype=ACT)
+    norm = FusedRMSNormGated(K, eps=EPS, activation="sigmoid").to("cuda")
+
+    def chain():
+        y, _ = causal_conv1d(x, w, initial_state=cache, output_final_state=True, activation="silu")
+        q, k, v = (t.reshape(B, R, H, K) for t in y.split(P, dim=-1))
+        o, _ = fused_recurrent_kda(q, k, v, qkv("f"), tok["beta"].view(B, R, H), A_log=lay["A_log"],
+                                   dt_bias=lay["dt_bias"], initial_state=state,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                   use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                   lower_bound=LB)
+        return norm(o.reshape(-1, K), tok["gate"].view(-1, K))
+
+    return {"fla recurrent": recurrent_only, "fla chain": chain}
+
+
+def decode_rows(m: Machine) -> list[Row]:
+    from k31c.lowering.triton.kda_decode import launch_kda_decode
+    out, B = [], B_DECODE
+    gen = torch.Generator().manual_seed(0)
+    lay = layer(B, gen)
+    slots = torch.arange(B, device="cuda")
+    for R in (1, 4):
+        tok = tokens(B * R, gen)
+        shape = f"B={B} R={R} H={H} K=V={K}"
+        snap = (torch.empty(B, R, W - 1, 3 * P, device="cuda", dtype=ACT),
+                torch.empty(B, R, H, K, K, device="cuda"))
+        run = lambda nw, sn=(None, None): launch_kda_decode(  # noqa: E731
+            *args(tok, lay), slots, R, LB, EPS, *sn, num_warps=nw)
+        sweep = {nw: graph_ms(lambda nw=nw: run(nw)) for nw in (4, 8, 16)}
+        best = min(sweep, key=sweep.get)
+        peers, notes = {}, [f"warps {'/'.join(f'{n}:{t * 1e3:.1f}us' for n, t in sweep.items())}"]
+        try:
+            fla_peers = fla_decode_peers(tok, lay, B, R)
+        except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
+            fla_peers = {}
+            notes.append(f"fla failed: {type(e).__name__}: {str(e)[:80]}")
+        for name, fn in fla_peers.items():
+            try:
+                with torch.inference_mode():
+                    peers[name] = graph_ms(fn)
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"{name} failed: {type(e).__name__}: {str(e)[:80]}")
+        u = torch.cat([tok["q"], tok["k"], tok["v"]], -1)
+        ref_args = (u, tok["f"], tok["beta"], tok["gate"], lay["conv_weight"], lay["A_log"],
+                    lay["dt_bias"], lay["o_norm_weight"], lay["conv_state"], lay["recurrent"], R)
+        peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_decode(
+            *args(tok, lay), slots, R, LB, EPS, None, None), warmup=2, reps=5)
+        try:
+            compiled = torch.compile(torch_decode, dynamic=False)
+            peers["torch.compile"] = graph_ms(lambda: compiled(*ref_args))
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"compile failed: {type(e).__name__}: {str(e)[:80]}")
+        floor = bytes_floor_ms(decode_bytes(B, R, False), m)
+        fla = peers.get("fla recurrent")
+        if fla:
+            notes.append(f"fla/k31c {fla / sweep[best]:.2f}x")
+        out.append(Row("kda_decode", shape, sweep[best], floor, "bytes", peers,
+                       f"best of {best} warps; " + "; ".join(notes)))
+        print(out[-1], file=sys.stderr, flush=True)       # progress, in case the run is cut short
+        if R > 1:
+            ms = graph_ms(lambda: run(best, snap))
+            out.append(Row("kda_decode +snapshots", shape, ms,
+                           bytes_floor_ms(decode_bytes(B, R, True), m), "bytes", {},
+                           "state + conv window written after every row"))
+    return out
+
+
+def prefill_rows(m: Machine) -> list[Row]:
+    from k31c.lowering.triton.kda_prefill import launch_kda_prefill
+    gen = torch.Generator().manual_seed(1)
+    T = T_PREFILL
+    lay = layer(1, gen)
+    tok = tokens(T, gen)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
+    sweep = {}
+    for cw, sw in ((4, 8), (4, 4), (8, 8)):
+        sweep[(cw, sw)] = time_ms(lambda: launch_kda_prefill(
+            *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw), reps=10)
+    best = min(sweep, key=sweep.get)
+    peers, notes = {}, ["warps(chunk,state) " + "/".join(f"{a},{b}:{t:.3f}" for (a, b), t in sweep.items())]
+    try:
+        from fla.modules import FusedRMSNormGated
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.kda import chunk_kda
+        view = lambda x: x.view(1, T, H, K)  # noqa: E731
+        h0 = lay["recurrent"][:1]
+
+        def fla_chunk(q=view(tok["q"]), k=view(tok["k"]), v=view(tok["v"])):
+            return chunk_kda(q, k, v, view(tok["f"]), tok["beta"].view(1, T, H), A_log=lay["A_log"],
+                             dt_bias=lay["dt_bias"], initial_state=h0, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB)
+
+        x = torch.cat([tok["q"], tok["k"], tok["v"]], -1).view(1, T, 3 * P)
+        w = lay["conv_weight"].to(ACT)
+        cache = torch.randn(1, 3 * P, W, device="cuda", dtype=ACT)
+        norm = FusedRMSNormGated(K, eps=EPS, activation="sigmoid").to("cuda")
+
+        def fla_chain():
+            y, _ = causal_conv1d(x, w, initial_state=cache, output_final_state=True, activation="silu")
+            q, k, v = (t.reshape(1, T, H, K) for t in y.split(P, dim=-1))
+            o, _ = fla_chunk(q, k, v)
+            return norm(o.reshape(-1, K), tok["gate"].view(-1, K))
+
+        with torch.inference_mode():
+            peers["fla chunk_kda"] = time_ms(fla_chunk, reps=10)
+            peers["fla chain"] = time_ms(fla_chain, reps=10)
+        notes.append(f"fla/k31c {peers['fla chunk_kda'] / sweep[best]:.2f}x")
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"fla failed: {type(e).__name__}: {str(e)[:80]}")
+    peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_prefill(
+        *args(tok, lay), slots, cu, LB, EPS, CHUNK), warmup=1, reps=2)
+    notes.append("torch.compile not timed (per-chunk Python loop, 128 chunks)")
+    nbytes = T * (6 * P * 2 + H * 2) + 2 * H * K * K * 4
+    return [Row("kda_prefill", shape, sweep[best], bytes_floor_ms(nbytes, m), "bytes", peers,
+                f"best warps {best}; " + "; ".join(notes))]
+
+
+def run(machine: Machine) -> list[Row]:
+    import k31c.graph.ops.kda  # noqa: F401  (registers the reference ops)
+    return decode_rows(machine) + prefill_rows(machine)
+
+
+if __name__ == "__main__":
+    m = measure_machine()
+    print(markdown(run(m), m))

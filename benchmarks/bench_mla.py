@@ -1,0 +1,225 @@
+"""Benchmark of the Triton sparse_mla / dense_mla kernels at K3.1 Pro shapes (issue 4,
+spec/performance.md §6 (a)/(b), goals G4, G6, G7 of §8).
+
+Shapes: B = 16 requests x R = 4 rows, 96 heads, 576-wide latent rows (512 + 64), dv = 512, top-k
+2048, block size 64, BF16 cache (plus an FP8 e4m3 cache row for sparse at 128K). Peers in the
+same run: the eager reference op and torch.compile of a plain-torch gather + softmax formulation.
+Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; the bytes floor
+(latent rows read once; for sparse each row's 2048 rows, no overlap assumed) is in the note.
+
+    PYTHONPATH=. python benchmarks/bench_mla.py            # table
+    PYTHONPATH=. python benchmarks/bench_mla.py --sweep    # launch-config sweep at 128K
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+try:
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, \
+        measure_machine, time_ms
+except ImportError:  # run as a script from benchmarks/
+    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, measure_machine, \
+        time_ms
+
+HEADS, WIDTH, DV, TOPK, BLOCK = 96, 576, 512, 2048, 64
+B, R = 16, 4
+N = B * R
+SM_SCALE = 192 ** -0.5                       # d_qk^-0.5 (spec §5.4)
+CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
+EAGER_DENSE_MAX = 32 << 10                   # the reference materialises [N, L, 576] fp32 rows
+
+
+def plain_sparse_mla(q, cache, block_table, row_req, indices, sm_scale: float, dv: int):
+    """The peer: gather the selected rows, einsum, masked softmax, einsum (plain torch)."""
+    bs = cache.shape[1]
+    valid = indices >= 0
+    pos = indices.clamp_min(0).long()
+    blocks = block_table[row_req.long()].long().gather(1, pos // bs)
+    rows = cache.flatten(0, 1)[blocks * bs + pos % bs]                     # [N, k, Dl]
+    scores = torch.einsum("nhd,nkd->nhk", q, rows).float() * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = ~valid.any(dim=1, keepdim=True)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("nhk,nkv->nhv", probs.to(q.dtype), rows[..., :dv])
+    return out, torch.where(empty, float("inf"), lse)
+
+
+def plain_dense_mla(q, cache, block_table, row_req, row_len, sm_scale: float, dv: int, width: int):
+    positions = torch.arange(width, device=q.device, dtype=torch.int32).expand(q.shape[0], width)
+    indices = torch.where(positions < row_len.unsqueeze(1), positions, -1)
+    return plain_sparse_mla(q, cache, block_table, row_req, indices, sm_scale, dv)
+
+
+class Pool:
+    """One latent pool big enough for the largest context, block tables a shuffled permutation."""
+
+    def __init__(self, max_ctx: int, dtype=torch.bfloat16, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        blocks_per_req = max_ctx // BLOCK
+        num_blocks = B * blocks_per_req + 7
+        self.cache = torch.randn(num_blocks, BLOCK, WIDTH, device="cuda", dtype=dtype, generator=g)
+        perm = torch.randperm(num_blocks, device="cuda", generator=g)[: B * blocks_per_req]
+        self.block_table = perm.view(B, blocks_per_req).to(torch.int32)
+        self.q = torch.randn(N, HEADS, WIDTH, device="cuda", dtype=dtype, generator=g)
+        self.row_req = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(R)
+        self.gen = g
+
+    def context(self, ctx: int):
+        """(block_table, row_len, indices) for requests of `ctx` tokens; row r sees ctx - R + 1 + r."""
+        table = self.block_table[:, : ctx // BLOCK]
+        row_len = (ctx - R + 1 + torch.arange(R, device="cuda", dtype=torch.int32)).repeat(B)
+        keys = torch.rand(N, ctx, device="cuda", generator=self.gen)
+        keys = keys.masked_fill(torch.arange(ctx, device="cuda") >= row_len[:, None].long(), -1.0)
+        indices = keys.topk(TOPK, dim=1).indices.to(torch.int32)              # distinct positions
+        return table, row_len, indices
+
+
+def _flops(keys: int) -> float:
+    return 2.0 * N * HEADS * keys * (WIDTH + DV)
+
+
+def _rate_note(ms: float, flops: float, nbytes: float, m: Machine) -> str:
+    return (f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s, {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s; "
+            f"bytes floor {bytes_floor_ms(nbytes, m) * 1e3:.1f} us")
+
+
+def _try_time(fn, **kw) -> float | None:
+    try:
+        return time_ms(fn, **kw)
+    except Exception as e:  # noqa: BLE001  (a peer that fails to run or compile is reported absent)
+        print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+
+
+def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+    from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
+    from k31c.lowering.triton import mla
+
+    rows: list[Row] = []
+    pool = Pool(max(contexts))
+    q, cache, rr = pool.q, pool.cache, pool.row_req
+    compiled_sparse = torch.compile(plain_sparse_mla, dynamic=False)
+    compiled_dense = torch.compile(plain_dense_mla, dynamic=False)
+    sparse_ms = {}
+    for ctx in contexts:
+        table, row_len, idx = pool.context(ctx)
+        tag = f"B{B}xR{R} H{HEADS} L={ctx >> 10}K"
+
+        # sparse over 2048 selected rows
+        args = (q, cache, table, rr, idx, SM_SCALE, DV)
+        ms = time_ms(lambda: mla.sparse_mla(*args))
+        sparse_ms[ctx] = ms
+        flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
+        peers = {}
+        for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
+                         ("torch.compile", lambda: compiled_sparse(*args))):
+            t = _try_time(fn, warmup=2, reps=10)
+            if t is not None:
+                peers[name] = t
+        rows.append(Row("sparse_mla bf16", f"{tag} k={TOPK}", ms,
+                        flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
+                        _rate_note(ms, flops, nbytes, machine)))
+
+        # dense over every visible row (the control)
+        dargs = (q, cache, table, rr, row_len, SM_SCALE, DV)
+        long_ctx = ctx > EAGER_DENSE_MAX
+        ms = time_ms(lambda: mla.dense_mla(*dargs), warmup=1 if long_ctx else 3,
+                     reps=5 if long_ctx else 20)
+        flops, nbytes = _flops(ctx), B * ctx * WIDTH * cache.element_size()
+        peers = {}
+        if not long_ctx:
+            for name, fn in (("eager ref", lambda: torch.ops.k31c.dense_mla(*dargs)),
+                             ("torch.compile", lambda: compiled_dense(*dargs, ctx))):
+                if name == "torch.compile" and ctx > contexts[0]:
+                    continue                         # one compile (static shapes) is enough
+                t = _try_time(fn, warmup=1, reps=3)
+                if t is not None:
+                    peers[name] = t
+        rows.append(Row("dense_mla bf16", tag, ms, flops_floor_ms(flops, machine.bf16_tflops),
+                        "flops", peers, _rate_note(ms, flops, nbytes, machine)
+                        + f"; dense / sparse = {ms / sparse_ms[ctx]:.1f}x"))
+
+    # FP8 e4m3 latent rows (upcast on load, no scale) at 128K: half the gathered bytes
+    ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
+    table, _, idx = pool.context(ctx)
+    cache8 = cache.to(torch.float8_e4m3fn)
+    ms = time_ms(lambda: mla.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
+    flops, nbytes = _flops(TOPK), N * TOPK * WIDTH
+    rows.append(Row("sparse_mla fp8 cache", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
+                    flops_floor_ms(flops, machine.bf16_tflops), "flops", {},
+                    _rate_note(ms, flops, nbytes, machine)))
+    return rows
+
+
+SWEEP = [dict(big_ht=64, bn=64, num_warps=8, num_stages=2, splits=s) for s in (1, 2, 4)] + [
+    dict(big_ht=64, bn=32, num_warps=8, num_stages=3, splits=2),
+    dict(big_ht=64, bn=32, num_warps=8, num_stages=2, splits=2),
+    dict(big_ht=64, bn=64, num_warps=8, num_stages=1, splits=2),
+    dict(big_ht=64, bn=64, num_warps=8, num_stages=2, splits=2, min_tile=64),   # 96 -> 128 padded
+    dict(big_ht=32, bn=64, num_warps=4, num_stages=2, splits=2),
+    dict(big_ht=32, bn=32, num_warps=4, num_stages=3, splits=2),
+    dict(dense=True, big_ht=64, bn=64, num_warps=8, num_stages=2),
+    dict(dense=True, big_ht=64, bn=32, num_warps=8, num_stages=3)]
+
+
+def _sweep_call(mla, pool, table, row_len, idx, cfg, stats=None):
+    cfg = dict(cfg)
+    if cfg.pop("dense", False):
+        return mla._launch(pool.q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
+                           config=cfg, stats=stats)
+    return mla._launch(pool.q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
+                       config=cfg, stats=stats)
+
+
+def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
+    """Launch configurations of both kernels at one context (for tuning mla._plan)."""
+    from k31c.lowering.triton import mla
+
+    pool = Pool(ctx)
+    table, row_len, idx = pool.context(ctx)
+    rows = []
+    for cfg in SWEEP:
+        flops = _flops(ctx if cfg.get("dense") else TOPK)
+        floor = flops_floor_ms(flops, machine.bf16_tflops)
+        stats = {}
+        try:
+            _sweep_call(mla, pool, table, row_len, idx, cfg, stats)
+            ms = time_ms(lambda: _sweep_call(mla, pool, table, row_len, idx, cfg))
+        except Exception as e:  # noqa: BLE001  (out of shared memory / registers: report and go on)
+            print(f"# {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        row = Row("dense_mla cfg" if cfg.get("dense") else "sparse_mla cfg", str(cfg), ms, floor,
+                  "flops", note=f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s; regs "
+                  f"{stats.get('regs')} spills {stats.get('spills')} smem {stats.get('shared')} "
+                  f"splits {stats.get('splits')}")
+        print(f"{row.kernel} {cfg}: {ms * 1e3:.1f} us ({row.ratio:.2f}x floor) {row.note}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def compile_only(which: int) -> None:
+    """Build (and run once, small) sweep config `which`, or with -1 the default launchers, so that
+    several processes can fill the Triton cache in parallel before timing."""
+    from k31c.lowering.triton import mla
+
+    pool = Pool(8 << 10)
+    table, row_len, idx = pool.context(8 << 10)
+    if which >= 0:
+        _sweep_call(mla, pool, table, row_len, idx, SWEEP[which])
+    else:
+        mla.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
+        mla.sparse_mla(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx,
+                       SM_SCALE, DV)
+        mla.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv:
+        compile_only(int(sys.argv[sys.argv.index("--compile") + 1]))
+        sys.exit(0)
+    m = measure_machine()
+    print(markdown(sweep(m) if "--sweep" in sys.argv else run(m), m), flush=True)

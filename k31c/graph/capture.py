@@ -1,0 +1,283 @@
+"""Capture: one step of the model as an FX graph over aten + k31c ops (DESIGN §1).
+
+A step kind (prefill, decode, or verification with R rows per request) is traced once by
+`torch.export` (non-strict: the Python code runs on fake tensors, so nothing is executed and no
+cache is written) into the pre-dispatch aten IR. Why export rather than a Dynamo backend:
+- the cache-writing k31c ops stay in place as they are (no `auto_functionalized` to match through);
+- the example is synthetic with B = 2 requests and the batch dimension is a `Dim` with min 1, so
+  the one trace serves every batch size, B = 1 included (Dynamo specializes sizes 0/1);
+- the trace is reusable: every pass pipeline starts from a copy of it.
+`torch.compile(model, backend="k31c")` reaches the same passes through `dynamo_to_aten` (api.py).
+
+The graph takes the weights first (lifted, named by their module path) and then the flattened
+step inputs `(input_ids, meta, caches)`; it returns `(logits,)` and writes the caches in place.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch.export import Dim
+
+from .model import K31ForCausalLM
+from .step import Caches, KDASnapshots, StepMeta
+
+STEP_MODES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What one captured graph computes: prefill, or decode with `rows` rows per request."""
+    mode: str
+    rows: int = 1
+
+    def __post_init__(self):
+        if self.mode not in STEP_MODES:
+            raise ValueError(f"mode must be one of {STEP_MODES}, got {self.mode!r}")
+        if not isinstance(self.rows, int) or self.rows < 1:
+            raise ValueError(f"rows must be a positive integer, got {self.rows!r}")
+        if self.mode == "prefill" and self.rows != 1:
+            raise ValueError(f"prefill steps have rows=1, got {self.rows}")
+
+    @property
+    def snapshots(self) -> bool:
+        """Verification steps (rows > 1) write per-row KDA snapshots."""
+        return self.rows > 1
+
+    @property
+    def name(self) -> str:
+        if self.mode == "prefill":
+            return "prefill"
+        return "decode" if self.rows == 1 else f"verify{self.rows}"
+
+
+@dataclass
+class GraphInput:
+    name: str                              # "meta.slot_mapping", or a weight's module path
+    is_weight: bool
+    tensor: Optional[torch.Tensor] = None  # weights: the model's own tensor (live)
+
+
+@dataclass
+class Captured:
+    gm: torch.fx.GraphModule
+    step: StepKind
+    inputs: list[GraphInput]               # one per placeholder, in order
+    in_spec: pytree.TreeSpec               # structure of (input_ids, meta, caches)
+    dims: dict[str, str] = field(default_factory=dict)   # sympy symbol name -> "B" / "T"
+    seconds: float = 0.0
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [i.tensor for i in self.inputs if i.is_weight]
+
+
+def check_model(model) -> K31ForCausalLM:
+    if not isinstance(model, K31ForCausalLM):
+        raise ValueError(f"model: k31c compiles the K3.1 architecture (K31ForCausalLM); got "
+                         f"{type(model).__module__}.{type(model).__qualname__}")
+    return model
+
+
+# ---- names ---------------------------------------------------------------------------------------
+
+def canonical_path(path: str) -> str:
+    """A module path as k31c prints it, from either export's or Dynamo's spelling.
+
+    `step.model.layers.3.self_attn` and `L['self'].model.layers[3].self_attn` both become
+    `layers.3.self_attn` (the `model.` of K31ForCausalLM is dropped: every path has it)."""
+    p = re.sub(r"^L\['self'\]|^L\[\"self\"\]", "", path)
+    p = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", p)
+    p = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", p)
+    p = p.strip(".")
+    for prefix in ("step.", "model."):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+    return p
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module a node was traced in ("" at the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return canonical_path(path)
+
+
+def module_classes(node: torch.fx.Node) -> list[str]:
+    """Class names of the modules a node was traced in, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for _, cls in stack.values():
+        name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+        out.append(name.rsplit(".", 1)[-1])
+    return out
+
+
+def _input_name(keypath) -> str:
+    parts = []
+    for k in keypath:
+        if isinstance(k, pytree.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, pytree.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, pytree.MappingKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    head = {"0": "input_ids", "1": "meta", "2": "caches"}.get(parts[0], parts[0])
+    return ".".join([head] + parts[1:])
+
+
+# ---- example inputs --------------------------------------------------------------------------
+
+def example_step(step: StepKind, meta: StepMeta, caches: Caches):
+    """Synthetic inputs of the step's kind: B = 2 requests (T = 6 rows for prefill), the block
+    table width and every cache taken from the real ones. Values do not matter (the trace runs on
+    fake tensors); 2 and 6 are chosen so no symbolic size is 0 or 1, which torch would specialize."""
+    dev = meta.slot_mapping.device
+    B = 2
+    n = 6 if step.mode == "prefill" else B * step.rows
+    i32, i64 = torch.int32, torch.int64
+    ex_meta = StepMeta(slot_mapping=torch.arange(n, dtype=i64, device=dev),
+                       block_table=torch.zeros(B, meta.block_table.shape[1], dtype=i32, device=dev),
+                       row_req=torch.zeros(n, dtype=i32, device=dev),
+                       row_len=torch.ones(n, dtype=i32, device=dev),
+                       kda_slots=torch.arange(B, dtype=i64, device=dev),
+                       cu_seqlens=torch.arange(B + 1, dtype=i32, device=dev))
+    snaps = None
+    if step.snapshots:
+        snaps = [KDASnapshots(torch.empty(B, step.rows, *st.conv.shape[1:], dtype=st.conv.dtype, device=dev),
+                              torch.empty(B, step.rows, *st.recurrent.shape[1:], dtype=st.recurrent.dtype,
+                                          device=dev))
+                 for st in caches.kda]
+    ex_caches = Caches(list(caches.mla), list(caches.kda), snaps)
+    return torch.zeros(n, dtype=i64, device=dev), ex_meta, ex_caches
+
+
+def _dynamic_shapes(step: StepKind, caches: Caches):
+    batch = Dim("B", min=1)
+    rows = Dim("T", min=1) if step.mode == "prefill" else (batch * step.rows if step.rows > 1 else batch)
+    meta = [{0: rows}, {0: batch}, {0: rows}, {0: rows}, {0: batch}, {0: batch + 1}]
+    cache_spec = [[[None, None] for _ in caches.mla], [[None, None] for _ in caches.kda]]
+    if step.snapshots:
+        cache_spec.append([[{0: batch}, {0: batch}] for _ in caches.kda])
+    return ({0: rows}, meta, cache_spec)
+
+
+class _Step(torch.nn.Module):
+    """The model with the step kind baked in, so export sees (input_ids, meta, caches) only."""
+
+    def __init__(self, model: K31ForCausalLM, step: StepKind):
+        super().__init__()
+        self.step = model
+        self.kind = step
+
+    def forward(self, input_ids, meta, caches):
+        return self.step(input_ids, meta, caches, self.kind.mode, self.kind.rows)
+
+
+def capture(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Caches) -> Captured:
+    """Trace one step kind of `model` for the cache geometry of `caches` (shapes, not values)."""
+    check_model(model)
+    if step.snapshots and not caches.kda:
+        raise ValueError("verification steps need KDA layers to snapshot")
+    start = time.perf_counter()
+    args = example_step(step, meta, caches)
+    with torch.no_grad():
+        ep = torch.export.export(_Step(model, step), args, dynamic_shapes=_dynamic_shapes(step, caches),
+                                 strict=False)
+    gm = ep.graph_module
+    live = dict(model.named_parameters()) | dict(model.named_buffers())
+    user_names = [_input_name(kp) for kp, _ in pytree.tree_flatten_with_path(args)[0]]
+    inputs, user = [], iter(user_names)
+    for spec in ep.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            target = spec.target[len("step."):] if spec.target.startswith("step.") else spec.target
+            tensor = live.get(target)
+            if tensor is None:
+                tensor = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
+            inputs.append(GraphInput(canonical_path(target), True, tensor))
+        elif kind == "USER_INPUT":
+            inputs.append(GraphInput(next(user), False))
+        else:
+            raise ValueError(f"capture: unexpected graph input kind {kind} ({spec.arg})")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, info in zip(placeholders, inputs):
+        node.meta["k31c_input"] = info.name
+        node.meta["k31c_weight"] = info.is_weight
+    captured = Captured(gm, step, inputs, pytree.tree_structure(args), seconds=time.perf_counter() - start)
+    captured.dims = _dim_names(captured, placeholders)
+    return captured
+
+
+def _dim_names(captured: Captured, placeholders) -> dict[str, str]:
+    """Name the free symbols by what they count: B requests, T prefill tokens."""
+    names = {}
+    wanted = {"meta.block_table": "B", "input_ids": "T" if captured.step.mode == "prefill" else None}
+    for node, info in zip(placeholders, captured.inputs):
+        label = wanted.get(info.name)
+        val = node.meta.get("val")
+        if label and isinstance(val, torch.Tensor) and isinstance(val.shape[0], torch.SymInt):
+            expr = val.shape[0].node.expr
+            if isinstance(expr, sympy.Symbol):
+                names[str(expr)] = label
+    return names
+
+
+# ---- calling a captured graph ------------------------------------------------------------------
+
+def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches):
+    """Weights + flattened step inputs in placeholder order, after checking that the program covers
+    these shapes (a mismatch would need a new capture: it is an error naming the input)."""
+    leaves, spec = pytree.tree_flatten((input_ids, meta, caches))
+    if spec != captured.in_spec:
+        raise ValueError(f"step inputs: their structure differs from the captured {captured.step.name} "
+                         f"step's (kda_snapshots present: {caches.kda_snapshots is not None}; "
+                         f"the graph was captured with {captured.step.snapshots})")
+    users = [(n, i) for n, i in zip(placeholders, captured.inputs) if not i.is_weight]
+    bound: dict[sympy.Symbol, int] = {}
+    for (node, info), t in zip(users, leaves):
+        val = node.meta["val"]
+        if not isinstance(t, torch.Tensor) or t.dtype != val.dtype or t.dim() != val.dim():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{info.name}: expected {val.dtype} with {val.dim()} dims, got {got}")
+        if t.device.type != val.device.type:
+            raise ValueError(f"{info.name}: on {t.device}, the program runs on {val.device.type}")
+        for d, (want, got) in enumerate(zip(val.shape, t.shape)):
+            if isinstance(want, torch.SymInt):
+                expr = want.node.expr
+                if isinstance(expr, sympy.Symbol) and expr not in bound:
+                    bound[expr] = got
+                continue
+            if want != got:
+                raise ValueError(f"{info.name}: dim {d} is {got}, the {captured.step.name} program was "
+                                 f"captured for {want} (a different cache pool needs a new compile)")
+    for (node, info), t in zip(users, leaves):
+        for d, want in enumerate(node.meta["val"].shape):
+            if isinstance(want, torch.SymInt):
+                expect = int(want.node.expr.subs(bound))
+                if expect != t.shape[d] or t.shape[d] < 1:
+                    raise ValueError(f"{info.name}: dim {d} is {t.shape[d]}, expected {expect} "
+                                     f"({want.node.expr}) from the other inputs")
+    return captured.weights + leaves
+
+
+def clone_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose nodes can be rewritten without touching `gm` (metadata copied one level deep)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, lambda n: env[n])
+        if "k31c" in node.meta:
+            new.meta["k31c"] = dict(node.meta["k31c"])
+        env[node] = new
+    graph._codegen = gm.graph._codegen
+    return torch.fx.GraphModule(gm, graph)

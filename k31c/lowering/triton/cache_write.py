@@ -1,0 +1,261 @@
+"""Triton cache writes of the MLA layer: latent rows and index keys (spec/model.md §5.6, §6.5).
+
+One launch writes all new tokens; rows whose slot is negative are padding and are skipped.
+Registered launchers (the k31c ops' exact signatures):
+- `mla_cache_write(cache, rows, slot_mapping)`: latent rows cast to the cache dtype.
+- `index_cache_write(cache, keys, slot_mapping)`: plain keys, or the FP8 layout (uint8 cache):
+  per block the e4m3 values token-major, then one fp32 scale per 128 values token-major.
+- `index_key_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps)`: LayerNorm in fp32
+  fused in front of the same write.
+Extra (no k31c op yet): `mla_cache_write_fp8(cache, rows, slot_mapping)` into the 656-byte FP8
+latent row of vLLM's `fp8_ds_mla` (512 e4m3 + 4 fp32 scales + 64 bf16 rope values).
+
+Slots are device tensors (no host sync), so a slot outside the cache cannot raise here: the kernels
+skip it instead of writing out of bounds (the reference op raises on it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, _check_index_write,
+                                        _check_mla_write, _check_norm_write, index_cache_block_size,
+                                        index_scales_per_row)
+from k31c.lowering.registry import register
+
+_TOKENS_PER_PROGRAM = 16
+_LATENT_CHUNK = 128          # latent columns per program (576 = 4.5 chunks)
+
+FP8_LATENT_NOPE = 512        # fp8_ds_mla: quantised c_kv values per token
+FP8_LATENT_ROPE = 64         # fp8_ds_mla: bf16 rope values per token
+FP8_LATENT_ROW_BYTES = FP8_LATENT_NOPE + 4 * (FP8_LATENT_NOPE // SCALE_GROUP) + 2 * FP8_LATENT_ROPE  # 656
+
+
+# ---- shared FP8 helpers (also used by the indexer kernel) ------------------------------------
+
+@triton.jit
+def round_to_e4m3(y):
+    """Round fp32 y (|y| <= 448) to the nearest e4m3 value, ties to even, returned as fp32.
+
+    Done in fp32 arithmetic because the Triton interpreter's fp32→fp8 cast rounds wrongly; a value
+    already on the e4m3 grid then casts exactly everywhere. Spacing is 2^(e-3) for exponent e,
+    and 2^-9 in the subnormal range (e < -6).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - (exponent - 3)) << 23).to(tl.float32, bitcast=True)
+    a = tl.abs(y) * inv_ulp                        # exact: scaling by a power of two
+    whole = tl.floor(a)
+    frac = a - whole
+    odd = (whole.to(tl.int32) & 1) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    r = (whole + up.to(tl.float32)) * ulp
+    return tl.where(y < 0, -r, r)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 → nearest bf16 value (ties to even) as fp32, by bit arithmetic: the interpreter's own
+    fp32→bf16 cast truncates wrongly, a value already on the bf16 grid casts exactly."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_storage(x, dtype: tl.constexpr):
+    """Cast fp32 x to the storage dtype, rounding to nearest even on every backend."""
+    if dtype == tl.bfloat16:
+        x = round_to_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def e4m3_scale(amax):
+    """The fp32 scale of a group: max(amax, 1e-4) / 448 (correctly rounded, as in torch)."""
+    return tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """x / scale clamped to ±448 and rounded to e4m3, as fp32 values on the e4m3 grid."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0)
+    return round_to_e4m3(y)
+
+
+# ---- kernels ---------------------------------------------------------------------------------
+
+@triton.jit
+def _latent_write_kernel(cache_ptr, rows_ptr, row_stride, col_stride, slot_ptr, n_rows, n_slots, width,
+                         TOKENS: tl.constexpr, CHUNK: tl.constexpr):
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
+    live = (slot >= 0) & (slot < n_slots)
+    mask = live[:, None] & (cols < width)[None, :]
+    x = tl.load(rows_ptr + t.to(tl.int64)[:, None] * row_stride + cols[None, :] * col_stride, mask=mask)
+    tl.store(cache_ptr + slot[:, None] * width + cols[None, :],
+             to_storage(x.to(tl.float32), cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_stride,
+                        ln_w_ptr, ln_b_ptr, slot_ptr, n_rows, n_slots, d, block_size, block_stride, eps,
+                        TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                        FP8: tl.constexpr, NORM: tl.constexpr):
+    """TOKENS keys per program: [LayerNorm] → [FP8 quantise per GROUP values] → write.
+
+    FP8: block_stride = bytes per block; value byte of token (blk, off), column c at
+    blk*block_stride + off*d + c; its group g's scale (fp32 units) at
+    (blk*block_stride + block_size*d) / 4 + off*n_groups + g. Else: element slot*d + c.
+    """
+    WIDTH: tl.constexpr = GROUP * GROUPS
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    cols = tl.arange(0, WIDTH)
+    col_ok = cols < d
+    slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
+    live = (slot >= 0) & (slot < n_slots)
+    mask = live[:, None] & col_ok[None, :]
+    x = tl.load(keys_ptr + t.to(tl.int64)[:, None] * key_stride + cols[None, :] * key_col_stride,
+                mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        mean = tl.sum(x, axis=1) / d
+        centred = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+        var = tl.sum(centred * centred, axis=1) / d
+        rstd = 1.0 / tl.sqrt_rn(var + eps)
+        w = tl.load(ln_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        b = tl.load(ln_b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = centred * rstd[:, None] * w[None, :] + b[None, :]      # padding columns stay 0
+    if FP8:
+        n_groups = (d + GROUP - 1) // GROUP
+        groups = tl.reshape(x, (TOKENS, GROUPS, GROUP))
+        scale = e4m3_scale(tl.max(tl.abs(groups), axis=2))          # [TOKENS, GROUPS]
+        values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, WIDTH))
+        block = slot // block_size
+        offset = slot % block_size
+        base = block * block_stride
+        tl.store(cache_ptr + (base + offset * d)[:, None] + cols[None, :],
+                 values.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+        g = tl.arange(0, GROUPS)
+        scale_at = (base + block_size * d) // 4 + offset * n_groups
+        tl.store(cache_f32_ptr + scale_at[:, None] + g[None, :], scale,
+                 mask=live[:, None] & (g < n_groups)[None, :])
+    else:
+        tl.store(cache_ptr + slot[:, None] * d + cols[None, :], to_storage(x, cache_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _latent_write_fp8_kernel(cache_ptr, cache_f32_ptr, cache_bf16_ptr, rows_ptr, row_stride, col_stride,
+                             slot_ptr, n_rows, n_slots,
+                             TOKENS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                             ROW_BYTES: tl.constexpr):
+    """fp8_ds_mla row: bytes [0, NOPE) e4m3, then NOPE/128 fp32 scales, then ROPE bf16 values."""
+    GROUPS: tl.constexpr = NOPE // 128
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
+    live = (slot >= 0) & (slot < n_slots)
+    row_at = t.to(tl.int64)[:, None] * row_stride
+    base = slot * ROW_BYTES
+    cols = tl.arange(0, NOPE)
+    x = tl.load(rows_ptr + row_at + cols[None, :] * col_stride, mask=live[:, None], other=0.0).to(tl.float32)
+    groups = tl.reshape(x, (TOKENS, GROUPS, 128))
+    scale = e4m3_scale(tl.max(tl.abs(groups), axis=2))
+    values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, NOPE))
+    tl.store(cache_ptr + base[:, None] + cols[None, :],
+             values.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=live[:, None])
+    g = tl.arange(0, GROUPS)
+    tl.store(cache_f32_ptr + (base + NOPE)[:, None] // 4 + g[None, :], scale, mask=live[:, None])
+    r = tl.arange(0, ROPE)
+    rope = tl.load(rows_ptr + row_at + (NOPE + r)[None, :] * col_stride, mask=live[:, None], other=0.0)
+    tl.store(cache_bf16_ptr + (base + NOPE + 4 * GROUPS)[:, None] // 2 + r[None, :],
+             to_storage(rope.to(tl.float32), tl.bfloat16), mask=live[:, None])
+
+
+# ---- launchers -------------------------------------------------------------------------------
+
+def _require_contiguous(cache: torch.Tensor) -> None:
+    if not cache.is_contiguous():
+        raise ValueError("cache: the Triton cache writes need a contiguous cache tensor")
+
+
+@register("k31c::mla_cache_write", ("h200", "mi350x"))
+def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _check_mla_write(cache, rows, slot_mapping)
+    _require_contiguous(cache)
+    n, width = rows.shape
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM), triton.cdiv(width, _LATENT_CHUNK))
+    _latent_write_kernel[grid](cache, rows, rows.stride(0), rows.stride(1), slot_mapping, n,
+                               cache.shape[0] * cache.shape[1], width,
+                               TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK)
+
+
+def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm: bool) -> None:
+    _require_contiguous(cache)
+    n, d = keys.shape
+    block_size = index_cache_block_size(cache, d, "cache")
+    if n == 0:
+        return
+    fp8 = cache.dtype == torch.uint8
+    groups = index_scales_per_row(d) if fp8 else 1
+    group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
+    if fp8 and (block_size * d) % 4:
+        raise ValueError(f"cache: block_size*d = {block_size * d} is not a multiple of 4, so the "
+                         "fp32 scales of the FP8 layout would be unaligned")
+    cache_f32 = cache.view(torch.float32) if fp8 else cache
+    ln_w = ln_weight if norm else keys      # unused pointers when norm is off
+    ln_b = ln_bias if norm else keys
+    grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
+    _index_write_kernel[grid](cache, cache_f32, keys, keys.stride(0), keys.stride(1), ln_w, ln_b,
+                              slot_mapping, n, cache.shape[0] * block_size, d, block_size,
+                              cache.stride(0), float(eps),
+                              TOKENS=_TOKENS_PER_PROGRAM, GROUP=group,
+                              GROUPS=triton.next_power_of_2(groups), FP8=fp8, NORM=norm)
+
+
+@register("k31c::index_cache_write", ("h200", "mi350x"))
+def index_cache_write(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _check_index_write(cache, keys, slot_mapping)
+    _launch_index_write(cache, keys, None, None, slot_mapping, 0.0, norm=False)
+
+
+@register("k31c::index_key_norm_write", ("h200", "mi350x"))
+def index_key_norm_write(cache: torch.Tensor, k_pre: torch.Tensor, ln_weight: torch.Tensor,
+                         ln_bias: torch.Tensor, slot_mapping: torch.Tensor, eps: float) -> None:
+    _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
+    _launch_index_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps, norm=True)
+
+
+def mla_cache_write_fp8(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Latent rows [N, 576] into an FP8 latent cache uint8 [num_blocks, block_size, 656].
+
+    Per token: 512 e4m3 values of c_kv (scale = max(amax, 1e-4)/448 per 128 values, as the index
+    keys), the 4 fp32 scales, then the 64 rope values as bf16. Slot < 0 skips the row.
+    """
+    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != FP8_LATENT_ROW_BYTES:
+        raise ValueError(f"cache: expected uint8 [num_blocks, block_size, {FP8_LATENT_ROW_BYTES}], "
+                         f"got {cache.dtype} {tuple(cache.shape)}")
+    _require_contiguous(cache)
+    width = FP8_LATENT_NOPE + FP8_LATENT_ROPE
+    if rows.dim() != 2 or rows.shape[1] != width or not rows.dtype.is_floating_point:
+        raise ValueError(f"rows: expected a float [N, {width}] tensor, got {rows.dtype} {tuple(rows.shape)}")
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (rows.shape[0],):
+        raise ValueError(f"slot_mapping: expected int64 [{rows.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    n = rows.shape[0]
+    if n == 0:
+        return
+    grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
+    _latent_write_fp8_kernel[grid](cache, cache.view(torch.float32), cache.view(torch.bfloat16), rows,
+                                   rows.stride(0), rows.stride(1), slot_mapping, n,
+                                   cache.shape[0] * cache.shape[1], TOKENS=_TOKENS_PER_PROGRAM,
+                                   NOPE=FP8_LATENT_NOPE, ROPE=FP8_LATENT_ROPE,
+                                   ROW_BYTES=FP8_LATENT_ROW_BYTES)
+
+
+__all__ = ["mla_cache_write", "index_cache_write", "index_key_norm_write", "mla_cache_write_fp8",
+           "round_to_e4m3", "e4m3_scale", "quantize_e4m3", "FP8_MAX", "FP8_MIN_AMAX"]

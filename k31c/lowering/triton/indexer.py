@@ -1,0 +1,196 @@
+"""Triton lightning indexer: scores[t, s] = Σ_h w[t, h] · ReLU(q[t, h] · k[s]) (spec/model.md §6.1).
+
+Keys come from the paged index cache through the block table: the FP8 layout of spec §6.5 (uint8
+cache, e4m3 values + one fp32 scale per token) or plain float keys. Positions at or past a row's
+`row_len` (and the rest of the [N, max_blocks * block_size] output) are -inf, written here.
+
+Work split:
+- a program owns a tile of ROWS consecutive rows (ROWS = rows per request when N = B·R, so a
+  decode/verify tile is exactly one request) and one of `splits` slices of the key range;
+- the tile's rows of one request score every key of that request from ONE load of the key: one
+  tl.dot [keys, d] x [d, ROWS·heads], then ReLU, head weights and the sum over heads;
+- a tile that spans two requests (prefill, uneven R) makes one pass per request;
+- each pass divides [0, longest visible length of its rows) evenly over the `splits` programs of
+  the tile, so the work follows each request's real length; splits ≈ 2·SMs / tiles, so a batch
+  of one request still gets 2·SMs programs to fill the GPU. Lengths, requests and blocks are read
+  on the device; the grid depends only on static shapes (CUDA-graph safe).
+
+Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
+(row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
+DeepGEMM's fp8_mqa_logits does; the scores then differ from the reference (which keeps q in full
+precision) by q's quantisation error (~1e-2 relative). A BF16/FP16 cache uses a 16-bit dot (q cast
+to the cache dtype); fp32 keys and the Triton interpreter (CPU) use an exact fp32 dot.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k31c.graph.ops.indexer import _check_indexer
+from k31c.lowering.registry import register
+from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+
+_MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
+_GPU_KEYS_PER_STEP = 128
+_CPU_KEYS_PER_STEP = 32
+_MIN_STEPS_PER_PROGRAM = 8  # fewer steps and the per-program q load/quantisation stops paying
+_PROGRAMS_PER_SM = 2        # grid ≈ this many programs per SM (a lone request gets them all)
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
+                    cache_ptr, cache_f32_ptr, block_stride, table_ptr, table_stride,
+                    row_req_ptr, row_len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
+                    ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
+                    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    KEYS: tl.constexpr, TAIL: tl.constexpr, FP8_CACHE: tl.constexpr,
+                    QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    M: tl.constexpr = ROWS_PAD * H_PAD
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    first_row = tile * ROWS
+
+    # The tile's queries, one tl.dot operand row per (row, head), loaded (and quantised) once.
+    m = tl.arange(0, M)
+    m_row = first_row + m // H_PAD
+    m_head = m % H_PAD
+    m_ok = (m // H_PAD < ROWS) & (m_row < n_rows) & (m_head < H)
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    q = tl.load(q_ptr + m_row.to(tl.int64)[:, None] * q_row_stride + m_head[:, None] * q_head_stride
+                + cols[None, :] * q_col_stride, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
+    if QUANT_Q:
+        q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
+        q = quantize_e4m3(q, q_scale[:, None])
+        w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
+    q_t = tl.trans(q.to(DOT_DTYPE))           # [D_PAD, M]
+
+    r = tl.arange(0, ROWS_PAD)
+    rows = first_row + r
+    row_ok = (r < ROWS) & (rows < n_rows)
+    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
+    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
+    out_row = out_ptr + rows.to(tl.int64) * capacity
+    minus_inf = tl.full((ROWS_PAD, TAIL), float("-inf"), tl.float32)
+
+    for j in range(ROWS):
+        row = first_row + j
+        if row < n_rows:
+            req = tl.load(row_req_ptr + row)
+            prev_req = tl.load(row_req_ptr + row - 1, mask=j > 0, other=-1)
+            if (j == 0) | (req != prev_req):             # first row of a run of one request
+                sel = row_ok & (req_of_row == req)
+                req_ok = (req >= 0) & (req < n_req)
+                lens = tl.where(sel & req_ok, len_of_row, 0)
+                length = tl.max(lens, axis=0)
+                n_steps = tl.cdiv(length, KEYS)
+                table_row = table_ptr + req.to(tl.int64) * table_stride
+                for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
+                                     num_stages=NUM_STAGES):
+                    pos = step * KEYS + tl.arange(0, KEYS)
+                    pos_ok = pos < length
+                    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=-1).to(tl.int64)
+                    key_ok = pos_ok & (block >= 0)
+                    offset = pos % BLOCK_SIZE
+                    key_at = block * block_stride + offset * D
+                    k = tl.load(cache_ptr + key_at[:, None] + cols[None, :],
+                                mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+                    if FP8_CACHE:
+                        if cache_ptr.dtype.element_ty == tl.uint8:   # interpreter: bytes, reinterpreted
+                            k = k.to(tl.float8e4nv, bitcast=True)
+                        k_scale = tl.load(cache_f32_ptr + (block * block_stride + BLOCK_SIZE * D) // 4 + offset,
+                                          mask=key_ok, other=0.0)
+                    if DOT_DTYPE == tl.float32:
+                        logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+                    else:
+                        logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [KEYS, M] fp32
+                    logits = tl.maximum(logits, 0.0) * w[None, :]
+                    scores = tl.sum(tl.reshape(logits, (KEYS, ROWS_PAD, H_PAD)), axis=2)
+                    if FP8_CACHE:
+                        scores = scores * k_scale[:, None]
+                    scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
+                    tl.store(out_row[None, :] + pos[:, None], scores,
+                             mask=sel[None, :] & (pos < capacity)[:, None])
+                # -inf over the rest of the rows, shared out over the same programs.
+                tail_start = n_steps * KEYS
+                n_tail = tl.cdiv(capacity - tail_start, TAIL)
+                for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
+                    pos = tail_start + chunk * TAIL + tl.arange(0, TAIL)
+                    tl.store(out_row[:, None] + pos[None, :], minus_inf,
+                             mask=sel[:, None] & (pos < capacity)[None, :])
+
+
+def _tile_rows(n_rows: int, n_req: int, h_pad: int) -> tuple[int, int]:
+    """Rows per tile (and its power-of-two padding): a request's R rows when N = B·R fits one dot."""
+    max_rows = max(1, _MAX_TILE_M // h_pad)
+    per_req = n_rows // n_req if n_req and n_rows % n_req == 0 else 0
+    rows = per_req if 1 <= per_req <= max_rows else max(1, min(max_rows, 128 // h_pad))
+    rows_pad = max(triton.next_power_of_2(rows), triton.cdiv(16, h_pad))   # tl.dot needs M >= 16
+    return rows, rows_pad
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
+                   splits=None, quant_q=None, num_warps=None, num_stages=3) -> torch.Tensor:
+    """The lightning_indexer launcher with its tuning knobs exposed (benchmarks and tests)."""
+    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    if not index_cache.is_contiguous():
+        raise ValueError("index_cache: the Triton indexer needs a contiguous cache tensor")
+    n, heads, d = q.shape
+    if d > 128:
+        raise ValueError(f"q: index_head_dim {d} > 128 (one FP8 scale group) is not supported by the "
+                         "Triton indexer")
+    fp8 = index_cache.dtype == torch.uint8
+    if fp8 and (block_size * d) % 4:
+        raise ValueError(f"index_cache: block_size*d = {block_size * d} is not a multiple of 4 "
+                         "(unaligned fp32 scales)")
+    capacity = block_table.shape[1] * block_size
+    scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
+    if n == 0 or capacity == 0:
+        return scores
+    on_gpu = q.device.type == "cuda"
+    if quant_q is None:
+        quant_q = fp8 and on_gpu
+    if not on_gpu or index_cache.dtype == torch.float32:
+        dot_dtype = tl.float32            # the interpreter's 16-bit and fp8 dots are not trusted
+    elif fp8:
+        dot_dtype = tl.float8e4nv if quant_q else tl.bfloat16
+    else:
+        dot_dtype = tl.bfloat16 if index_cache.dtype == torch.bfloat16 else tl.float16
+    if fp8 and not quant_q and dot_dtype == tl.bfloat16:
+        dot_dtype = tl.float32            # unquantised q must keep its precision against e4m3 keys
+    h_pad = triton.next_power_of_2(heads)
+    rows, rows_pad = _tile_rows(n, block_table.shape[0], h_pad)
+    keys = keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP)
+    tiles = triton.cdiv(n, rows)
+    if splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
+        splits = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * _sm_count(q.device), tiles),
+                            triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
+    if num_warps is None:
+        num_warps = 8 if rows_pad * h_pad > 128 else 4
+    cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
+    if fp8 and on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
+        index_cache = index_cache.view(torch.float8_e4m3fn)
+    grid = (tiles, splits)
+    _indexer_kernel[grid](
+        q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
+        index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
+        row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
+        ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        BLOCK_SIZE=block_size, KEYS=keys, TAIL=1024 if on_gpu else 64, FP8_CACHE=fp8,
+        QUANT_Q=quant_q, DOT_DTYPE=dot_dtype, NUM_STAGES=num_stages, num_warps=num_warps)
+    return scores
+
+
+@register("k31c::lightning_indexer", ("h200", "mi350x"))
+def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                      block_table: torch.Tensor, row_req: torch.Tensor,
+                      row_len: torch.Tensor) -> torch.Tensor:
+    return launch_indexer(q, weights, index_cache, block_table, row_req, row_len)

@@ -1,0 +1,311 @@
+"""Triton kernels for `k31c::kda_prefill` (spec/model.md §4.2-4.5): the chunked WY form for varlen
+requests that continue from their slot's conv window and recurrent state.
+
+Two launches:
+1. `_kda_chunk_kernel`, one program per (chunk, head), all chunks in parallel: causal conv + SiLU
+   over the window, q/k L2 norms, gates and betas, then the intra-chunk WY solve. The chunk is
+   walked in blocks of BC = 16 rows; block I is solved by block forward substitution
+       X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
+   with the earlier blocks' X_J and keys read back from the scratch the program just wrote.
+   Decay factors exp(Γ_r - Γ_i) are never formed as exp(Γ_r)/exp(Γ_i): across blocks both factors
+   are taken relative to the boundary Γ_b between them (each ≤ 1); inside a diagonal block either
+   relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
+   unbounded softplus gate, exactly column by column.
+   Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its end.
+2. `_kda_state_kernel`, one program per (request, head), walks the request's chunks in order with
+   the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
+   S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
+   the final state and the new conv window.
+
+Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
+requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
+from ..registry import register
+from .kda_decode import check_kda_layout, kda_gate_math, window_rows
+
+BC = 16                                   # rows per block inside a chunk (MMA M granularity)
+_L2_EPS = tl.constexpr(L2_NORM_EPS)
+_SAFE_EXPONENT = 60.0                     # exp(±60) stays well inside fp32/bf16 range
+
+
+@triton.jit
+def _request_chunks(cu_ptr, B, C: tl.constexpr, BP: tl.constexpr):
+    """Per request j < B: start token, length, number of chunks and index of its first chunk."""
+    j = tl.arange(0, BP)
+    m = j < B
+    start = tl.load(cu_ptr + j, mask=m, other=0)
+    length = tl.load(cu_ptr + j + 1, mask=m, other=0) - start
+    n_chunks = (length + C - 1) // C
+    first = tl.cumsum(n_chunks, axis=0) - n_chunks
+    return j, start, length, n_chunks, first
+
+
+@triton.jit
+def _pick(j, sel, x):
+    return tl.sum(tl.where(j == sel, x, 0), axis=0)
+
+
+@triton.jit
+def _conv_silu_block(in_ptr, conv_row, w_ptr, s, p, rv, ch_in, ch_conv, live, P,
+                     W: tl.constexpr):
+    """SiLU(causal conv) for request positions p [BC] (rows rv valid) of one channel vector."""
+    acc = tl.zeros([p.shape[0], ch_in.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(W):
+        x = window_rows(in_ptr, conv_row, s, p + j, ch_in, ch_conv, live, rv, P, W)
+        acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _row(x, rows, r):
+    """Row r of a 2-D tile as a vector (rows = arange over dim 0)."""
+    return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
+
+
+@triton.jit
+def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
+                      conv_ptr, slots_ptr, cu_ptr,
+                      qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
+                      B, H, lower_bound, scale,
+                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                      BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
+                      PREC: tl.constexpr):
+    cid = tl.program_id(0)
+    h = tl.program_id(1)
+    P = H * K
+    NB: tl.constexpr = C // BC
+    DT = qg_ptr.dtype.element_ty
+    j, start, length, n_chunks, first = _request_chunks(cu_ptr, B, C, BP)
+    req = tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0)
+    in_range = cid < tl.sum(n_chunks, axis=0)
+    req = tl.minimum(req, B - 1)
+    slot = tl.load(slots_ptr + req)
+    if in_range & (slot >= 0):
+        s = _pick(j, req, start)
+        L = _pick(j, req, length)
+        c0 = (cid - _pick(j, req, first)) * C          # first position of this chunk
+        conv_row = conv_ptr + slot * (W - 1) * 3 * P
+        offs = tl.arange(0, K)
+        ch = h * K + offs
+        rows = tl.arange(0, BC)
+        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
+        lower = rows[:, None] > rows[None, :]
+        causal = rows[:, None] >= rows[None, :]
+        eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+
+        g_b = tl.zeros([K], dtype=tl.float32)          # Γ at the end of the previous block
+        for I in range(NB):
+            p = c0 + I * BC + rows
+            rv = p < L
+            t = (s + p).to(tl.int64)
+            q = _conv_silu_block(q_ptr, conv_row, conv_w_ptr, s, p, rv, ch, ch, True, P, W)
+            k = _conv_silu_block(k_ptr, conv_row, conv_w_ptr, s, p, rv, ch, P + ch, True, P, W)
+            v = _conv_silu_block(v_ptr, conv_row, conv_w_ptr, s, p, rv, ch, 2 * P + ch, True, P, W)
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS)[:, None] * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
+            f = tl.load(f_ptr + t[:, None] * P + ch[None, :], mask=rv[:, None], other=0.0)
+            g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,
+                                                    lower_bound, HAS_LOWER_BOUND), 0.0)
+            beta = tl.sigmoid(tl.load(beta_ptr + t * H + h, mask=rv, other=0.0).to(tl.float32))
+            beta = tl.where(rv, beta, 0.0)
+            G = g_b[None, :] + tl.cumsum(g, axis=0)      # Γ (from the chunk start) [BC, K]
+            g_e = g_b + tl.sum(g, axis=0)                # Γ at the end of this block
+
+            tok = t[:, None] * H + h                     # row index into [T, H, .] scratch
+            tl.store(qg_ptr + tok * K + offs[None, :], (q * tl.exp(G)).to(DT), mask=rv[:, None])
+            tl.store(kg_ptr + tok * K + offs[None, :], (k * tl.exp(g_e[None, :] - G)).to(DT),
+                     mask=rv[:, None])
+            tl.store(ge_ptr + ((cid * NB + I) * H + h) * K + offs, g_e)
+
+            # earlier blocks: both factors relative to the boundary Γ_b (each ≤ 1)
+            to_b = tl.exp(G - g_b[None, :])
+            qb = (q * to_b).to(DT)
+            kb = (k * to_b).to(DT)
+            rhs_w = beta[:, None] * tl.exp(G) * k
+            rhs_u = beta[:, None] * v
+            for J in range(I):
+                tj = (s + c0 + J * BC + rows).to(tl.int64)
+                rvj = c0 + J * BC + rows < L
+                tokj = tj[:, None] * H + h
+                kj = tl.load(kg_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
+                g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
+                kj = (kj.to(tl.float32) * tl.exp(g_b - g_ej)[None, :]).to(DT)
+                m_ij = tl.dot(kb, tl.trans(kj), input_precision=PREC) * beta[:, None]
+                a_ij = tl.dot(qb, tl.trans(kj), input_precision=PREC)
+                tl.store(aqk_ptr + tok * C + J * BC + rows[None, :], a_ij.to(DT), mask=rv[:, None])
+                w_j = tl.load(w_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
+                u_j = tl.load(u_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
+                rhs_w -= tl.dot(m_ij, w_j.to(tl.float32), input_precision=PREC)
+                rhs_u -= tl.dot(m_ij, u_j.to(tl.float32), input_precision=PREC)
+
+            # the diagonal block
+            if SAFE_DIAG:
+                g_m = _row(G, rows, BC // 2)
+                to_m = tl.exp(G - g_m[None, :])
+                from_m = (k * tl.exp(g_m[None, :] - G)).to(DT)
+                m_ii = tl.dot((k * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
+                a_ii = tl.dot((q * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
+            else:
+                m_ii = tl.zeros([BC, BC], dtype=tl.float32)
+                a_ii = tl.zeros([BC, BC], dtype=tl.float32)
+                for c in tl.static_range(BC):
+                    k_c = _row(k, rows, c)
+                    diff = tl.minimum(G - _row(G, rows, c)[None, :], 0.0)   # ≤ 0 where used
+                    decay = tl.where(rows[:, None] >= c, tl.exp(diff), 0.0)
+                    kd = k_c[None, :] * decay
+                    m_ii = tl.where(rows[None, :] == c, tl.sum(k * kd, axis=1)[:, None], m_ii)
+                    a_ii = tl.where(rows[None, :] == c, tl.sum(q * kd, axis=1)[:, None], a_ii)
+            m_ii = tl.where(lower, m_ii, 0.0) * beta[:, None]
+            a_ii = tl.where(causal, a_ii, 0.0)
+            tl.store(aqk_ptr + tok * C + I * BC + rows[None, :], a_ii.to(DT), mask=rv[:, None])
+
+            # (I + M_II)^-1 by forward substitution, row by row
+            inv = eye
+            for r in tl.static_range(1, BC):
+                m_r = _row(m_ii, rows, r)
+                new = (rows == r).to(tl.float32) - tl.sum(m_r[:, None] * inv, axis=0)
+                inv = tl.where(rows[:, None] == r, new[None, :], inv)
+            w_i = tl.dot(inv, rhs_w, input_precision=PREC)
+            u_i = tl.dot(inv, rhs_u, input_precision=PREC)
+            tl.store(w_ptr + tok * K + offs[None, :], w_i.to(DT), mask=rv[:, None])
+            tl.store(u_ptr + tok * K + offs[None, :], u_i.to(DT), mask=rv[:, None])
+            tl.debug_barrier()                           # block I's scratch is read by block I+1
+            g_b = g_e
+
+        # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
+        for J in range(NB):
+            tj = (s + c0 + J * BC + rows).to(tl.int64)
+            rvj = c0 + J * BC + rows < L
+            ptrs = kg_ptr + (tj[:, None] * H + h) * K + offs[None, :]
+            g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
+            kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
+            tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])
+
+
+@triton.jit
+def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
+                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr,
+                      conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
+                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                      WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    P = H * K
+    NB: tl.constexpr = C // BC
+    DT = qg_ptr.dtype.element_ty
+    j, start, length, n_chunks, first = _request_chunks(cu_ptr, B, C, BP)
+    s = _pick(j, b, start)
+    L = _pick(j, b, length)
+    n = _pick(j, b, n_chunks)
+    c_first = _pick(j, b, first)
+    slot = tl.load(slots_ptr + b)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+
+    offs = tl.arange(0, K)
+    ch = h * K + offs
+    rows = tl.arange(0, C)
+    state_off = (slot * H + h) * K * K + offs[:, None] * K + offs[None, :]
+    S = tl.load(state_ptr + state_off, mask=live, other=0.0)         # [K, V] fp32
+    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+    causal = rows[:, None] >= rows[None, :]
+    for i in range(n):
+        p = i * C + rows
+        rv = (p < L) & live
+        t = (s + p).to(tl.int64)
+        tok = t[:, None] * H + h
+        m2 = rv[:, None]
+        w_c = tl.load(w_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
+        u_c = tl.load(u_ptr + tok * K + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        qg = tl.load(qg_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
+        kg = tl.load(kg_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
+        a_qk = tl.load(aqk_ptr + tok * C + rows[None, :], mask=m2 & causal, other=0.0)
+        g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live, other=0.0)
+
+        S_dot = S.to(DT)
+        v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
+        v_dot = v_new.to(DT)
+        o = tl.dot(qg, S_dot, input_precision=PREC)
+        o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
+        S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
+
+        gate = tl.load(gate_ptr + t[:, None] * P + ch[None, :], mask=m2, other=0.0).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
+            * tl.sigmoid(gate)
+        tl.store(out_ptr + t[:, None] * P + ch[None, :],
+                 tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
+    tl.store(state_ptr + state_off, S, mask=live)
+
+    # new conv window = last W-1 rows of (old window ++ new tokens); it may reuse old rows
+    conv_row = conv_ptr + slot * (W - 1) * 3 * P
+    wi = tl.arange(0, WB)
+    wm = wi < W - 1
+    win_q = window_rows(q_ptr, conv_row, s, L + wi, ch, ch, live, wm, P, W)
+    win_k = window_rows(k_ptr, conv_row, s, L + wi, ch, P + ch, live, wm, P, W)
+    win_v = window_rows(v_ptr, conv_row, s, L + wi, ch, 2 * P + ch, live, wm, P, W)
+    tl.debug_barrier()
+    dst = conv_row + wi[:, None] * (3 * P) + ch[None, :]
+    win_mask = (wm & live)[:, None]
+    tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+
+
+@register("k31c::kda_prefill", ("h200", "mi350x"))
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+                beta: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
+                conv_state: torch.Tensor, recurrent: torch.Tensor, slots: torch.Tensor,
+                cu_seqlens: torch.Tensor, lower_bound: float | None, eps: float,
+                chunk_size: int) -> torch.Tensor:
+    """Launcher with the op's signature."""
+    return launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                              conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size)
+
+
+def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                       conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
+                       chunk_warps: int = 4, state_warps: int = 8) -> torch.Tensor:
+    """The launches themselves, with the tuning knobs exposed for benchmarks."""
+    T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
+    check_kda_layout(q, K, conv_state, recurrent)
+    C = chunk_size
+    if C < BC or C & (C - 1):
+        raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
+    B = slots.shape[0]
+    q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
+    conv_weight, A_log, dt_bias, o_norm_weight = (
+        t.contiguous() for t in (conv_weight, A_log, dt_bias, o_norm_weight))
+    # bf16 inputs: bf16 MMAs (as fla); fp32/fp16 inputs: fp32 scratch and exact fp32 products
+    dt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    prec = "tf32" if dt == torch.bfloat16 else "ieee"
+    n_chunks_max = (T + B * (C - 1)) // C               # Σ ceil(len_b / C) over any split of T
+    NB = C // BC
+    qg, kg, w, u = (torch.empty(T, H, K, device=q.device, dtype=dt) for _ in range(4))
+    aqk = torch.empty(T, H, C, device=q.device, dtype=dt)
+    ge = torch.empty(n_chunks_max, NB, H, K, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    BP = triton.next_power_of_2(B + 1)
+    safe_diag = lower_bound is not None and -lower_bound * (BC // 2) <= _SAFE_EXPONENT
+    lb = 0.0 if lower_bound is None else float(lower_bound)
+    if n_chunks_max > 0:
+        _kda_chunk_kernel[(n_chunks_max, H)](
+            q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
+            qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5,
+            C=C, BC=BC, K=K, W=W, BP=BP, HAS_LOWER_BOUND=lower_bound is not None,
+            SAFE_DIAG=safe_diag, PREC=prec, num_warps=chunk_warps)
+    _kda_state_kernel[(B, H)](
+        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
+        conv_state, recurrent, slots, cu_seqlens, B, H, float(eps),
+        C=C, BC=BC, K=K, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=BP, PREC=prec,
+        num_warps=state_warps)
+    return out

@@ -1,0 +1,332 @@
+"""Triton kernels for `k31c::sparse_mla` and `k31c::dense_mla` (absorbed-form MLA decode, spec/model.md
+§5.4, §6.3).
+
+One program owns (query row t, a tile of heads, a split of the keys). Per step it gathers BN latent
+rows of row t's request ONCE into shared memory and uses them for every head of its tile: as keys
+(all Dl columns) and, the first dv columns, as values (MQA: heads share the row). Softmax is online
+in fp32 (log2 domain). Keys are positions `indices[t, j]` (sparse; -1 = empty) or `0..row_len[t]-1`
+(dense); a position p of request b lives in slot `block_table[b, p // bs] * bs + p % bs`.
+
+Heads are tiled without padding to a power of two above Hq: 96 heads run as one 64-head tile
+(MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same launch so the programs
+that share a row's gathers run side by side and the second read hits L2. When rows x head tiles
+cannot fill the GPU the keys are split (flash-decoding): each split writes its normalised partial
+output and LSE, and a small kernel merges them by LSE.
+
+Everything the kernels read about lengths, slots and indices is a device tensor and the grid is a
+function of static shapes only, so the launchers are CUDA-graph safe (no host sync).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import register
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)   # FP8 latent rows are upcast on load (no scale)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _positions(idx_row, start, hi, BN: tl.constexpr, DENSE: tl.constexpr):
+    """Logical positions of keys start..start+BN-1 of this program (-1 = none / empty slot)."""
+    offs = start + tl.arange(0, BN)
+    if DENSE:
+        return tl.where(offs < hi, offs, -1)
+    return tl.load(idx_row + offs, mask=offs < hi, other=-1)
+
+
+@triton.jit
+def _blocks(bt_row, pos, BLOCK_SIZE: tl.constexpr):
+    return tl.load(bt_row + tl.maximum(pos, 0) // BLOCK_SIZE, mask=pos >= 0, other=0)
+
+
+@triton.jit
+def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+                 t, b, split, head0, n_heads, lo, hi, scale_log2,
+                 stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                 stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, BN: tl.constexpr,
+                 DENSE: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr):
+    offs_h = head0 + tl.arange(0, HT)
+    h_mask = offs_h < n_heads
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    v_mask = offs_v < DV
+    r_mask = offs_r < DR
+
+    q_rows = q_ptr + t.to(tl.int64) * stride_qn + offs_h[:, None] * stride_qh
+    q_v = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_r = tl.load(q_rows + DV + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    dt = q_v.dtype
+
+    m_i = tl.full([HT], float("-inf"), tl.float32)
+    l_i = tl.zeros([HT], tl.float32)
+    acc = tl.zeros([HT, BLOCK_V], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    idx_row = idx_ptr + t.to(tl.int64) * stride_in
+    # A key's slot takes two dependent loads (index, then block table). The next block's are
+    # fetched one iteration early, so they never sit between a block's row gather and its math;
+    # the row gathers themselves are multi-buffered by the compiler's pipeliner (num_stages).
+    pos = _positions(idx_row, lo, hi, BN, DENSE)
+    blk = _blocks(bt_row, pos, BLOCK_SIZE)
+    for j in range(lo, hi, BN):
+        pos_next = _positions(idx_row, j + BN, hi, BN, DENSE)
+        blk_next = _blocks(bt_row, pos_next, BLOCK_SIZE)
+        valid = pos >= 0
+        rows = (cache_ptr + blk.to(tl.int64) * stride_cb
+                + (tl.maximum(pos, 0) % BLOCK_SIZE) * stride_cs)
+        # the gathered latent rows, split into the value part and the rest (rope) part
+        k_v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None] & v_mask[None, :],
+                      other=0.0).to(dt)
+        k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
+                      other=0.0).to(dt)
+
+        s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        s = tl.dot(q_v, tl.trans(k_v), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no valid key yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(dt), k_v, acc, input_precision=PRECISION)
+        m_i = m_new
+        pos = pos_next          # fresh values only: a loop-carried copy of a loop-carried value
+        blk = blk_next          # would stop the compiler from pipelining the row gathers
+
+    has_key = l_i > 0.0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    lse = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) / 1.4426950408889634
+    if FINAL:
+        lse = tl.where(has_key, lse, float("inf"))
+    else:
+        lse = tl.where(has_key, lse, float("-inf"))        # empty split: zero weight in the merge
+    o_ptrs = (out_ptr + split.to(tl.int64) * stride_os + t.to(tl.int64) * stride_on
+              + offs_h[:, None] * stride_oh + offs_v[None, :])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & v_mask[None, :])
+    tl.store(lse_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_ln + offs_h, lse,
+             mask=h_mask)
+
+
+@triton.jit
+def _mla_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, idx_ptr, row_len_ptr, out_ptr, lse_ptr,
+                n_heads, n_keys, keys_per_split, scale_log2,
+                stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
+                SMALL_HT: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
+                FINAL: tl.constexpr, PRECISION: tl.constexpr):
+    # grid (head tiles, rows, splits): head tiles vary fastest, so the programs that gather the
+    # same rows are scheduled together
+    tile = tl.program_id(0)
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(row_req_ptr + t)
+    lo = split * keys_per_split
+    if DENSE:
+        seq_len = tl.load(row_len_ptr + t)
+    else:
+        seq_len = n_keys
+    hi = tl.minimum(lo + keys_per_split, seq_len)
+    if tile < N_BIG:
+        _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+                     t, b, split, tile * BIG_HT, n_heads, lo, hi, scale_log2,
+                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                     stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, BIG_HT, BN, DENSE, FINAL, PRECISION)
+    else:
+        _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+                     t, b, split, N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT, n_heads, lo, hi,
+                     scale_log2,
+                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                     stride_os, stride_on, stride_oh, stride_ls, stride_ln,
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, SMALL_HT, BN, DENSE, FINAL, PRECISION)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
+                         stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
+                         stride_on, stride_oh, stride_ln,
+                         DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs_v = tl.arange(0, BLOCK_V)
+    h_mask = offs_h < n_heads
+    hv_mask = h_mask[:, None] & (offs_v < DV)[None, :]
+    lse_row = part_lse_ptr + t.to(tl.int64) * stride_pln + offs_h
+    m = tl.full([HB], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, BLOCK_V], tl.float32)
+    for s in range(n_splits):
+        lse_s = tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf"))
+        w = tl.exp(lse_s - m_use)                       # 0 for an empty split
+        part = tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pn
+                       + offs_h[:, None] * stride_ph + offs_v[None, :],
+                       mask=hv_mask & (lse_s > float("-inf"))[:, None], other=0.0)
+        acc += w[:, None] * part
+        den += w
+    has_key = den > 0.0
+    out = acc / tl.where(has_key, den, 1.0)[:, None]
+    lse = tl.where(has_key, m_use + tl.log(tl.where(has_key, den, 1.0)), float("inf"))
+    tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hv_mask)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
+
+
+# ---- launch planning -----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _interpreted() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _head_tiles(n_heads: int, big: int, min_tile: int) -> tuple[int, int, int]:
+    """(BIG_HT, N_BIG, SMALL_HT): full tiles of `big` heads, then one power-of-two tile for the rest
+    (96 = 64 + 32: no head is padded unless the rest is not a power of two)."""
+    n_big = n_heads // big
+    rest = n_heads - n_big * big
+    small = max(min_tile, triton.next_power_of_2(rest)) if rest else big
+    if n_big == 0:   # fewer heads than one big tile: a single small tile
+        return small, 1, small
+    return big, n_big, small
+
+
+def _plan(q: torch.Tensor, n_work_keys: int, dense: bool, config: dict | None) -> dict:
+    cfg = dict(config or {})
+    if _interpreted() or q.device.type != "cuda":
+        cfg.setdefault("big_ht", 16)
+        cfg.setdefault("bn", 16)
+        cfg.setdefault("num_warps", 4)
+        cfg.setdefault("num_stages", 1)
+        cfg.setdefault("min_tile", 1)
+    cfg.setdefault("big_ht", 64)
+    cfg.setdefault("min_tile", 16)          # tl.dot needs at least 16 rows on the GPU
+    cfg.setdefault("bn", 32)
+    cfg.setdefault("num_warps", 8)
+    cfg.setdefault("num_stages", 3)     # row gathers issued two blocks ahead of their math
+    big, n_big, small = _head_tiles(q.shape[1], cfg["big_ht"], cfg["min_tile"])
+    n_tiles = n_big + (1 if q.shape[1] > n_big * big else 0)
+    cfg.update(big=big, n_big=n_big, small=small, n_tiles=n_tiles)
+    if "splits" not in cfg:
+        # enough programs for a few waves; never a split shorter than a few key blocks
+        sms = 1 if q.device.type != "cuda" else _num_sms(q.device.index or 0)
+        want = -(-((4 if dense else 1) * sms) // max(1, q.shape[0] * n_tiles))
+        most = max(1, n_work_keys // (4 * cfg["bn"]))
+        cfg["splits"] = max(1, min(want, most))
+    return cfg
+
+
+def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv, config=None,
+            stats: dict | None = None):
+    """Both ops. `config` overrides the launch plan (tuning, tests); `stats`, when given, receives
+    the compiled kernel's registers / spills / shared memory (GPU only)."""
+    n, n_heads, width = q.shape
+    dense = indices is None
+    n_keys = block_table.shape[1] * latent_cache.shape[1] if dense else indices.shape[1]
+    cfg = _plan(q, n_keys, dense, config)
+    splits = cfg["splits"]
+    bn = cfg["bn"]
+    keys_per_split = -(-(-(-n_keys // splits)) // bn) * bn
+    out = q.new_empty((n, n_heads, dv))
+    lse = q.new_empty((n, n_heads), dtype=torch.float32)
+    if n == 0 or n_heads == 0:
+        return out, lse
+    final = splits == 1
+    if final:
+        part, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        part = q.new_empty((splits, n, n_heads, dv), dtype=torch.float32)
+        part_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
+    idx = indices if indices is not None else row_req          # unused pointer in dense mode
+    lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
+        q, latent_cache, block_table, row_req, idx, lens, part, part_lse,
+        n_heads, n_keys, keys_per_split, float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+        block_table.stride(0), idx.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+        DV=dv, DR=width - dv, BLOCK_V=triton.next_power_of_2(dv),
+        BLOCK_R=max(1, triton.next_power_of_2(width - dv)), BLOCK_SIZE=latent_cache.shape[1],
+        BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=bn, DENSE=dense,
+        FINAL=final, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if stats is not None and compiled is not None:
+        stats.update(cfg, regs=getattr(compiled, "n_regs", None),
+                     spills=getattr(compiled, "n_spills", None),
+                     shared=getattr(compiled.metadata, "shared", None))
+    if not final:
+        hb = 8
+        _merge_splits_kernel[(n, triton.cdiv(n_heads, hb))](
+            part, part_lse, out, lse, splits, n_heads,
+            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            DV=dv, BLOCK_V=triton.next_power_of_2(dv), HB=hb, num_warps=4)
+    return out, lse
+
+
+# ---- argument checks (shapes and dtypes only: nothing here reads device memory) -----------------
+
+def _check(q, latent_cache, block_table, row_req, dv, keys, keys_name) -> None:
+    if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(2) != 1:
+        raise ValueError(f"q: expected a float [N, Hq, Dl] tensor with unit last stride, got "
+                         f"{q.dtype} {tuple(q.shape)} strides {q.stride()}")
+    if (latent_cache.dim() != 3 or latent_cache.dtype not in _CACHE_DTYPES
+            or latent_cache.stride(2) != 1):
+        raise ValueError(f"latent_cache: expected [num_blocks, block_size, Dl] (float or fp8 e4m3) "
+                         f"with unit last stride, got {latent_cache.dtype} {tuple(latent_cache.shape)}")
+    if latent_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"q is {q.shape[2]} wide but latent_cache rows are "
+                         f"{latent_cache.shape[2]} wide")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table: expected contiguous-row int32 [B, max_blocks], got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    n = q.shape[0]
+    if row_req.dtype != torch.int32 or tuple(row_req.shape) != (n,) or not row_req.is_contiguous():
+        raise ValueError(f"row_req: expected contiguous int32 [{n}], got {row_req.dtype} "
+                         f"{tuple(row_req.shape)}")
+    if not isinstance(dv, int) or not 0 < dv <= q.shape[2]:
+        raise ValueError(f"dv must be an integer in 1..{q.shape[2]} (the row width), got {dv!r}")
+    if keys.dtype != torch.int32 or keys.shape[0] != n or keys.stride(-1) != 1:
+        raise ValueError(f"{keys_name}: expected int32 with {n} rows and unit last stride, got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
+    devices = {t.device for t in (q, latent_cache, block_table, row_req, keys)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+@register("k31c::sparse_mla", ("h200", "mi350x"))
+def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+               row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, latent_cache, block_table, row_req, dv, indices, "indices")
+    if indices.dim() != 2:
+        raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
+    return _launch(q, latent_cache, block_table, row_req, indices, None, sm_scale, dv)
+
+
+@register("k31c::dense_mla", ("h200", "mi350x"))
+def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+              row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
+              dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(q, latent_cache, block_table, row_req, dv, row_len, "row_len")
+    if row_len.dim() != 1:
+        raise ValueError(f"row_len: expected int32 [N], got {tuple(row_len.shape)}")
+    return _launch(q, latent_cache, block_table, row_req, None, row_len, sm_scale, dv)

@@ -1,0 +1,613 @@
+"""Triton top-k (`k31c::topk_select`) and fused indexer + top-k (`k31c::lightning_indexer_topk`).
+
+Selection (spec/model.md §6.7.4): row t keeps the k largest composites `key << 32 | position`
+over its positions < row_len[t], where key is the score's order-preserving uint32 image (-0.0 ties
+with +0.0, every NaN sits above +inf, as torch.sort orders them). Composites are distinct, so the
+set is unique and equals the reference's: among equal scores the higher position wins.
+
+Fixed launch sequence (no host sync; grids from static shapes; CUDA-graph safe):
+1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
+   with n <= CAP take threshold 0 (every position is a candidate). Longer rows read a strided
+   sample (runs of 8) and take as threshold T the sample key ranked TARGET*SAMPLES/n, so about
+   TARGET = 2.5k keys of the row reach T.
+2. filter, several programs per row: one pass appends each (key, position) with key >= T to the
+   row's candidate buffer (atomic counter). The row's last program to finish (atomic done
+   counter) refines: with k <= count <= CAP it finds the exact k-th largest composite by a
+   4-bit-digit search and writes the k winners; otherwise (the sample misjudged T, or a mass of
+   ties at T such as ReLU zeros) the row joins the fallback list.
+3. fallback, 4 digit passes + 1 emit pass over the listed rows (programs exit at once when the
+   list is empty): exact 8-bit radix select on the full row. Each program histograms its chunk;
+   the row's last program picks the digit and the remaining k. After the 4th digit the key T and
+   the number of ties at T to take are exact; the per-chunk tie counts tell each chunk how many of
+   its own ties to take, highest positions first.
+
+The fused op runs the same pipeline on scores computed in-kernel from the index cache (FP8 e4m3
+through the block table, or BF16/F32); the [N, L] score matrix is never written. The sample
+pass scores only the sampled positions, the filter pass scores each tile in registers (all rows
+of a request from one key load) and keeps only candidates, and fallback rows (rare) are rescored
+on each of their passes. The scoring is this module's own (not shared with triton/indexer.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from k31c.graph.ops.cache_write import index_row_bytes, is_fp8_index_cache
+from k31c.graph.ops.indexer import _check_indexer, _check_topk
+from k31c.lowering.registry import register
+from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+
+CAP = 12288            # candidate buffer per row (k <= 2048 → ~2.5k expected, 6k safe margin)
+TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
+SAMPLES, RUN = 8192, 8          # sampled keys per long row, in runs of 8 adjacent positions
+FB_PROGRAMS = 128               # programs of each fallback pass (each takes 1/128 of a row)
+ROW_STATE = 8                   # int32 words of per-row state
+
+# per-row state words
+_CNT = tl.constexpr(0)      # candidates appended
+_DONE = tl.constexpr(1)     # programs finished with this row (filter, then each fallback pass)
+_OUT = tl.constexpr(2)      # outputs written by the fallback emit pass
+_THRESH = tl.constexpr(3)   # filter threshold key (uint32 bits)
+_MODE = tl.constexpr(4)     # 1: row already written by plan (row_len <= k)
+_KREM = tl.constexpr(5)     # fallback: how many of the keys matching PREFIX are still to take
+_PREFIX = tl.constexpr(6)   # fallback: digits of the k-th key found so far
+_RS = tl.constexpr(ROW_STATE)
+
+
+# ---- keys and selection helpers ---------------------------------------------------------------
+
+@triton.jit
+def _order_key(x):
+    """fp32 → uint32 whose unsigned order is the float order (torch.sort's, NaN above +inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
+    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
+
+
+@triton.jit
+def _composite(key_ptr, pos_ptr, offs, m, WITH_POS: tl.constexpr):
+    key = tl.load(key_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    comp = key.to(tl.uint64) << 32
+    if WITH_POS:
+        comp = comp | tl.load(pos_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint64)
+    return comp
+
+
+@triton.jit
+def _kth_composite(key_ptr, pos_ptr, count, kth, EXTRA_DIGITS: tl.constexpr, TILE: tl.constexpr,
+                   WITH_POS: tl.constexpr):
+    """Largest t, to 4-bit digits, with #{c >= t} >= kth over c = key << 32 | pos of the first
+    `count` entries. With WITH_POS the composites are distinct and the search runs until exactly
+    kth entries reach t. The digits shared by the largest and smallest entry are taken as known;
+    at most EXTRA_DIGITS further digits are searched."""
+    hi = tl.zeros((), tl.uint64)
+    lo = tl.full((), 0xFFFFFFFFFFFFFFFF, tl.uint64)
+    for start in range(0, count, TILE):
+        offs = start + tl.arange(0, TILE)
+        m = offs < count
+        comp = _composite(key_ptr, pos_ptr, offs, m, WITH_POS)
+        hi = tl.maximum(hi, tl.max(comp, 0))
+        lo = tl.minimum(lo, tl.min(tl.where(m, comp, 0xFFFFFFFFFFFFFFFF), 0))
+    diff = hi ^ lo
+    digit = 0
+    while (digit < 16) & ((diff >> (60 - 4 * digit).to(tl.uint64)) == 0):
+        digit += 1
+    keep = (64 - 4 * digit).to(tl.uint64)
+    prefix = tl.where(digit == 0, tl.zeros_like(hi), (hi >> keep) << keep)
+    done = digit >= 16
+    last = tl.minimum(digit + EXTRA_DIGITS, 16 if WITH_POS else 8)
+    j = tl.arange(0, 16)
+    while (digit < last) & (not done):
+        shift = (60 - 4 * digit).to(tl.uint64)
+        steps = prefix + (j.to(tl.uint64) << shift)
+        counts = tl.zeros([16], tl.int32)
+        for start in range(0, count, TILE):
+            offs = start + tl.arange(0, TILE)
+            m = offs < count
+            comp = _composite(key_ptr, pos_ptr, offs, m, WITH_POS)
+            ge = (comp[None, :] >= steps[:, None]) & m[None, :]
+            counts += tl.sum(ge.to(tl.int32), 1)
+        best = tl.max(tl.where(counts >= kth, j, 0), 0)
+        prefix = prefix + (best.to(tl.uint64) << shift)
+        done = tl.sum(tl.where(j == best, counts, 0), 0) == kth
+        digit += 1
+    return prefix
+
+
+@triton.jit
+def _append(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
+    """Append the selected (key, position) of a [R, T] tile to each row's candidate buffer."""
+    seli = sel.to(tl.int32)
+    nsel = tl.sum(seli, 1)
+    if tl.sum(nsel, 0) > 0:
+        base = tl.atomic_add(st_rows + _CNT, nsel, mask=nsel > 0)
+        idx = base[:, None] + tl.cumsum(seli, 1) - seli
+        ok = sel & (idx < cap)
+        tl.store(ckey_rows[:, None] + idx, key.to(tl.int32, bitcast=True), mask=ok)
+        tl.store(cpos_rows[:, None] + idx, pos + tl.zeros_like(idx), mask=ok)
+
+
+@triton.jit
+def _refine(row, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap,
+            TILE: tl.constexpr):
+    """The row's exact top-k from its candidates, or hand the row to the fallback passes."""
+    st = state_ptr + row * _RS
+    ckey = ckey_ptr + row.to(tl.int64) * cap
+    cpos = cpos_ptr + row.to(tl.int64) * cap
+    count = tl.atomic_add(st + _CNT, 0)
+    if (count >= k) & (count <= cap):
+        t = _kth_composite(ckey, cpos, count, k, 16, TILE, True)
+        out_row = out_ptr + row.to(tl.int64) * out_stride
+        base = 0
+        for start in range(0, count, TILE):
+            offs = start + tl.arange(0, TILE)
+            m = offs < count
+            sel = m & (_composite(ckey, cpos, offs, m, True) >= t)
+            seli = sel.to(tl.int32)
+            pos = tl.load(cpos + offs, mask=sel, other=0, cache_modifier=".cg")
+            tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+            base += tl.sum(seli, 0)
+    else:
+        slot = tl.atomic_add(fb_ptr, 1)
+        tl.store(fb_ptr + 1 + slot, row)
+        tl.store(st + _PREFIX, 0)
+        tl.store(st + _KREM, k)
+        tl.store(st + _DONE, 0)
+
+
+@triton.jit
+def _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap,
+            R: tl.constexpr, TILE: tl.constexpr):
+    """Count this program done for its rows; the last program of a row refines it."""
+    tl.debug_barrier()   # every thread's candidate stores happen before the release below
+    fin = tl.atomic_add(state_ptr + rows * _RS + _DONE, 1, mask=active)
+    last = active & (fin == tl.num_programs(1) - 1)
+    r = tl.arange(0, R)
+    for j in tl.static_range(R):
+        if tl.sum(tl.where(r == j, last.to(tl.int32), 0), 0) > 0:
+            row = tl.sum(tl.where(r == j, rows, 0), 0)
+            _refine(row, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, TILE)
+
+
+@triton.jit
+def _sample_pos(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
+    """Position of sample i of a row of n > SAMPLES keys: runs of RUN spread evenly."""
+    return ((i // RUN).to(tl.int64) * n // (SAMPLES // RUN) + i % RUN).to(tl.int32)
+
+
+# ---- in-kernel indexer scores (fused op) ------------------------------------------------------
+
+@triton.jit
+def _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, ok, H, D, G: tl.constexpr, HP: tl.constexpr,
+            DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q of G rows as one [G*HP, DP] MMA operand and their head weights [G*HP] (0 where masked).
+    For an FP8 dot q is quantised per (row, head) as the keys are (scale folded into w), exactly
+    as the Triton indexer does, so fused and unfused scores agree."""
+    gh = tl.arange(0, G * HP)
+    sel = (gh // HP)[:, None] == tl.arange(0, G)[None, :]
+    row = tl.sum(tl.where(sel, rows[None, :], 0), 1)
+    h = gh % HP
+    use = (tl.sum(tl.where(sel, ok[None, :].to(tl.int32), 0), 1) > 0) & (h < H)
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + row.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=use[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + row.to(tl.int64) * sw_t + h, mask=use, other=0.0)
+    if DOT_DTYPE == tl.float8e4nv:
+        q_scale = e4m3_scale(tl.max(tl.abs(q), 1))
+        q = quantize_e4m3(q, q_scale[:, None])
+        w = w * q_scale                     # ReLU(s·x) = s·ReLU(x) for s > 0
+    return q.to(DOT_DTYPE), w
+
+
+@triton.jit
+def _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, req, pos, pos_ok, D,
+                BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """[G, BS] scores Σ_h w[g,h]·ReLU(q[g,h]·key[pos]) of request req's keys at positions pos."""
+    blk = tl.load(bt_ptr + req.to(tl.int64) * sbt + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    off = pos % BLOCK_SIZE
+    d = tl.arange(0, DP)
+    kmask = pos_ok[:, None] & (d < D)[None, :]
+    if FP8:
+        base = blk * (BLOCK_SIZE * (D + 4))
+        keys = tl.load(cache_ptr + (base + off * D)[:, None] + d[None, :], mask=kmask, other=0.0)
+        if cache_ptr.dtype.element_ty == tl.uint8:      # the interpreter gets the raw bytes
+            keys = keys.to(tl.float8e4nv, bitcast=True)
+        scale = tl.load(scale_ptr + (base + BLOCK_SIZE * D) // 4 + off, mask=pos_ok, other=0.0)
+    else:
+        keys = tl.load(cache_ptr + ((blk * BLOCK_SIZE + off) * D)[:, None] + d[None, :], mask=kmask,
+                       other=0.0)
+    if DOT_DTYPE == tl.float32:
+        s = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)))
+    s = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[:, None], [G, HP, pos.shape[0]]), 1)
+    if FP8:
+        s = s * scale[None, :]            # the key's scale > 0 factors out of ReLU and the head sum
+    return s
+
+
+@triton.jit
+def _row_keys(row, pos, pos_ok, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr,
+              scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr,
+              DOT_DTYPE: tl.constexpr):
+    """Keys of one row at positions pos: read from the scores, or scored from the cache."""
+    if FUSED:
+        rows = row + tl.zeros([1], tl.int32)
+        q, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, rows >= 0, H, D, 1, HP, DP, DOT_DTYPE)
+        s = _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, tl.load(row_req_ptr + row), pos,
+                        pos_ok, D, BLOCK_SIZE, 1, HP, DP, FP8, DOT_DTYPE)
+        key = _order_key(tl.reshape(s, [pos.shape[0]]))
+    else:
+        key = _order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos_ok, other=0.0))
+    return key
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+@triton.jit
+def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
+                 sample_ptr, hist_ptr, k, cap, target, PRESAMPLED: tl.constexpr, SAMPLES: tl.constexpr,
+                 RUN: tl.constexpr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    n = tl.load(row_len_ptr + row)
+    st = state_ptr + row * _RS
+    if row == 0:
+        tl.store(fb_ptr, 0)
+    tl.store(st + _CNT, 0)
+    tl.store(st + _DONE, 0)
+    tl.store(st + _OUT, 0)
+    tl.store(hist_ptr + row * 256 + tl.arange(0, 256), tl.zeros([256], tl.int32))
+    thresh = tl.zeros((), tl.uint32)
+    if n <= k:       # every visible position, then -1
+        tl.store(st + _MODE, 1)
+        for start in range(0, k, TILE):
+            j = start + tl.arange(0, TILE)
+            tl.store(out_ptr + row.to(tl.int64) * out_stride + j, tl.where(j < n, j, -1), mask=j < k)
+    else:
+        tl.store(st + _MODE, 0)
+        if n > cap:  # threshold from a sample; shorter rows keep 0 (all positions are candidates)
+            samples = sample_ptr + row.to(tl.int64) * SAMPLES
+            if not PRESAMPLED:
+                for start in range(0, SAMPLES, TILE):
+                    i = start + tl.arange(0, TILE)
+                    x = tl.load(src_ptr + row.to(tl.int64) * src_stride + _sample_pos(i, n, SAMPLES, RUN),
+                                mask=i < SAMPLES, other=0.0)
+                    tl.store(samples + i, _order_key(x).to(tl.int32, bitcast=True), mask=i < SAMPLES)
+                tl.debug_barrier()
+            rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
+            thresh = (_kth_composite(samples, samples, SAMPLES, rank, 5, TILE, False) >> 32).to(tl.uint32)
+    tl.store(st + _THRESH, thresh.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _filter_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
+                   ckey_ptr, cpos_ptr, k, cap, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                   RTILE: tl.constexpr):
+    row = tl.program_id(0)
+    rows = row + tl.zeros([1], tl.int32)
+    st_rows = state_ptr + rows * _RS
+    active = tl.load(st_rows + _MODE) == 0
+    if tl.sum(active.to(tl.int32), 0) > 0:
+        n = tl.load(row_len_ptr + row)
+        thresh = tl.load(st_rows + _THRESH).to(tl.uint32, bitcast=True)
+        lo = tl.program_id(1) * CHUNK
+        hi = tl.minimum(lo + CHUNK, n)
+        for start in range(lo, hi, TILE):
+            pos = start + tl.arange(0, TILE)
+            x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos < hi, other=0.0)
+            key = _order_key(x)[None, :]
+            sel = (pos < hi)[None, :] & (key >= thresh[:, None])
+            _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
+                    key, pos[None, :], sel, cap)
+        _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, 1, RTILE)
+
+
+@triton.jit
+def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
+                         row_len_ptr, sample_ptr, cap, SAMPLES: tl.constexpr, RUN: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
+                         DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Order keys of the sampled positions of each long row (the plan pass reads them)."""
+    row = tl.program_id(0)
+    n = tl.load(row_len_ptr + row)
+    if n > cap:
+        i = tl.program_id(1) * BS + tl.arange(0, BS)
+        pos = _sample_pos(i, n, SAMPLES, RUN)
+        key = _row_keys(row, pos, pos < n, q_ptr, 0, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr,
+                        scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, True, BLOCK_SIZE, HP, DP, FP8, DOT_DTYPE)
+        tl.store(sample_ptr + row.to(tl.int64) * SAMPLES + i, key.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
+                         row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, ckey_ptr, cpos_ptr,
+                         n_rows, k, cap, G: tl.constexpr, CHUNK: tl.constexpr, BS: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                         FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, RTILE: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+    """Score G consecutive rows over one chunk of positions, keeping the candidates. Rows of one
+    request share each key load (one MMA of G*HP query rows); a group spanning several
+    requests is handled one request at a time."""
+    r = tl.arange(0, G)
+    rows = tl.program_id(0) * G + r
+    valid = rows < n_rows
+    reqs = tl.load(row_req_ptr + rows, mask=valid, other=-1)
+    lens = tl.load(row_len_ptr + rows, mask=valid, other=0)
+    st_rows = state_ptr + rows * _RS
+    active = valid & (tl.load(st_rows + _MODE, mask=valid, other=1) == 0)
+    thresh = tl.load(st_rows + _THRESH, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    lo = tl.program_id(1) * CHUNK
+    for j in tl.static_range(G):
+        lead = tl.sum(tl.where(r == j, reqs, 0), 0)
+        first = tl.sum(tl.where((r < j) & active & (reqs == lead), 1, 0), 0) == 0
+        if first & (tl.sum(tl.where(r == j, active.to(tl.int32), 0), 0) > 0):
+            mine = active & (reqs == lead)
+            hi = tl.minimum(lo + CHUNK, tl.max(tl.where(mine, lens, 0), 0))
+            q, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, mine, H, D, G, HP, DP, DOT_DTYPE)
+            for start in tl.range(lo, hi, BS, num_stages=NUM_STAGES):
+                pos = start + tl.arange(0, BS)
+                s = _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, lead, pos, pos < hi, D, BLOCK_SIZE,
+                                G, HP, DP, FP8, DOT_DTYPE)
+                key = _order_key(s)
+                sel = mine[:, None] & (pos[None, :] < lens[:, None]) & (key >= thresh[:, None])
+                _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
+                        key, pos[None, :], sel, cap)
+    _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, G, RTILE)
+
+
+@triton.jit
+def _fb_chunk(n, NP: tl.constexpr, TILE: tl.constexpr):
+    """This program's [lo, hi) share of a fallback row of n keys (whole tiles)."""
+    chunk = tl.cdiv(tl.cdiv(n, NP), TILE) * TILE
+    lo = tl.program_id(0) * chunk
+    return lo, tl.minimum(lo + chunk, n)
+
+
+@triton.jit
+def _fb_digit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
+                     row_req_ptr, H, D, row_len_ptr, state_ptr, fb_ptr, hist_ptr,
+                     LEVEL: tl.constexpr, NP: tl.constexpr, TILE: tl.constexpr,
+                     FUSED: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
+                     DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Fallback digit LEVEL (bits 31-8*LEVEL .. 24-8*LEVEL of the k-th key) of every listed row."""
+    bins = tl.arange(0, 256)
+    for j in range(tl.load(fb_ptr)):
+        row = tl.load(fb_ptr + 1 + j)
+        st = state_ptr + row * _RS
+        lo, hi = _fb_chunk(tl.load(row_len_ptr + row), NP, TILE)
+        prefix = tl.load(st + _PREFIX).to(tl.uint32, bitcast=True)
+        hist = tl.zeros([256], tl.int32)
+        for start in range(lo, hi, TILE):
+            pos = start + tl.arange(0, TILE)
+            key = _row_keys(row, pos, pos < hi, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t,
+                            cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP,
+                            FP8, DOT_DTYPE)
+            match = pos < hi
+            if LEVEL > 0:
+                match = match & ((key >> (32 - 8 * LEVEL)) == (prefix >> (32 - 8 * LEVEL)))
+            hist += tl.histogram(((key >> (24 - 8 * LEVEL)) & 0xFF).to(tl.int32), 256, mask=match)
+        hrow = hist_ptr + row * 256 + bins
+        tl.atomic_add(hrow, hist, mask=hist > 0)
+        tl.debug_barrier()
+        if tl.atomic_add(st + _DONE, 1) == NP - 1:     # last program: choose the digit
+            tl.store(st + _DONE, 0)
+            total = tl.atomic_xchg(hrow, tl.zeros_like(hist))       # read and clear for the next level
+            krem = tl.load(st + _KREM)
+            suffix = tl.sum(total, 0) - tl.cumsum(total, 0) + total  # keys with digit >= d
+            best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
+            tl.store(st + _KREM, krem - tl.sum(tl.where(bins > best, total, 0), 0))
+            tl.store(st + _PREFIX, (prefix | (best.to(tl.uint32) << (24 - 8 * LEVEL))).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _fb_ties_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
+                    row_req_ptr, H, D, row_len_ptr, state_ptr, fb_ptr, take_ptr,
+                    NP: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Fallback: count each chunk's ties at the (now exact) k-th key; the row's last program turns
+    the counts into how many ties each chunk takes, highest chunks first."""
+    p = tl.program_id(0)
+    for j in range(tl.load(fb_ptr)):
+        row = tl.load(fb_ptr + 1 + j)
+        st = state_ptr + row * _RS
+        lo, hi = _fb_chunk(tl.load(row_len_ptr + row), NP, TILE)
+        thresh = tl.load(st + _PREFIX).to(tl.uint32, bitcast=True)
+        ties = 0
+        for start in range(lo, hi, TILE):
+            pos = start + tl.arange(0, TILE)
+            key = _row_keys(row, pos, pos < hi, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t,
+                            cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP,
+                            FP8, DOT_DTYPE)
+            ties += tl.sum(((pos < hi) & (key == thresh)).to(tl.int32), 0)
+        take_row = take_ptr + row * NP
+        tl.store(take_row + p, ties)
+        tl.debug_barrier()
+        if tl.atomic_add(st + _DONE, 1) == NP - 1:
+            tl.store(st + _DONE, 0)
+            chunk_ties = tl.load(take_row + tl.arange(0, NP), cache_modifier=".cg")
+            higher = tl.sum(chunk_ties, 0) - tl.cumsum(chunk_ties, 0)
+            take = tl.minimum(tl.maximum(tl.load(st + _KREM) - higher, 0), chunk_ties)
+            tl.store(take_row + tl.arange(0, NP), take)
+
+
+@triton.jit
+def _fb_emit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
+                    row_req_ptr, H, D, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, take_ptr,
+                    NP: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Fallback output: keys above the k-th key, and each chunk's share of ties at it from the
+    highest position down."""
+    p = tl.program_id(0)
+    for j in range(tl.load(fb_ptr)):
+        row = tl.load(fb_ptr + 1 + j)
+        st = state_ptr + row * _RS
+        lo, hi = _fb_chunk(tl.load(row_len_ptr + row), NP, TILE)
+        thresh = tl.load(st + _PREFIX).to(tl.uint32, bitcast=True)
+        take = tl.load(take_ptr + row * NP + p)
+        seen = 0
+        tiles = tl.cdiv(hi - lo, TILE)
+        for t in range(tiles):
+            pos = lo + (tiles - 1 - t) * TILE + tl.arange(0, TILE)
+            key = _row_keys(row, pos, pos < hi, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t,
+                            cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP,
+                            FP8, DOT_DTYPE)
+            tie = ((pos < hi) & (key == thresh)).to(tl.int32)
+            n_tie = tl.sum(tie, 0)
+            above = seen + n_tie - tl.cumsum(tie, 0)         # ties at higher positions
+            sel = ((pos < hi) & (key > thresh)) | ((tie > 0) & (above < take))
+            seli = sel.to(tl.int32)
+            n_sel = tl.sum(seli, 0)
+            if n_sel > 0:
+                base = tl.atomic_add(st + _OUT, n_sel)
+                tl.store(out_ptr + row.to(tl.int64) * out_stride + base + tl.cumsum(seli, 0) - seli,
+                         pos, mask=sel)
+            seen += n_tie
+
+
+# ---- launchers --------------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _workspace(n_rows: int, width: int, k: int, device) -> tuple[int, dict[str, torch.Tensor]]:
+    """Scratch for one call (one int32 allocation): per-row state, fallback list, candidate
+    buffers, samples, fallback histograms and per-chunk tie takes."""
+    cap = min(max(CAP, 6 * k), width)
+    sizes = {"state": n_rows * ROW_STATE, "fb": n_rows + 1, "ckey": n_rows * cap, "cpos": n_rows * cap,
+             "samples": n_rows * SAMPLES if width > cap else 1, "hist": n_rows * 256,
+             "take": n_rows * FB_PROGRAMS}
+    flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
+    return cap, dict(zip(sizes, flat.split(list(sizes.values()))))
+
+
+def _chunking(width: int, groups: int, tile: int, programs: int = 4096) -> tuple[int, int]:
+    """Positions per filter program (whole tiles) and programs per row group, ~`programs` in all."""
+    per_group = max(1, programs // max(groups, 1))
+    chunk = max(tile, triton.cdiv(triton.cdiv(width, per_group), tile) * tile)
+    return chunk, triton.cdiv(width, chunk)
+
+
+def _fallback(src: tuple, row_len, out, ws, k_args: dict) -> None:
+    """The exact radix passes for the rows the filter could not settle (usually none)."""
+    common = (*src, row_len)
+    for level in range(4):
+        _fb_digit_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["hist"], LEVEL=level,
+                                         NP=FB_PROGRAMS, **k_args)
+    _fb_ties_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["take"], NP=FB_PROGRAMS, **k_args)
+    _fb_emit_kernel[(FB_PROGRAMS,)](*common, out, out.stride(0), ws["state"], ws["fb"], ws["take"],
+                                    NP=FB_PROGRAMS, **k_args)
+
+
+_SCORE_TILE, _REFINE_TILE = 2048, 1024
+
+
+@register("k31c::topk_select", ("h200", "mi350x"))
+def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
+    _check_topk(scores, row_len, k)
+    n_rows, width = scores.shape
+    out = torch.empty((n_rows, k), dtype=torch.int32, device=scores.device)
+    if n_rows == 0:
+        return out
+    if width and scores.stride(1) != 1:
+        scores = scores.contiguous()
+    cap, ws = _workspace(n_rows, max(width, 1), k, scores.device)
+    target = TARGET_NUM * k // TARGET_DEN
+    _plan_kernel[(n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"], ws["fb"],
+                            ws["samples"], ws["hist"], k, cap, target, PRESAMPLED=False,
+                            SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE, num_warps=8)
+    if width == 0:
+        return out
+    chunk, per_row = _chunking(width, n_rows, _SCORE_TILE)
+    _filter_kernel[(n_rows, per_row)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
+                                      ws["fb"], ws["ckey"], ws["cpos"], k, cap, CHUNK=chunk,
+                                      TILE=_SCORE_TILE, RTILE=_REFINE_TILE, num_warps=8)
+    src = (scores, scores.stride(0), scores, 0, 0, scores, 0, scores, scores, 0, scores, 0, 0)
+    _fallback(src, row_len, out, ws, dict(TILE=_REFINE_TILE, FUSED=False, BLOCK_SIZE=1, HP=16, DP=16,
+                                          FP8=False, DOT_DTYPE=tl.float32, num_warps=8))
+    return out
+
+
+
+def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
+    """MMA input type, as the Triton indexer picks it: FP8 (q quantised like the keys) for an FP8
+    cache on the GPU; a 16-bit dot where q and the keys are exact in it; fp32 otherwise and under
+    the interpreter (its 16-bit and fp8 dots are not trusted)."""
+    if _interpreting() or q.device.type != "cuda":
+        return tl.float32
+    if fp8:
+        return tl.float8e4nv
+    for torch_t, tl_t in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16)):
+        if q.dtype == torch_t and cache.dtype == torch_t:
+            return tl_t
+    return tl.float32
+
+
+_FUSED_TILE = 64      # positions per scoring tile
+
+
+@register("k31c::lightning_indexer_topk", ("h200", "mi350x"))
+def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                           block_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
+                           k: int) -> torch.Tensor:
+    """topk_select(lightning_indexer(...), row_len, k) without writing the scores out."""
+    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    if not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    n_rows, heads, d = q.shape
+    if d > 128:
+        raise ValueError(f"q: index_head_dim {d} > 128 (one FP8 scale group) is not supported by the "
+                         "fused kernel")
+    if not index_cache.is_contiguous():
+        raise ValueError("index_cache: the fused kernel needs a contiguous cache tensor")
+    fp8 = is_fp8_index_cache(index_cache)
+    if fp8 and (block_size * d) % 4:
+        raise ValueError(f"index_cache: block_size*d = {block_size * d} is not a multiple of 4 "
+                         "(unaligned fp32 scales)")
+    width = block_table.shape[1] * block_size
+    out = torch.empty((n_rows, k), dtype=torch.int32, device=q.device)
+    if n_rows == 0:
+        return out
+    cap, ws = _workspace(n_rows, max(width, 1), k, q.device)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    dot = _dot_dtype(q, index_cache, fp8)
+    scale_view = index_cache.view(torch.float32) if fp8 else index_cache
+    if dot == tl.float8e4nv:   # e4m3 loads feed the tensor cores directly (no byte bitcast)
+        index_cache = index_cache.view(torch.float8_e4m3fn)
+    groups = min(4, 1 << (max(1, n_rows // block_table.shape[0]).bit_length() - 1))  # rows per request
+    hp1 = max(_pow2(heads), 16)
+    shape = dict(BLOCK_SIZE=block_size, DP=max(16, _pow2(d)), FP8=fp8, DOT_DTYPE=dot)
+    src = (q, q.stride(0), q.stride(1), weights, weights.stride(0), index_cache, scale_view, block_table,
+           block_table.stride(0), row_req, heads, d)
+    if width > cap:
+        _fused_sample_kernel[(n_rows, SAMPLES // _FUSED_TILE)](*src, row_len, ws["samples"], cap,
+                                                               SAMPLES=SAMPLES, RUN=RUN, BS=_FUSED_TILE,
+                                                               HP=hp1, **shape, num_warps=4)
+    _plan_kernel[(n_rows,)](q, 0, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["samples"],
+                            ws["hist"], k, cap, TARGET_NUM * k // TARGET_DEN, PRESAMPLED=True,
+                            SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE, num_warps=8)
+    if width == 0:
+        return out
+    n_groups = triton.cdiv(n_rows, groups)
+    chunk, per_group = _chunking(width, n_groups, _FUSED_TILE, programs=2048)
+    _fused_filter_kernel[(n_groups, per_group)](
+        *src, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["ckey"], ws["cpos"], n_rows, k,
+        cap, G=groups, CHUNK=chunk, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape,
+        RTILE=_REFINE_TILE, NUM_STAGES=3, num_warps=8)
+    _fallback((q, 0, *src), row_len, out, ws, dict(TILE=_FUSED_TILE, FUSED=True, HP=hp1, **shape,
+                                                   num_warps=4))
+    return out

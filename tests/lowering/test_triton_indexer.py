@@ -1,0 +1,161 @@
+"""Triton lightning indexer vs the reference op torch.ops.k31c.lightning_indexer.
+
+Inputs are random paged caches (blocks scattered through the pool, unused table entries -1),
+decode/verify layouts (B x R rows with increasing lengths) and prefill-like layouts (uneven runs
+of rows per request, tiles spanning requests). The -inf pattern must match exactly.
+"""
+import pytest
+import torch
+
+import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.graph.ops.cache_write import index_row_bytes, quantize_index_fp8, dequantize_index_fp8
+from k31c.lowering.triton import indexer as tix
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
+# FP8 tensor cores accumulate e4m3 products with fewer than fp32's bits
+FP8_TOL = 2e-3 if CUDA else 1e-5
+
+
+def _cache(kind: str, num_blocks: int, block_size: int, d: int, gen, device) -> torch.Tensor:
+    keys = torch.randn(num_blocks * block_size, d, generator=gen)
+    slots = torch.arange(num_blocks * block_size)
+    if kind == "fp8":
+        cache = torch.zeros(num_blocks, block_size * index_row_bytes(d), dtype=torch.uint8)
+    else:
+        cache = torch.zeros(num_blocks, block_size, d, dtype=getattr(torch, kind))
+    torch.ops.k31c.index_cache_write(cache, keys, slots)
+    return cache.to(device)
+
+
+def _block_table(n_req: int, max_blocks: int, used: list[int], num_blocks: int, gen) -> torch.Tensor:
+    """Each request gets `used[b]` distinct random blocks of the pool; the rest of its row is -1."""
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((n_req, max_blocks), -1, dtype=torch.int32)
+    at = 0
+    for b, u in enumerate(used):
+        table[b, :u] = perm[at: at + u].int()
+        at += u
+    return table
+
+
+def _decode_rows(lengths: list[int], r: int):
+    """B x R verify rows: row j of request b sees lengths[b] - r + 1 + j keys."""
+    row_req = torch.arange(len(lengths)).repeat_interleave(r).int()
+    row_len = torch.tensor([max(0, L - r + 1 + j) for L in lengths for j in range(r)]).int()
+    return row_req, row_len
+
+
+def _problem(kind, *, heads, d, block_size, max_blocks, row_req, row_len, gen, q_dtype=torch.float32,
+             device=DEVICE):
+    n_req = int(row_req.max()) + 1 if row_req.numel() else 1
+    used = [0] * n_req
+    for b, L in zip(row_req.tolist(), row_len.tolist()):
+        used[b] = max(used[b], -(-L // block_size))
+    num_blocks = sum(used) + 3
+    cache = _cache(kind, num_blocks, block_size, d, gen, device)
+    table = _block_table(n_req, max_blocks, used, num_blocks, gen).to(device)
+    n = row_req.shape[0]
+    q = torch.randn(n, heads, d, generator=gen).to(device, q_dtype)
+    weights = torch.randn(n, heads, generator=gen).to(device) * (heads * d) ** -0.5
+    return q, weights, cache, table, row_req.to(device), row_len.to(device)
+
+
+def _dequantised_q(q: torch.Tensor) -> torch.Tensor:
+    """q as the FP8 path sees it: e4m3 per (row, head) with one fp32 scale."""
+    n, h, d = q.shape
+    values, scales = quantize_index_fp8(q.float().reshape(n * h, d))
+    return dequantize_index_fp8(values, scales).view(n, h, d)
+
+
+def _reference(kind: str, q, *rest):
+    """The reference op on the q the kernel's dot sees (quantised on the GPU's FP8 path)."""
+    if kind == "fp8" and CUDA:
+        q = _dequantised_q(q)
+    return torch.ops.k31c.lightning_indexer(q, *rest)
+
+
+def _assert_scores(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> None:
+    assert got.shape == ref.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), "-inf pattern differs"
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(got[finite], ref[finite], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("kind", ["float32", "fp8"])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_verify_rows(kind, splits):
+    gen = torch.Generator().manual_seed(10)
+    row_req, row_len = _decode_rows([70, 3, 128, 41], r=4)       # one request shorter than R
+    args = _problem(kind, heads=4, d=32, block_size=16, max_blocks=9, row_req=row_req,
+                    row_len=row_len, gen=gen)
+    ref = _reference(kind, *args)
+    got = tix.launch_indexer(*args, splits=splits)
+    tol = FP8_TOL if kind == "fp8" else 1e-5
+    _assert_scores(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["float32", "fp8"])
+def test_prefill_rows_spanning_tiles(kind):
+    """Uneven runs (5, 1, 6, 2 rows): tiles hold rows of two requests; one request sees 0 keys."""
+    gen = torch.Generator().manual_seed(11)
+    counts, starts = [5, 1, 6, 2], [40, 0, 90, 7]
+    row_req = torch.cat([torch.full((c,), b) for b, c in enumerate(counts)]).int()
+    row_len = torch.cat([torch.arange(s + 1, s + c + 1) for s, c in zip(starts, counts)]).int()
+    row_len[5] = 0
+    args = _problem(kind, heads=4, d=32, block_size=8, max_blocks=13, row_req=row_req,
+                    row_len=row_len, gen=gen)
+    ref = _reference(kind, *args)
+    tol = FP8_TOL if kind == "fp8" else 1e-5
+    _assert_scores(tix.lightning_indexer(*args), ref, rtol=tol, atol=tol)
+
+
+def test_fp16_queries_and_odd_sizes():
+    """fp16 q, 3 heads, d = 24 (padded on chip), R = 3 rows per request, block size 4."""
+    gen = torch.Generator().manual_seed(12)
+    row_req, row_len = _decode_rows([9, 30, 17], r=3)
+    args = _problem("float32", heads=3, d=24, block_size=4, max_blocks=8, row_req=row_req,
+                    row_len=row_len, gen=gen, q_dtype=torch.float16)
+    ref = torch.ops.k31c.lightning_indexer(*args)
+    _assert_scores(tix.lightning_indexer(*args), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_quantised_q_path():
+    """The GPU's FP8-q path (run here with an fp32 dot) equals the reference on dequantised q."""
+    gen = torch.Generator().manual_seed(13)
+    row_req, row_len = _decode_rows([50, 77], r=2)
+    q, w, cache, table, rr, rl = _problem("fp8", heads=8, d=32, block_size=16, max_blocks=5,
+                                          row_req=row_req, row_len=row_len, gen=gen)
+    ref = torch.ops.k31c.lightning_indexer(_dequantised_q(q), w, cache, table, rr, rl)
+    got = tix.launch_indexer(q, w, cache, table, rr, rl, quant_q=True)
+    _assert_scores(got, ref, rtol=FP8_TOL, atol=FP8_TOL)
+
+
+def test_bad_arguments_raise():
+    gen = torch.Generator().manual_seed(14)
+    row_req, row_len = _decode_rows([8], r=1)
+    q, w, cache, table, rr, rl = _problem("float32", heads=4, d=32, block_size=8, max_blocks=2,
+                                          row_req=row_req, row_len=row_len, gen=gen)
+    with pytest.raises(ValueError, match="row_len"):
+        tix.lightning_indexer(q, w, cache, table, rr, rl.long())
+    with pytest.raises(ValueError, match="weights"):
+        tix.lightning_indexer(q, w.double(), cache, table, rr, rl)
+
+
+@gpu_only
+@pytest.mark.parametrize("kind", ["fp8", "bfloat16"])
+def test_real_shape(kind):
+    """K3.1 Pro indexer: 32 heads x 128, block 64, B = 16 x R = 4 verify rows at ~8K context."""
+    gen = torch.Generator().manual_seed(15)
+    lengths = torch.randint(1000, 8192, (16,), generator=gen).tolist()
+    lengths[3] = 2
+    row_req, row_len = _decode_rows(lengths, r=4)
+    q, w, cache, table, rr, rl = _problem(kind, heads=32, d=128, block_size=64, max_blocks=130,
+                                          row_req=row_req, row_len=row_len, gen=gen,
+                                          q_dtype=torch.bfloat16, device="cuda")
+    got = tix.lightning_indexer(q, w, cache, table, rr, rl)
+    # FP8 path: the reference on the q the tensor cores see; bf16 path: q is already bf16
+    q_ref = _dequantised_q(q) if kind == "fp8" else q
+    ref = torch.ops.k31c.lightning_indexer(q_ref, w, cache, table, rr, rl)
+    _assert_scores(got, ref, rtol=2e-3, atol=2e-3)

@@ -1,0 +1,159 @@
+"""Triton `kda_decode` / `kda_prefill` vs the reference ops (torch.ops.k31c.*) on fresh random
+inputs: outputs, the written-back conv windows and recurrent states, and the per-row snapshots.
+
+On CPU the kernels run under the Triton interpreter at small shapes (H=2, K=16/32, W=4); on a GPU
+the same tests also run at K3 shapes (96 heads x 128) in bf16."""
+import pytest
+import torch
+
+import k31c.graph.ops.kda  # noqa: F401  (registers torch.ops.k31c.kda_*)
+from k31c.lowering.triton.kda_decode import kda_decode
+from k31c.lowering.triton.kda_prefill import kda_prefill
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"        # small shapes: the GPU when there is one
+W = 4
+EPS = 1e-5
+TOKEN_KEYS = ("q", "k", "v", "f", "beta", "gate")
+
+
+def make_layer(H, K, num_slots, dtype, device, gen):
+    P = H * K
+
+    def rnd(*shape, s=1.0):
+        return (s * torch.randn(*shape, generator=gen)).to(device)
+
+    params = dict(conv_weight=rnd(3 * P, W, s=0.5),
+                  A_log=torch.empty(H).uniform_(1, 16, generator=gen).log().to(device),
+                  dt_bias=rnd(P), o_norm_weight=1 + rnd(K, s=0.1))
+    conv = rnd(num_slots, W - 1, 3 * P).to(dtype)
+    state = rnd(num_slots, H, K, K, s=0.5)
+    return params, conv, state
+
+
+def make_tokens(N, H, K, dtype, device, gen):
+    tok = {n: torch.randn(N, H * K, generator=gen) for n in ("q", "k", "v", "f", "gate")}
+    tok["beta"] = torch.randn(N, H, generator=gen)
+    return {n: t.to(device=device, dtype=dtype) for n, t in tok.items()}
+
+
+def tol(dtype):
+    return dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+def close(name, got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
+
+
+# ---- kda_decode ------------------------------------------------------------------------------
+
+def run_decode(fn, tok, params, conv, state, slots, rows, lb, snaps):
+    conv, state = conv.clone(), state.clone()
+    snap_conv = snap_state = None
+    if snaps:
+        B, (_, H, K, _) = slots.shape[0], state.shape
+        snap_conv = torch.full((B, rows, W - 1, 3 * H * K), 7.0, dtype=conv.dtype, device=conv.device)
+        snap_state = torch.full((B, rows, H, K, K), 7.0, device=conv.device)
+    out = fn(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state, slots, rows, lb, EPS,
+             snap_conv, snap_state)
+    return out, conv, state, snap_conv, snap_state
+
+
+def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad=True):
+    gen = torch.Generator().manual_seed(seed)
+    params, conv, state = make_layer(H, K, num_slots, dtype, device, gen)
+    tok = make_tokens(B * rows, H, K, dtype, device, gen)
+    ids = torch.randperm(num_slots, generator=gen)[:B]
+    if pad:
+        ids[1] = -1                                            # a padding request
+    slots = ids.to(device)
+    got = run_decode(kda_decode, tok, params, conv, state, slots, rows, lb, snaps)
+    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, lb, snaps)
+    for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
+        if g is not None:                # padding requests' snapshot rows stay 7 in both
+            close(name, g, w, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_decode_small(rows, lb):
+    check_decode(H=2, K=16, B=3, rows=rows, lb=lb, snaps=rows > 1, dtype=torch.float32,
+                 device=DEV, seed=rows + (lb is None))
+
+
+def test_decode_k32_snapshots_fp16():
+    check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
+                 seed=11)
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
+def test_decode_k3_shapes_cuda(rows, snaps):
+    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
+                 device="cuda", seed=rows, num_slots=20)
+
+
+def test_decode_rejects_bad_layout():
+    gen = torch.Generator().manual_seed(0)
+    params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)
+    tok = make_tokens(2, 2, 16, torch.float32, "cpu", gen)
+    with pytest.raises(ValueError, match="recurrent"):
+        kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv,
+                   state.transpose(2, 3), torch.tensor([0, 1]), 1, -5.0, EPS, None, None)
+    with pytest.raises(ValueError, match="rows"):
+        kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
+                   torch.tensor([0, 1]), 3, -5.0, EPS, None, None)
+
+
+# ---- kda_prefill -----------------------------------------------------------------------------
+
+def run_prefill(fn, tok, params, conv, state, slots, cu, lb, chunk):
+    conv, state = conv.clone(), state.clone()
+    out = fn(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state, slots, cu, lb, EPS, chunk)
+    return out, conv, state
+
+
+def check_prefill(H, K, lens, slot_ids, lb, chunk, dtype, device, seed, num_slots=6):
+    gen = torch.Generator().manual_seed(seed)
+    params, conv, state = make_layer(H, K, num_slots, dtype, device, gen)
+    tok = make_tokens(sum(lens), H, K, dtype, device, gen)
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    slots = torch.tensor(slot_ids, device=device)
+    got = run_prefill(kda_prefill, tok, params, conv, state, slots, cu, lb, chunk)
+    want = run_prefill(torch.ops.k31c.kda_prefill, tok, params, conv, state, slots, cu, lb, chunk)
+    for name, g, w in zip(("out", "conv_state", "recurrent"), got, want):
+        close(name, g, w, dtype)
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_prefill_varlen(lb):
+    # lengths: several chunks with a ragged tail, shorter than the conv window, empty, one chunk
+    check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=lb, chunk=32,
+                  dtype=torch.float32, device=DEV, seed=1 + (lb is None))
+
+
+def test_prefill_chunk32_k32_padding():
+    check_prefill(H=2, K=32, lens=[45, 9], slot_ids=[3, -1], lb=-5.0, chunk=16,
+                  dtype=torch.float32, device=DEV, seed=5)
+
+
+def test_prefill_fp16():
+    check_prefill(H=2, K=16, lens=[20, 13], slot_ids=[1, 2], lb=-5.0, chunk=16,
+                  dtype=torch.float16, device=DEV, seed=6)
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_prefill_k3_shapes_cuda(lb):
+    check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=lb, chunk=64,
+                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8)
+
+
+def test_prefill_rejects_bad_chunk():
+    gen = torch.Generator().manual_seed(0)
+    params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)
+    tok = make_tokens(4, 2, 16, torch.float32, "cpu", gen)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_prefill(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
+                    torch.tensor([0]), cu, -5.0, EPS, 24)

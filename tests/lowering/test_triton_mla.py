@@ -1,0 +1,161 @@
+"""Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*) on random inputs:
+shuffled block tables, -1 slots, a row with no valid index, rows of different lengths (one empty),
+key splits merged by LSE. CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16
+(and an FP8 latent cache) at K3.1 Pro shapes (96 heads, 576 = 512 + 64 wide rows, top-k 2048)."""
+import pytest
+import torch
+
+import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.lowering.registry import lookup
+from k31c.lowering.triton import mla as kernels
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+SMALL = dict(heads=8, width=80, dv=64, k=40, block_size=8, requests=3, rows=2, max_blocks=8)
+K31 = dict(heads=96, width=576, dv=512, k=2048, block_size=64, requests=16, rows=4, max_blocks=64)
+
+
+def make_case(heads, width, dv, k, block_size, requests, rows, max_blocks, device, dtype, seed,
+              extra_blocks=5):
+    """Random q/cache; each request gets a random set of physical blocks (shuffled pool), each row
+    a length <= capacity and k indices drawn from its visible positions with -1 holes."""
+    g = torch.Generator().manual_seed(seed)
+    n = requests * rows
+    num_blocks = requests * max_blocks + extra_blocks
+    cache = torch.randn(num_blocks, block_size, width, generator=g)
+    q = torch.randn(n, heads, width, generator=g)
+    perm = torch.randperm(num_blocks, generator=g)[: requests * max_blocks]
+    block_table = perm.view(requests, max_blocks).to(torch.int32)
+    capacity = max_blocks * block_size
+    base = torch.randint(capacity // 2, capacity - rows + 1, (requests,), generator=g)
+    row_len = (base.repeat_interleave(rows) + torch.arange(rows).repeat(requests)).to(torch.int32)
+    row_req = torch.arange(requests).repeat_interleave(rows).to(torch.int32)
+    indices = torch.empty(n, k, dtype=torch.int32)
+    for t in range(n):
+        visible = int(row_len[t])
+        chosen = torch.randperm(visible, generator=g)[:k]
+        indices[t] = -1
+        indices[t, : chosen.numel()] = chosen.to(torch.int32)
+        indices[t] = indices[t, torch.randperm(k, generator=g)]            # holes anywhere
+    holes = torch.rand(n, k, generator=g) < 0.2
+    indices[holes] = -1
+    indices[1] = -1                                                        # a row with no key
+    scale = width ** -0.5 * (3.0 if dtype == torch.float32 else 1.0)       # peaky softmax in fp32
+    to = dict(device=device)
+    return dict(q=q.to(dtype=dtype, **to), latent_cache=cache.to(dtype=dtype, **to),
+                block_table=block_table.to(**to), row_req=row_req.to(**to),
+                indices=indices.to(**to), row_len=row_len.to(**to), sm_scale=scale, dv=dv)
+
+
+def sparse_args(c):
+    return (c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["indices"], c["sm_scale"],
+            c["dv"])
+
+
+def dense_args(c):
+    return (c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["row_len"], c["sm_scale"],
+            c["dv"])
+
+
+def assert_close(got, want, dtype):
+    (out, lse), (ref_out, ref_lse) = got, want
+    assert out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    empty = torch.isinf(ref_lse) & (ref_lse > 0)
+    assert torch.equal(torch.isinf(lse) & (lse > 0), empty), "empty rows must give lse = +inf"
+    assert bool((out[empty] == 0).all()), "empty rows must give out = 0"
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    lse_tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=lse_tol, rtol=lse_tol)
+    scale = ref_out.float().abs().amax().item()
+    err = (out.float() - ref_out.float()).abs().amax().item()
+    assert err <= tol * scale, f"out max error {err:.3g} vs max |out| {scale:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [8, 5])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_sparse_matches_reference_small(device, heads, splits):
+    c = make_case(**{**SMALL, "heads": heads}, device=device, dtype=torch.float32, seed=heads + 7)
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    got = kernels._launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["indices"],
+                          None, c["sm_scale"], c["dv"], config={"splits": splits} if splits else None)
+    assert torch.isinf(want[1][1]).all()           # the all -1 row really is empty
+    assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [None, 4])
+def test_dense_matches_reference_small(device, splits):
+    c = make_case(**SMALL, device=device, dtype=torch.float32, seed=3)
+    c["row_len"][2] = 0                                                   # a row that sees nothing
+    c["row_len"][3] = 1
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    got = kernels._launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], None,
+                          c["row_len"], c["sm_scale"], c["dv"],
+                          config={"splits": splits} if splits else None)
+    assert_close(got, want, torch.float32)
+
+
+def test_public_launchers_and_registry():
+    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=11)
+    assert lookup("k31c::sparse_mla", "h200").fn is kernels.sparse_mla
+    assert lookup("k31c::dense_mla", "h200").fn is kernels.dense_mla
+    assert_close(kernels.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.float32)
+    assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
+                 torch.float32)
+
+
+def test_sparse_differs_from_dense():
+    """The test can fail: sparse over a strict subset of keys must not equal dense."""
+    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=5)
+    sparse_out, _ = kernels.sparse_mla(*sparse_args(c))
+    dense_out, _ = kernels.dense_mla(*dense_args(c))
+    assert not torch.allclose(sparse_out[0], dense_out[0], atol=1e-3)
+
+
+def test_bad_arguments():
+    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="indices"):
+        kernels.sparse_mla(*sparse_args({**c, "indices": c["indices"].long()}))
+    with pytest.raises(ValueError, match="row_len"):
+        kernels.dense_mla(*dense_args({**c, "row_len": c["row_len"][:-1]}))
+    with pytest.raises(ValueError, match="dv"):
+        kernels.sparse_mla(*sparse_args({**c, "dv": 81}))
+    with pytest.raises(ValueError, match="latent_cache"):
+        kernels.sparse_mla(*sparse_args({**c, "latent_cache": c["latent_cache"][..., :64]}))
+
+
+# ---- K3.1 Pro shapes, bf16 / FP8 cache, CUDA only ----------------------------------------------
+
+cuda_only = pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on the GPU only")
+
+
+@cuda_only
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_sparse_k31_shapes_bf16(splits):
+    c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=21)
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    got = kernels._launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["indices"],
+                          None, c["sm_scale"], c["dv"], config={"splits": splits} if splits else None)
+    assert_close(got, want, torch.bfloat16)
+
+
+@cuda_only
+def test_dense_k31_shapes_bf16():
+    c = make_case(**{**K31, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16, seed=22)
+    c["row_len"][5] = 0
+    c["row_len"][6] = 77
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(kernels.dense_mla(*dense_args(c)), want, torch.bfloat16)
+
+
+@cuda_only
+def test_sparse_k31_shapes_fp8_cache():
+    """FP8 e4m3 latent rows (no scale) are upcast on load: compare with the reference op on the
+    same rows upcast to bf16."""
+    c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=23)
+    fp8 = (c["latent_cache"] * 0.5).to(torch.float8_e4m3fn)
+    want = torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": fp8.to(torch.bfloat16)}))
+    assert_close(kernels.sparse_mla(*sparse_args({**c, "latent_cache": fp8})), want, torch.bfloat16)

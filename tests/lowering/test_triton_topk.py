@@ -1,0 +1,176 @@
+"""Triton top-k and fused indexer top-k vs the k31c reference ops (interpreter on CPU, compiled on CUDA).
+
+Sets are compared exactly (the tie rule makes the selected set unique). On the CPU the kernel's
+constants are shrunk (candidate buffer 96, 64 samples, 4 fallback programs) so a few thousand
+positions already exercise every path: the direct refine (row_len <= buffer), the sampled
+threshold, and the exact radix fallback (sample misjudged, or masses of ties at the threshold).
+On CUDA the real constants run at the real shapes (64 rows, k = 2048, L up to 1M).
+"""
+import pytest
+import torch
+
+import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.graph.ops.cache_write import index_row_bytes
+from k31c.lowering.triton import topk
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
+
+
+@pytest.fixture(autouse=True)
+def small_constants(monkeypatch):
+    if not CUDA:
+        monkeypatch.setattr(topk, "CAP", 64)
+        monkeypatch.setattr(topk, "SAMPLES", 64)
+        monkeypatch.setattr(topk, "FB_PROGRAMS", 4)
+
+
+def _same_sets(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.shape == ref.shape and got.dtype == torch.int32
+    bad = (got.sort(1).values != ref.sort(1).values).any(1).nonzero().flatten().tolist()
+    assert not bad, f"rows {bad[:8]} select a different set"
+
+
+def _check_topk(scores, row_len, k):
+    ref = torch.ops.k31c.topk_select(scores, row_len, k)
+    _same_sets(topk.topk_select(scores, row_len, k), ref)
+
+
+# ---- topk_select --------------------------------------------------------------------------------
+
+def test_topk_random_rows_and_lengths():
+    gen = torch.Generator().manual_seed(0)
+    k, width = 16, 1500
+    lengths = [0, 1, k - 1, k, k + 1, 95, 97, 700, width, width]   # around k and the buffer (96)
+    scores = torch.randn(len(lengths), width, generator=gen) * 3
+    _check_topk(scores.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k)
+
+
+def test_topk_tie_heavy_rows():
+    gen = torch.Generator().manual_seed(1)
+    k, width = 16, 2000
+    rows = [
+        torch.relu(torch.randn(width, generator=gen)) * (torch.rand(width, generator=gen) < 0.004),
+        torch.randint(0, 3, (width,), generator=gen).float(),           # ties at the k-th place
+        torch.full((width,), 1.5),                                      # all equal
+        torch.randint(0, 2, (width,), generator=gen).float() * -0.0,    # +0.0 and -0.0 tie
+        torch.relu(torch.randn(width, generator=gen)),                  # ~half exact zeros
+        torch.randint(-2, 3, (width,), generator=gen).float() * torch.inf,  # +-inf and NaN (0*inf)
+    ]
+    scores = torch.stack(rows)
+    row_len = torch.tensor([width, width, 1234, width, 600, width], dtype=torch.int32)
+    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
+
+
+def test_topk_sample_misjudged():
+    """Large scores only where the sample never looks (too many candidates) or only where it does
+    (too few): both rows must still come out exact."""
+    gen = torch.Generator().manual_seed(2)
+    k, width = 16, 3000
+    scores = torch.rand(2, width, generator=gen)
+    sampled = torch.zeros(width, dtype=torch.bool)
+    n, runs, run = width, topk.SAMPLES // topk.RUN, topk.RUN
+    for i in range(runs):
+        sampled[i * n // runs: i * n // runs + run] = True
+    scores[0, ~sampled] += 10.0
+    scores[1, sampled] += 10.0
+    row_len = torch.full((2,), width, dtype=torch.int32)
+    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
+
+
+def test_topk_rejects_bad_arguments():
+    scores = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="row_len"):
+        topk.topk_select(scores, torch.tensor([3, 4], device=DEVICE), 8)
+    with pytest.raises(ValueError, match="scores"):
+        topk.topk_select(scores.half(), torch.tensor([3, 4], dtype=torch.int32, device=DEVICE), 8)
+
+
+@gpu_only
+@pytest.mark.parametrize("width", [131072, 1048576])
+def test_topk_real_shapes(width):
+    """64 rows (16 requests x 4 verification rows), k = 2048: random, ReLU-zero-heavy and
+    integer-tied rows, full and partial lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = 2048
+    scores = torch.randn(64, width, device="cuda", generator=gen)
+    scores[8:16] = torch.relu(scores[8:16]) * (torch.rand(8, width, device="cuda", generator=gen) < 1e-3)
+    scores[16:24] = torch.randint(0, 50, (8, width), device="cuda", generator=gen).float()
+    scores[24:32] = torch.relu(scores[24:32])
+    row_len = torch.full((64,), width, dtype=torch.int32, device="cuda")
+    row_len[1::4] = torch.randint(1, width, (16,), device="cuda", generator=gen).int()
+    row_len[2] = k
+    row_len[3] = k - 7
+    _check_topk(scores, row_len, k)
+
+
+# ---- lightning_indexer_topk ---------------------------------------------------------------------
+
+def _exact_fp8_cache(num_blocks, block_size, d, gen):
+    """FP8 cache whose keys are small e4m3 values times power-of-two scales, so every score is
+    exact in fp32 whatever the summation order (and ties abound)."""
+    dev = gen.device
+    values = torch.tensor([0, .5, -.5, 1, -1, 1.5, -1.5, 2, -2, 3, -3, 4, -4], device=dev)
+    v = values[torch.randint(0, len(values), (num_blocks, block_size, d), generator=gen, device=dev)]
+    scales = 2.0 ** torch.randint(-2, 3, (num_blocks, block_size), generator=gen, device=dev).float()
+    cache = torch.empty(num_blocks, block_size * index_row_bytes(d), dtype=torch.uint8, device=dev)
+    cache[:, : block_size * d] = v.to(torch.float8_e4m3fn).view(torch.uint8).flatten(1)
+    cache[:, block_size * d:] = scales.view(torch.uint8).flatten(1)
+    return cache, v * scales[..., None]
+
+
+def _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, q_dtype, cache_kind, row_req=None):
+    num_blocks = B * max_blocks + 3
+    fp8, keys = _exact_fp8_cache(num_blocks, block_size, d, gen)
+    cache = fp8 if cache_kind == "fp8" else keys.to(cache_kind)
+    dev = gen.device
+    block_table = torch.randperm(num_blocks, generator=gen, device=dev)[: B * max_blocks].view(B, max_blocks)
+    n = B * R
+    q = (torch.randint(-3, 4, (n, H, d), generator=gen, device=dev).float() / 4).to(q_dtype)
+    weights = torch.tensor([.5, -1., 2., 1., -.25], device=dev)[torch.randint(0, 5, (n, H), generator=gen,
+                                                                              device=dev)]
+    if row_req is None:
+        row_req = torch.arange(B).repeat_interleave(R)
+    return q, weights, cache, block_table.int(), row_req.int().to(dev)
+
+
+def _check_fused(args, row_len, k):
+    args = [a.to(DEVICE) for a in args]
+    row_len = row_len.to(DEVICE)
+    ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, k)
+    _same_sets(topk.lightning_indexer_topk(*args, row_len, k), ref)
+
+
+@pytest.mark.parametrize("cache_kind", ["fp8", torch.float32])
+def test_fused_matches_reference(cache_kind):
+    gen = torch.Generator().manual_seed(4)
+    B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
+    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)
+    row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
+    _check_fused(args, row_len, k)
+
+
+def test_fused_rows_of_mixed_requests():
+    """Row groups that span several requests, in any order, with zero-heavy rows (negative weights)."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, d, block_size, max_blocks, k = 4, 4, 16, 8, 20, 16
+    row_req = torch.tensor([2, 0, 2, 3, 1, 1, 0, 3])
+    q, weights, cache, bt, row_req = _indexer_inputs(gen, B, 2, H, d, block_size, max_blocks,
+                                                     torch.float16, "fp8", row_req)
+    weights[:4] = -weights[:4].abs()           # all-negative weights: scores <= 0, many exact zeros
+    row_len = torch.tensor([160, 3, 100, 16, 140, 33, 158, 159], dtype=torch.int32)
+    _check_fused((q, weights, cache, bt, row_req), row_len, k)
+
+
+@gpu_only
+@pytest.mark.parametrize("cache_kind", ["fp8", torch.bfloat16])
+def test_fused_real_shapes(cache_kind):
+    """K3.1 Pro: 16 requests x 4 rows, 32 heads x 128, block 64, 128K context, k = 2048, bf16 q."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    B, R, H, d, block_size, k = 16, 4, 32, 128, 64, 2048
+    max_blocks = 131072 // block_size
+    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.bfloat16, cache_kind)
+    row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
+    row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
+    _check_fused(args, row_len, k)

@@ -1,0 +1,146 @@
+"""The `k31c` command line: init -> logits determinism, generate, and clear errors on bad input.
+
+Subprocess runs (each imports torch, ~3 s) cover the real entry point; the bad-input cases call
+`main()` in-process, where an escaping exception would be the traceback a user sees.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from k31c.checkpoint import load_checkpoint
+from k31c.cli import main
+from k31c.runtime.engine import Engine
+from k31c.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _k31c(*args, home: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, K31C_HOME=str(home), PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "k31c.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("k31c-home")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(home):
+    out = home / "seed3"
+    r = _k31c("init", "--config", "tiny", "--seed", "3", "--out", str(out), home=home)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_logits_deterministic_and_equal_to_the_engine(checkpoint, home, tmp_path):
+    tokens = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    arg = ",".join(map(str, tokens))
+    for name in ("a.npy", "b.npy"):
+        r = _k31c("logits", "--checkpoint", str(checkpoint), "--tokens", arg, "--out",
+                  str(tmp_path / name), home=home)
+        assert r.returncode == 0, r.stderr
+    a_bytes, b_bytes = (tmp_path / "a.npy").read_bytes(), (tmp_path / "b.npy").read_bytes()
+    assert a_bytes == b_bytes
+    a = np.load(tmp_path / "a.npy")
+    assert a.dtype == np.float32 and a.shape == (20, 512)
+    want = Engine(load_checkpoint(checkpoint), max_requests=1, max_seq_len=20).prefill_logits(tokens)
+    np.testing.assert_allclose(a, want.numpy(), rtol=1e-5, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy", "b.npy"]  # no temporaries
+
+
+def test_default_model_made_once_then_generate_streams(home, tmp_path):
+    r = _k31c("logits", "--tokens", "256,72,105", "--out", str(tmp_path / "x.npy"), home=home)
+    assert r.returncode == 0, r.stderr
+    assert "making the tiny model" in r.stderr and (home / "models" / "tiny-seed0" / "config.json").is_file()
+    r = _k31c("generate", "--prompt", "Hello", "--max-new-tokens", "4", "--temperature", "0.8",
+              "--top-p", "0.9", "--seed", "2", home=home)
+    assert r.returncode == 0, r.stderr
+    assert "making the tiny model" not in r.stderr
+    assert "4 tokens in" in r.stderr and "tokens/s" in r.stderr
+    assert r.stdout.endswith("\n")
+
+
+def test_generate_prints_the_engine_tokens(checkpoint, capsys):
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "héllo", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    tok = ByteTokenizer()
+    engine = Engine(load_checkpoint(checkpoint), max_requests=1, max_seq_len=64)
+    ids = engine.generate(tok.encode("héllo", add_bos=True), 4)
+    text = tok.decode(ids)
+    controls = {chr(i) for i in [*range(32), *range(127, 160)]} - {"\n", "\t"}
+    shown = "".join(f"\\x{ord(c):02x}" if c in controls else c for c in text)
+    assert out == shown + "\n"
+
+
+def test_bad_checkpoint_reported_without_traceback(checkpoint, home, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    (bad / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}junk")
+    r = _k31c("logits", "--checkpoint", str(bad), "--tokens", "1,2", "--out", str(tmp_path / "x.npy"),
+              home=home)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"k31c: error: invalid checkpoint {bad}") and "model.safetensors" in r.stderr
+
+
+BAD_INPUTS = [
+    (["generate", "--prompt", "", "--max-new-tokens", "4"], "--prompt is empty"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--prompt", "x" * 5000, "--max-new-tokens", "4"], "exceeds the model's maximum length 4096"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["logits", "--tokens", "1,2.5", "--out", "{tmp}/x.npy"], "'2.5' is not an integer"),
+    (["logits", "--tokens", "1,,2", "--out", "{tmp}/x.npy"], "comma-separated token ids"),
+    (["logits", "--tokens", "1,512", "--out", "{tmp}/x.npy"], "ids [512] outside [0, 512)"),
+    (["logits", "--tokens", "-1", "--out", "{tmp}/x.npy"], "ids [-1] outside [0, 512)"),
+    (["logits", "--tokens", ",".join(["7"] * 4097), "--out", "{tmp}/x.npy"], "(4097 tokens) exceeds"),
+    (["logits", "--tokens", "1", "--out", "{tmp}/no/such/dir/x.npy"], "does not exist"),
+    (["logits", "--checkpoint", "{tmp}/missing", "--tokens", "1", "--out", "{tmp}/x.npy"],
+     "checkpoint directory {tmp}/missing does not exist"),
+    (["logits", "--checkpoint", "{tmp}/badcfg", "--tokens", "1", "--out", "{tmp}/x.npy"],
+     "unknown key 'surprise'"),
+    (["init", "--config", "no-such-preset", "--out", "{tmp}/c"], "neither a preset"),
+    (["init", "--out", "{tmp}/full"], "exists and is not empty"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_error(argv, message, checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("K31C_HOME", str(checkpoint.parent))  # reuse one default model
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    (tmp_path / "badcfg").mkdir()
+    (tmp_path / "badcfg" / "config.json").write_text(
+        (checkpoint / "config.json").read_text().replace('{', '{"surprise": 1, ', 1))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--checkpoint" not in argv and argv[0] != "init":
+        argv[1:1] = ["--checkpoint", str(checkpoint)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k31c: error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
+    assert not (tmp_path / "x.npy").exists()
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as e:
+        main(["logits", "--tokens", "1"])  # --out missing: argparse's own error
+    assert e.value.code == 2
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer(512)
+    text = "Grüße, 世界 🙂"
+    ids = tok.encode(text, add_bos=True)
+    assert ids[0] == BOS_ID and all(0 <= i < 256 for i in ids[1:]) and len(ids) == 1 + len(text.encode())
+    assert tok.decode(ids + [EOS_ID, 511]) == text
+    stream = tok.stream_decoder()
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == text
+    assert tok.decode([0xC3]) == "\ufffd"  # an unfinished character becomes U+FFFD
+    with pytest.raises(ValueError, match="vocab_size=100"):
+        ByteTokenizer(100)
