@@ -187,3 +187,15 @@ def test_full_size_on_meta_device(capsys):
     assert n > 1e12, n  # MoE experts dominate: 92 layers x 896 experts x 3 x 3072 x 3584
     # indexer per MLA layer: wq_b 4096x1536 + wk 128x7168 + k_norm 2x128 + weights_proj 32x7168
     assert idx == 24 * (4096 * 1536 + 128 * 7168 + 256 + 32 * 7168)
+
+
+def test_fp8_index_cache_prefill_then_decode(model, long_logits):
+    """With the 132-byte FP8 index-key layout the keys are quantised identically on every path,
+    so prefill-then-decode still equals one long prefill with that cache."""
+    toks, _ = long_logits
+    ref = Engine(model, max_requests=1, max_seq_len=256, index_cache="fp8").prefill_logits(toks[:60])
+    eng = Engine(model, max_requests=1, max_seq_len=256, index_cache="fp8")
+    r = eng.add_request()
+    got = torch.cat([eng.prefill([r], [toks[:40]])] + [eng.decode([r], [t]) for t in toks[40:60]])
+    close(got, ref)
+    assert eng.pool.mla[0].index.dtype == torch.uint8
