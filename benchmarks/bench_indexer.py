@@ -97,6 +97,20 @@ def _try_time(fn, **kw) -> float | None:
         return None
 
 
+def graph_ms(fn) -> float:
+    """Median time of fn replayed as a CUDA graph (no Python launch cost, as in a decode step)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
 def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
     from k31c.lowering.triton import indexer as tix
 
@@ -118,8 +132,9 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
                 peers["torch.compile"] = t
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         keys_only = bytes_floor_ms(B * ctx * ROW_BYTES, machine)
-        gbps = scan_bytes(ctx) / (ms * 1e-3) / 1e9
-        note = f"{gbps:.0f} GB/s; {ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)"
+        replay = graph_ms(lambda: tix.lightning_indexer(*args))
+        note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor; "
+                f"{ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)")
         if ctx > COMPILE_MAX:
             note += "; torch.compile peer skipped (its [B,R,H,L] fp32 logits do not fit)"
         rows.append(Row("lightning_indexer (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
@@ -171,34 +186,31 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     return rows + _write_rows(machine)
 
 
-def sweep(machine: Machine, contexts=(128 << 10, 1 << 20)) -> None:
-    """Time launch configurations of the scan (keys per step, warps, pipeline stages, splits)."""
+def sweep(contexts=(128 << 10, 1 << 20)) -> None:
+    """Kernel-only (CUDA-graph) times of launch configurations: head sum x stages x splits."""
     from k31c.lowering.triton import indexer as tix
 
     pool = Pool(max(contexts))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    configs = [dict(keys_per_step=k, num_warps=w, num_stages=s, splits=sp)
-               for k, w, s in ((128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 8, 5))
-               for sp in (None, 2 * sms // 16 + 8, sms // 4, sms)]
+    configs = [dict(head_dot=hd, splits=sp, num_stages=st) for hd in (False, True) for st in (4, 5)
+               for sp in (4 * sms // 16 + 1, 8 * sms // 16 + 1)]
     for ctx in contexts:
         table, row_len = pool.context(ctx)
         args = (pool.q, pool.weights, pool.cache, table, pool.row_req, row_len)
-        floor = bytes_floor_ms(scan_bytes(ctx), machine)
         for cfg in configs:
-            t = _try_time(lambda: tix.launch_indexer(*args, **cfg))
-            if t is not None:
-                print(f"L={ctx >> 10}K {cfg}: {t * 1e3:.1f} us = {t / floor:.2f}x floor")
-    try:  # registers and spills of the compiled variants (Triton's cache layout varies by version)
-        for cache in tix._indexer_kernel.device_caches.values():
-            for key, k in cache[0].items():
-                print(f"# kernel n_regs={k.n_regs} n_spills={k.n_spills} shared={k.metadata.shared}")
-    except Exception as e:  # noqa: BLE001
-        print(f"# kernel stats unavailable: {e}")
+            try:
+                t = graph_ms(lambda: tix.launch_indexer(*args, **cfg))
+                print(f"L={ctx >> 10}K {cfg}: {t * 1e3:.1f} us (graph replay)")
+            except Exception as e:  # noqa: BLE001
+                print(f"L={ctx >> 10}K {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+    for cache in tix._indexer_kernel.device_caches.values():   # Triton 3.6/3.7 cache layout
+        for k in cache[0].values():
+            print(f"# kernel n_regs={k.n_regs} n_spills={k.n_spills} shared={k.metadata.shared}")
 
 
 if __name__ == "__main__":
-    m = measure_machine()
     if "--sweep" in sys.argv:
-        sweep(m)
+        sweep()
     else:
+        m = measure_machine()
         print(markdown(run(m), m))

@@ -15,8 +15,6 @@ Run: PYTHONPATH=. python benchmarks/bench_kda.py   (fla-core must be importable 
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
@@ -127,22 +125,24 @@ def fla_decode_peers(tok, lay, B, R):
     return {"fla recurrent": recurrent_only, "fla chain": chain}
 
 
-def decode_rows(m: Machine) -> list[Row]:
+def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
+                configs=((32, 4), (64, 4), (16, 2), (16, 1), (8, 1)), rows=(1, 4)) -> list[Row]:
     from k31c.lowering.triton.kda_decode import launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
     lay = layer(B, gen)
     slots = torch.arange(B, device="cuda")
-    for R in (1, 4):
+    for R in rows:
         tok = tokens(B * R, gen)
         shape = f"B={B} R={R} H={H} K=V={K}"
         snap = (torch.empty(B, R, W - 1, 3 * P, device="cuda", dtype=ACT),
                 torch.empty(B, R, H, K, K, device="cuda"))
-        run = lambda nw, sn=(None, None): launch_kda_decode(  # noqa: E731
-            *args(tok, lay), slots, R, LB, EPS, *sn, num_warps=nw)
-        sweep = {nw: graph_ms(lambda nw=nw: run(nw)) for nw in (4, 8, 16)}
+        run = lambda cfg, sn=(None, None): launch_kda_decode(  # noqa: E731
+            *args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0], num_warps=cfg[1])
+        sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
-        peers, notes = {}, [f"warps {'/'.join(f'{n}:{t * 1e3:.1f}us' for n, t in sweep.items())}"]
+        peers, notes = {}, ["(BV,warps) " + " ".join(f"{bv},{nw}:{t * 1e3:.1f}us"
+                                                      for (bv, nw), t in sweep.items())]
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
@@ -157,20 +157,21 @@ def decode_rows(m: Machine) -> list[Row]:
         u = torch.cat([tok["q"], tok["k"], tok["v"]], -1)
         ref_args = (u, tok["f"], tok["beta"], tok["gate"], lay["conv_weight"], lay["A_log"],
                     lay["dt_bias"], lay["o_norm_weight"], lay["conv_state"], lay["recurrent"], R)
-        peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_decode(
-            *args(tok, lay), slots, R, LB, EPS, None, None), warmup=2, reps=5)
-        try:
-            compiled = torch.compile(torch_decode, dynamic=False)
-            peers["torch.compile"] = graph_ms(lambda: compiled(*ref_args))
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"compile failed: {type(e).__name__}: {str(e)[:80]}")
+        if torch_peers:
+            peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_decode(
+                *args(tok, lay), slots, R, LB, EPS, None, None), warmup=2, reps=5)
+        if compile_peer:
+            try:
+                compiled = torch.compile(torch_decode, dynamic=False)
+                peers["torch.compile"] = graph_ms(lambda: compiled(*ref_args))
+            except Exception as e:  # noqa: BLE001
+                notes.append(f"compile failed: {type(e).__name__}: {str(e)[:80]}")
         floor = bytes_floor_ms(decode_bytes(B, R, False), m)
         fla = peers.get("fla recurrent")
         if fla:
             notes.append(f"fla/k31c {fla / sweep[best]:.2f}x")
         out.append(Row("kda_decode", shape, sweep[best], floor, "bytes", peers,
-                       f"best of {best} warps; " + "; ".join(notes)))
-        print(out[-1], file=sys.stderr, flush=True)       # progress, in case the run is cut short
+                       f"best (BV,warps) {best}; " + "; ".join(notes)))
         if R > 1:
             ms = graph_ms(lambda: run(best, snap))
             out.append(Row("kda_decode +snapshots", shape, ms,
@@ -179,7 +180,8 @@ def decode_rows(m: Machine) -> list[Row]:
     return out
 
 
-def prefill_rows(m: Machine) -> list[Row]:
+def prefill_rows(m: Machine, torch_peers: bool = True,
+                 configs=((4, 8), (4, 4), (8, 8))) -> list[Row]:
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -189,7 +191,7 @@ def prefill_rows(m: Machine) -> list[Row]:
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
     sweep = {}
-    for cw, sw in ((4, 8), (4, 4), (8, 8)):
+    for cw, sw in configs:
         sweep[(cw, sw)] = time_ms(lambda: launch_kda_prefill(
             *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw), reps=10)
     best = min(sweep, key=sweep.get)
@@ -224,9 +226,10 @@ def prefill_rows(m: Machine) -> list[Row]:
         notes.append(f"fla/k31c {peers['fla chunk_kda'] / sweep[best]:.2f}x")
     except Exception as e:  # noqa: BLE001
         notes.append(f"fla failed: {type(e).__name__}: {str(e)[:80]}")
-    peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_prefill(
-        *args(tok, lay), slots, cu, LB, EPS, CHUNK), warmup=1, reps=2)
-    notes.append("torch.compile not timed (per-chunk Python loop, 128 chunks)")
+    if torch_peers:
+        peers["torch eager"] = time_ms(lambda: torch.ops.k31c.kda_prefill(
+            *args(tok, lay), slots, cu, LB, EPS, CHUNK), warmup=1, reps=2)
+        notes.append("torch.compile not timed (per-chunk Python loop, 128 chunks)")
     nbytes = T * (6 * P * 2 + H * 2) + 2 * H * K * K * 4
     return [Row("kda_prefill", shape, sweep[best], bytes_floor_ms(nbytes, m), "bytes", peers,
                 f"best warps {best}; " + "; ".join(notes))]

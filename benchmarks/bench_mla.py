@@ -154,23 +154,22 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     return rows
 
 
-SWEEP = [dict(big_ht=64, bn=64, num_warps=8, num_stages=2, splits=s) for s in (1, 2, 4)] + [
-    dict(big_ht=64, bn=32, num_warps=8, num_stages=3, splits=2),
-    dict(big_ht=64, bn=32, num_warps=8, num_stages=2, splits=2),
-    dict(big_ht=64, bn=64, num_warps=8, num_stages=1, splits=2),
-    dict(big_ht=64, bn=64, num_warps=8, num_stages=2, splits=2, min_tile=64),   # 96 -> 128 padded
-    dict(big_ht=32, bn=64, num_warps=4, num_stages=2, splits=2),
-    dict(big_ht=32, bn=32, num_warps=4, num_stages=3, splits=2),
-    dict(dense=True, big_ht=64, bn=64, num_warps=8, num_stages=2),
-    dict(dense=True, big_ht=64, bn=32, num_warps=8, num_stages=3)]
+SWEEP = [dict(bn=32, num_stages=3, splits=s) for s in (1, 2, 4)] + [
+    dict(bn=32, num_stages=4, splits=1),
+    dict(contiguous=True, bn=32, num_stages=3, splits=1),    # each row's last 2048 positions
+    dict(dense=True, bn=32, num_stages=3),
+    dict(dense=True, bn=32, num_stages=4)]
 
 
 def _sweep_call(mla, pool, table, row_len, idx, cfg, stats=None):
     cfg = dict(cfg)
+    q = pool.q[:, : cfg.pop("heads", HEADS)]
+    if cfg.pop("contiguous", False):
+        idx = (row_len[:, None] - TOPK + torch.arange(TOPK, device="cuda")).to(torch.int32)
     if cfg.pop("dense", False):
-        return mla._launch(pool.q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
+        return mla._launch(q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
                            config=cfg, stats=stats)
-    return mla._launch(pool.q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
+    return mla._launch(q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
                        config=cfg, stats=stats)
 
 
@@ -182,7 +181,7 @@ def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
     table, row_len, idx = pool.context(ctx)
     rows = []
     for cfg in SWEEP:
-        flops = _flops(ctx if cfg.get("dense") else TOPK)
+        flops = _flops(ctx if cfg.get("dense") else TOPK) * cfg.get("heads", HEADS) / HEADS
         floor = flops_floor_ms(flops, machine.bf16_tflops)
         stats = {}
         try:

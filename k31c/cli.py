@@ -216,9 +216,32 @@ def run_generate(args) -> int:
     return 0
 
 
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="run device benchmarks (needs a GPU)",
+                       description="Benchmarks live in the repository's benchmarks/ folder; each "
+                                   "prints measured times beside floors measured in the same run.")
+    p.add_argument("suite", choices=["kernels"], help="kernels: every Triton kernel family")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (--only, --out)")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    script = bench_dir / f"{args.suite}.py"
+    if not script.is_file():
+        raise UsageError(f"{script} not found: benchmarks run from a source checkout of k31c")
+    import runpy
+    sys.argv = [str(script), *args.rest]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------------
 
-COMMANDS = [add_init, add_logits, add_generate]
+COMMANDS = [add_init, add_logits, add_generate, add_bench]
 
 
 class _Parser(argparse.ArgumentParser):

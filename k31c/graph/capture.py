@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import sympy
 import torch
@@ -91,8 +92,9 @@ def canonical_path(path: str) -> str:
 
     `step.model.layers.3.self_attn` and `L['self'].model.layers[3].self_attn` both become
     `layers.3.self_attn` (the `model.` of K31ForCausalLM is dropped: every path has it)."""
-    p = re.sub(r"^L\['self'\]|^L\[\"self\"\]", "", path)
-    p = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", p)
+    p = re.sub(r"^L\[['\"]self['\"]\]", "", path)
+    p = re.sub(r"^L\[['\"](\w+)['\"]\]", r"\1", p)
+    p = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", p)
     p = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", p)
     p = p.strip(".")
     for prefix in ("step.", "model."):
@@ -120,7 +122,7 @@ def module_classes(node: torch.fx.Node) -> list[str]:
     return out
 
 
-def _input_name(keypath) -> str:
+def _input_name(keypath, arg_names: Sequence[str]) -> str:
     parts = []
     for k in keypath:
         if isinstance(k, pytree.SequenceKey):
@@ -131,7 +133,7 @@ def _input_name(keypath) -> str:
             parts.append(str(k.key))
         else:
             parts.append(str(k))
-    head = {"0": "input_ids", "1": "meta", "2": "caches"}.get(parts[0], parts[0])
+    head = arg_names[int(parts[0])] if parts[0].isdigit() and int(parts[0]) < len(arg_names) else parts[0]
     return ".".join([head] + parts[1:])
 
 
@@ -183,6 +185,35 @@ class _Step(torch.nn.Module):
         return self.step(input_ids, meta, caches, self.kind.mode, self.kind.rows)
 
 
+def trace(module: torch.nn.Module, args: tuple, dynamic_shapes, arg_names: Sequence[str],
+          strip: str = "") -> tuple[torch.fx.GraphModule, list[GraphInput]]:
+    """Export `module(*args)` non-strict into pre-dispatch aten and name the graph inputs: weights
+    by their module path (without the wrapper attribute `strip`), step inputs by argument name and
+    field path (`meta.slot_mapping`). The names go to `node.meta["k31c_input"]`."""
+    with torch.no_grad():
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    gm = ep.graph_module
+    live = dict(module.named_parameters()) | dict(module.named_buffers())
+    user = iter(_input_name(kp, arg_names) for kp, _ in pytree.tree_flatten_with_path(args)[0])
+    inputs = []
+    for spec in ep.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            tensor = live.get(spec.target)
+            if tensor is None:
+                tensor = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
+            path = spec.target[len(strip) + 1:] if strip and spec.target.startswith(strip + ".") else spec.target
+            inputs.append(GraphInput(canonical_path(path), True, tensor))
+        elif kind == "USER_INPUT":
+            inputs.append(GraphInput(next(user), False))
+        else:
+            raise ValueError(f"capture: unexpected graph input kind {kind} ({spec.arg})")
+    for node, info in zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs):
+        node.meta["k31c_input"] = info.name
+        node.meta["k31c_weight"] = info.is_weight
+    return gm, inputs
+
+
 def capture(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Caches) -> Captured:
     """Trace one step kind of `model` for the cache geometry of `caches` (shapes, not values)."""
     check_model(model)
@@ -190,32 +221,34 @@ def capture(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Cache
         raise ValueError("verification steps need KDA layers to snapshot")
     start = time.perf_counter()
     args = example_step(step, meta, caches)
-    with torch.no_grad():
-        ep = torch.export.export(_Step(model, step), args, dynamic_shapes=_dynamic_shapes(step, caches),
-                                 strict=False)
-    gm = ep.graph_module
-    live = dict(model.named_parameters()) | dict(model.named_buffers())
-    user_names = [_input_name(kp) for kp, _ in pytree.tree_flatten_with_path(args)[0]]
-    inputs, user = [], iter(user_names)
-    for spec in ep.graph_signature.input_specs:
-        kind = spec.kind.name
-        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
-            target = spec.target[len("step."):] if spec.target.startswith("step.") else spec.target
-            tensor = live.get(target)
-            if tensor is None:
-                tensor = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
-            inputs.append(GraphInput(canonical_path(target), True, tensor))
-        elif kind == "USER_INPUT":
-            inputs.append(GraphInput(next(user), False))
-        else:
-            raise ValueError(f"capture: unexpected graph input kind {kind} ({spec.arg})")
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, info in zip(placeholders, inputs):
-        node.meta["k31c_input"] = info.name
-        node.meta["k31c_weight"] = info.is_weight
+    gm, inputs = trace(_Step(model, step), args, _dynamic_shapes(step, caches),
+                       ("input_ids", "meta", "caches"), strip="step")
     captured = Captured(gm, step, inputs, pytree.tree_structure(args), seconds=time.perf_counter() - start)
-    captured.dims = _dim_names(captured, placeholders)
+    captured.dims = _dim_names(captured, [n for n in gm.graph.nodes if n.op == "placeholder"])
     return captured
+
+
+_CAPTURES: "weakref.WeakKeyDictionary[K31ForCausalLM, dict]" = weakref.WeakKeyDictionary()
+
+
+def cache_geometry(meta: StepMeta, caches: Caches) -> tuple:
+    """What a capture depends on besides the step kind: cache shapes/dtypes and the block table
+    width (the snapshots' batch dimension is symbolic, so they do not count)."""
+    planes = [t for c in caches.mla for t in (c.latent, c.index)] + \
+             [t for s in caches.kda for t in (s.conv, s.recurrent)]
+    return (meta.block_table.shape[1], meta.slot_mapping.device.type,
+            tuple((tuple(t.shape), t.dtype) for t in planes))
+
+
+def capture_cached(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Caches) -> Captured:
+    """`capture`, reusing an earlier trace of the same model, step kind and cache geometry (the
+    passes always work on a copy). The weights stay the model's live tensors."""
+    check_model(model)
+    per_model = _CAPTURES.setdefault(model, {})
+    key = (step, cache_geometry(meta, caches))
+    if key not in per_model:
+        per_model[key] = capture(model, step, meta, caches)
+    return per_model[key]
 
 
 def _dim_names(captured: Captured, placeholders) -> dict[str, str]:
@@ -281,3 +314,31 @@ def clone_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         env[node] = new
     graph._codegen = gm.graph._codegen
     return torch.fx.GraphModule(gm, graph)
+
+
+def dynamo_to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """Retrace a Dynamo graph (torch-level calls) into the same pre-dispatch aten IR that `capture`
+    produces, keeping each node's module path, so the same passes apply (`backend="k31c"`)."""
+    from torch._guards import TracingContext, detect_fake_mode
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    context = TracingContext.try_get()
+    fake_mode = (context.fake_mode if context else None) or detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise ValueError("dynamo_to_aten: no fake mode to trace with (call it from a Dynamo backend)")
+    # Dynamo hands real inputs; its fake mode memoizes their fakes (with the symbolic sizes).
+    vals = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+            for x in example_inputs]
+    with fake_mode, torch.no_grad(), fx_traceback.preserve_node_meta():
+        aten = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True)(*vals)
+    for old, new in zip(placeholders, [n for n in aten.graph.nodes if n.op == "placeholder"]):
+        arg = old.meta.get("grapharg")
+        source = getattr(arg, "source", None)
+        source = (source.name() if callable(source.name) else source.name) if source is not None else old.name
+        new.meta["k31c_input"] = canonical_path(source)
+        new.meta["k31c_weight"] = "_parameters[" in source or "_buffers[" in source
+    return aten

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import k31c.graph.ops.kda  # noqa: F401  (registers torch.ops.k31c.kda_*)
-from k31c.lowering.triton.kda_decode import kda_decode
+from functools import partial
+
+from k31c.lowering.triton.kda_decode import kda_decode, launch_kda_decode
 from k31c.lowering.triton.kda_prefill import kda_prefill
 
 CUDA = torch.cuda.is_available()
@@ -59,7 +61,7 @@ def run_decode(fn, tok, params, conv, state, slots, rows, lb, snaps):
     return out, conv, state, snap_conv, snap_state
 
 
-def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad=True):
+def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad=True, fn=kda_decode):
     gen = torch.Generator().manual_seed(seed)
     params, conv, state = make_layer(H, K, num_slots, dtype, device, gen)
     tok = make_tokens(B * rows, H, K, dtype, device, gen)
@@ -67,7 +69,7 @@ def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad
     if pad:
         ids[1] = -1                                            # a padding request
     slots = ids.to(device)
-    got = run_decode(kda_decode, tok, params, conv, state, slots, rows, lb, snaps)
+    got = run_decode(fn, tok, params, conv, state, slots, rows, lb, snaps)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, lb, snaps)
     for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
         if g is not None:                # padding requests' snapshot rows stay 7 in both
@@ -81,9 +83,16 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None))
 
 
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_decode_value_tiles(lb):
+    # 4 programs per head meet in the gated norm; the last to arrive writes the head's tail
+    check_decode(H=2, K=32, B=3, rows=3, lb=lb, snaps=True, dtype=torch.float32, device=DEV,
+                 seed=12, fn=partial(launch_kda_decode, block_v=8))
+
+
 def test_decode_k32_snapshots_fp16():
     check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=11)
+                 seed=11, fn=partial(launch_kda_decode, block_v=16))
 
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")

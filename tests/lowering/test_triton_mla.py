@@ -10,7 +10,8 @@ from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
 
 CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+DEVICES = ["cuda"] if CUDA else ["cpu"]      # no GPU: the Triton interpreter (tests/conftest.py)
+DEV = DEVICES[0]
 SMALL = dict(heads=8, width=80, dv=64, k=40, block_size=8, requests=3, rows=2, max_blocks=8)
 K31 = dict(heads=96, width=576, dv=512, k=2048, block_size=64, requests=16, rows=4, max_blocks=64)
 
@@ -84,6 +85,13 @@ def test_sparse_matches_reference_small(device, heads, splits):
     assert_close(got, want, torch.float32)
 
 
+def test_rows_without_rest_columns():
+    """dv == Dl (no rope part): keys and values are the same columns."""
+    c = make_case(**{**SMALL, "width": 64}, device=DEV, dtype=torch.float32, seed=9)
+    assert_close(kernels.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [None, 4])
 def test_dense_matches_reference_small(device, splits):
@@ -98,7 +106,7 @@ def test_dense_matches_reference_small(device, splits):
 
 
 def test_public_launchers_and_registry():
-    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=11)
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=11)
     assert lookup("k31c::sparse_mla", "h200").fn is kernels.sparse_mla
     assert lookup("k31c::dense_mla", "h200").fn is kernels.dense_mla
     assert_close(kernels.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
@@ -109,14 +117,14 @@ def test_public_launchers_and_registry():
 
 def test_sparse_differs_from_dense():
     """The test can fail: sparse over a strict subset of keys must not equal dense."""
-    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=5)
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=5)
     sparse_out, _ = kernels.sparse_mla(*sparse_args(c))
     dense_out, _ = kernels.dense_mla(*dense_args(c))
     assert not torch.allclose(sparse_out[0], dense_out[0], atol=1e-3)
 
 
 def test_bad_arguments():
-    c = make_case(**SMALL, device="cpu", dtype=torch.float32, seed=1)
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="indices"):
         kernels.sparse_mla(*sparse_args({**c, "indices": c["indices"].long()}))
     with pytest.raises(ValueError, match="row_len"):

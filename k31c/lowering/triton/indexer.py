@@ -11,8 +11,8 @@ Work split:
   tl.dot [keys, d] x [d, ROWS·heads], then ReLU, head weights and the sum over heads;
 - a tile that spans two requests (prefill, uneven R) makes one pass per request;
 - each pass divides [0, longest visible length of its rows) evenly over the `splits` programs of
-  the tile, so the work follows each request's real length; splits ≈ 2·SMs / tiles, so a batch
-  of one request still gets 2·SMs programs to fill the GPU. Lengths, requests and blocks are read
+  the tile, so the work follows each request's real length; splits ≈ 4·SMs / tiles, so a batch
+  of one request still gets 4·SMs programs to fill the GPU. Lengths, requests and blocks are read
   on the device; the grid depends only on static shapes (CUDA-graph safe).
 
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
@@ -35,7 +35,8 @@ _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in 
 _GPU_KEYS_PER_STEP = 128
 _CPU_KEYS_PER_STEP = 32
 _MIN_STEPS_PER_PROGRAM = 8  # fewer steps and the per-program q load/quantisation stops paying
-_PROGRAMS_PER_SM = 2        # grid ≈ this many programs per SM (a lone request gets them all)
+_PROGRAMS_PER_SM = 4        # grid ≈ 2 rounds of the 2 resident programs per SM (measured best
+                            # on the H200 at 128K and 1M; a lone request gets them all)
 
 
 @triton.jit
@@ -45,7 +46,11 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     KEYS: tl.constexpr, TAIL: tl.constexpr, FP8_CACHE: tl.constexpr,
-                    QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                    QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr,
+                    HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
+    W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r (OUT >= 16 columns, rows past
+    ROWS unused); else ReLU, x w and a sum over a [KEYS, ROWS_PAD, H_PAD] view (OUT = ROWS_PAD)."""
     M: tl.constexpr = ROWS_PAD * H_PAD
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -66,14 +71,17 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
         q = quantize_e4m3(q, q_scale[:, None])
         w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
     q_t = tl.trans(q.to(DOT_DTYPE))           # [D_PAD, M]
+    if HEAD_DOT:
+        out_col = tl.arange(0, OUT)
+        w_mat = tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
 
-    r = tl.arange(0, ROWS_PAD)
+    r = tl.arange(0, OUT)
     rows = first_row + r
     row_ok = (r < ROWS) & (rows < n_rows)
     req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
     len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
     out_row = out_ptr + rows.to(tl.int64) * capacity
-    minus_inf = tl.full((ROWS_PAD, TAIL), float("-inf"), tl.float32)
+    minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
 
     for j in range(ROWS):
         row = first_row + j
@@ -96,7 +104,7 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                     offset = pos % BLOCK_SIZE
                     key_at = block * block_stride + offset * D
                     k = tl.load(cache_ptr + key_at[:, None] + cols[None, :],
-                                mask=key_ok[:, None] & col_ok[None, :], other=0.0)
+                                mask=key_ok[:, None] & (col_ok[None, :] | (D == D_PAD)), other=0.0)
                     if FP8_CACHE:
                         if cache_ptr.dtype.element_ty == tl.uint8:   # interpreter: bytes, reinterpreted
                             k = k.to(tl.float8e4nv, bitcast=True)
@@ -106,8 +114,15 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                         logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
                     else:
                         logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [KEYS, M] fp32
-                    logits = tl.maximum(logits, 0.0) * w[None, :]
-                    scores = tl.sum(tl.reshape(logits, (KEYS, ROWS_PAD, H_PAD)), axis=2)
+                    if HEAD_DOT:
+                        relu = tl.maximum(logits, 0.0).to(HEAD_DTYPE)
+                        if HEAD_DTYPE == tl.float32:
+                            scores = tl.dot(relu, w_mat, input_precision="ieee")   # [KEYS, OUT]
+                        else:
+                            scores = tl.dot(relu, w_mat)
+                    else:
+                        logits = tl.maximum(logits, 0.0) * w[None, :]
+                        scores = tl.sum(tl.reshape(logits, (KEYS, ROWS_PAD, H_PAD)), axis=2)
                     if FP8_CACHE:
                         scores = scores * k_scale[:, None]
                     scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
@@ -138,8 +153,13 @@ def _sm_count(device: torch.device) -> int:
 
 
 def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
-                   splits=None, quant_q=None, num_warps=None, num_stages=3) -> torch.Tensor:
-    """The lightning_indexer launcher with its tuning knobs exposed (benchmarks and tests)."""
+                   splits=None, quant_q=None, exact_dot=False, head_dot=False, num_warps=None,
+                   num_stages=5) -> torch.Tensor:
+    """The lightning_indexer launcher with its tuning knobs exposed (benchmarks and tests).
+
+    quant_q: quantise q to e4m3 (default: FP8 cache on the GPU); exact_dot: force the fp32 dot
+    (separates the FP8 tensor cores' accumulation error from the quantisation in tests);
+    head_dot: sum the heads with a second (bf16 on the GPU) tl.dot instead of on the ALUs."""
     block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     if not index_cache.is_contiguous():
         raise ValueError("index_cache: the Triton indexer needs a contiguous cache tensor")
@@ -158,7 +178,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     on_gpu = q.device.type == "cuda"
     if quant_q is None:
         quant_q = fp8 and on_gpu
-    if not on_gpu or index_cache.dtype == torch.float32:
+    if not on_gpu or exact_dot or index_cache.dtype == torch.float32:
         dot_dtype = tl.float32            # the interpreter's 16-bit and fp8 dots are not trusted
     elif fp8:
         dot_dtype = tl.float8e4nv if quant_q else tl.bfloat16
@@ -175,6 +195,8 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
                             triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
     if num_warps is None:
         num_warps = 8 if rows_pad * h_pad > 128 else 4
+    out = max(16, rows_pad) if head_dot else rows_pad
+    head_dtype = tl.float32 if dot_dtype == tl.float32 else tl.bfloat16
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
     if fp8 and on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
         index_cache = index_cache.view(torch.float8_e4m3fn)
@@ -184,8 +206,9 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
         index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
         row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
         ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK_SIZE=block_size, KEYS=keys, TAIL=1024 if on_gpu else 64, FP8_CACHE=fp8,
-        QUANT_Q=quant_q, DOT_DTYPE=dot_dtype, NUM_STAGES=num_stages, num_warps=num_warps)
+        BLOCK_SIZE=block_size, KEYS=keys, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
+        QUANT_Q=quant_q, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot, HEAD_DTYPE=head_dtype, OUT=out,
+        NUM_STAGES=num_stages, num_warps=num_warps)
     return scores
 
 

@@ -1,13 +1,18 @@
 """Triton kernel for `k31c::kda_decode` (spec/model.md §4.2-4.7): decode and multi-row verification.
 
-One program owns one (request, head): it loads the head's fp32 state S [K, V] once, runs the
-request's R rows one after another with S kept in registers, and stores it once (plus, with
-snapshots, after every row). Per row it does the whole layer tail in one place: the depthwise
-causal conv over the cached window + SiLU for the head's q, k, v channels, the q/k L2 norms, the
-gate and beta activations, the delta-rule step, and the gated RMSNorm of the output.
+One launch does the whole layer tail. A program owns one (request, head, tile of BV value
+channels): it loads its [K, BV] slice of the fp32 state once, runs the request's R rows one
+after another with the slice in registers, and stores it once (plus, with snapshots, after
+every row). Per program, for all R rows at once: the depthwise causal conv over the cached
+window + SiLU (q, k: all K channels, v: its BV), the q/k L2 norms, gate and beta; then per row
+the delta-rule step on its state columns and its columns of o.
 
-The gated RMSNorm normalises over all V channels of a head, so V is not split across programs:
-a program holds the head's whole [K, V] state. B = 16 requests x 96 heads = 1536 programs.
+The gated RMSNorm needs all V channels of a head, so the V tiles of a (request, head) meet at
+the end: each writes its raw o (fp32 scratch) and bumps a per-(request, head) counter; the
+program that arrives last (acq_rel atomic; nobody waits, so no deadlock) reads the head's whole
+o row, applies the gated norm, writes the output, and writes the new conv window (and the
+per-row window snapshots): only then may the old window be overwritten, since every tile read
+it. B = 16 x 96 heads x V/BV tiles = 6144 programs at BV = 32.
 
 Slots are read on device (a padding request, slot -1, reads and writes no state and outputs
 zeros) and the grid depends only on static shapes, so the launcher is CUDA-graph safe.
@@ -53,14 +58,15 @@ def window_rows(in_ptr, conv_row_ptr, row0, ext, ch_in, ch_conv, live, mask_ext,
 
 
 @triton.jit
-def _conv_silu_row(in_ptr, conv_row_ptr, w_ptr, row0, r, ch_in, ch_conv, live, P,
-                   W: tl.constexpr, WP: tl.constexpr):
-    """SiLU(causal conv) output of new row r for a channel vector: sum_j w[c, j] * ext[r + j]."""
-    j = tl.arange(0, WP)
-    x = window_rows(in_ptr, conv_row_ptr, row0, r + j, ch_in, ch_conv, live, j < W, P, W)
-    w = tl.load(w_ptr + ch_conv[None, :] * W + j[:, None], mask=(j < W)[:, None], other=0.0)
-    y = tl.sum(x * w.to(tl.float32), axis=0)
-    return y * tl.sigmoid(y)
+def conv_silu_rows(in_ptr, conv_row, w_ptr, row0, p, rv, ch_in, ch_conv, live, P,
+                   W: tl.constexpr):
+    """SiLU(causal conv) of new rows p [M] (rv valid) of one request for a channel vector:
+    y[p, c] = sum_j w[c, j] * ext[p + j, c]. Returns [M, C] fp32."""
+    acc = tl.zeros([p.shape[0], ch_in.shape[0]], dtype=tl.float32)
+    for j in tl.static_range(W):
+        x = window_rows(in_ptr, conv_row, row0, p + j, ch_in, ch_conv, live, rv, P, W)
+        acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -75,73 +81,102 @@ def _copy_window(in_ptr, conv_row_ptr, dst_ptr, row0, first, ch_in, ch_conv, liv
 
 
 @triton.jit
-def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, out_ptr,
-                       conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
+def _row(x, rows, r):
+    """Row r of a 2-D tile as a vector (rows = arange over dim 0)."""
+    return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
+
+
+@triton.jit
+def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, out_ptr, o_raw_ptr,
+                       count_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr,
                        conv_ptr, state_ptr, slots_ptr, snap_conv_ptr, snap_state_ptr,
                        H, lower_bound, eps, scale,
-                       ROWS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                       WP: tl.constexpr, WB: tl.constexpr,
+                       ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                       W: tl.constexpr, WB: tl.constexpr,
                        HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    vt = tl.program_id(2)
+    NV: tl.constexpr = K // BV
     P = H * K
     slot = tl.load(slots_ptr + b)
     live = slot >= 0
     slot = tl.maximum(slot, 0)
 
-    offs = tl.arange(0, K)                  # key channels == value channels (K = V)
-    ch_q = h * K + offs                     # channel of q, k, v within [P]
+    offs = tl.arange(0, K)                     # key channels (K = V)
+    offs_v = vt * BV + tl.arange(0, BV)        # this program's value channels
+    ch = h * K + offs
+    ch_v = h * K + offs_v
     conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    state_off = (slot * H + h) * K * K + offs[:, None] * K + offs[None, :]
-    S = tl.load(state_ptr + state_off, mask=live, other=0.0)          # [K, V] fp32
+    state_off = (slot * H + h) * K * K + offs[:, None] * K + offs_v[None, :]
+    S = tl.load(state_ptr + state_off, mask=live, other=0.0)            # [K, BV] fp32
 
-    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dt_bias_ptr + ch_q).to(tl.float32)
-    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+    # token-parallel part for all rows at once (one round of loads)
+    rr = tl.arange(0, RB)
+    rv = rr < ROWS
     row0 = b * ROWS
-    for r in tl.static_range(ROWS):
-        n = (row0 + r).to(tl.int64)
-        q = _conv_silu_row(q_ptr, conv_row, conv_w_ptr, row0, r, ch_q, ch_q, live, P, W, WP)
-        k = _conv_silu_row(k_ptr, conv_row, conv_w_ptr, row0, r, ch_q, P + ch_q, live, P, W, WP)
-        v = _conv_silu_row(v_ptr, conv_row, conv_w_ptr, row0, r, ch_q, 2 * P + ch_q, live, P, W, WP)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + _L2_EPS) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + _L2_EPS)
-        f = tl.load(f_ptr + n * P + ch_q).to(tl.float32)
-        g = kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND)
-        beta = tl.sigmoid(tl.load(beta_ptr + n * H + h).to(tl.float32))
+    n = (row0 + rr).to(tl.int64)
+    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch, ch, live, P, W)
+    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch, P + ch, live, P, W)
+    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch_v, 2 * P + ch_v, live, P, W)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
+    f = tl.load(f_ptr + n[:, None] * P + ch[None, :], mask=rv[:, None], other=0.0)
+    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
+    decay = tl.exp(kda_gate_math(f.to(tl.float32), dt_bias[None, :], a, lower_bound,
+                                 HAS_LOWER_BOUND))
+    beta = tl.sigmoid(tl.load(beta_ptr + n * H + h, mask=rv, other=0.0).to(tl.float32))
 
-        # delta rule: decay the key rows, then correct towards v along k
-        S = S * tl.exp(g)[:, None]
-        pred = tl.sum(S * k[:, None], axis=0)                          # S^T k   [V]
-        S = S + k[:, None] * (beta * (v - pred))[None, :]
-        o = tl.sum(S * q[:, None], axis=0)                             # S^T q   [V]
-
-        gate = tl.load(gate_ptr + n * P + ch_q).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * norm_w * tl.sigmoid(gate)
-        tl.store(out_ptr + n * P + ch_q, tl.where(live, o, 0.0).to(out_ptr.dtype.element_ty))
-
+    for r in range(ROWS):
+        k_r = _row(k, rr, r)
+        S = S * _row(decay, rr, r)[:, None]                           # decay the key rows
+        pred = tl.sum(S * k_r[:, None], axis=0)                        # S^T k   [BV]
+        beta_r = tl.sum(tl.where(rr == r, beta, 0.0), axis=0)
+        S = S + k_r[:, None] * (beta_r * (_row(v, rr, r) - pred))[None, :]
+        o = tl.sum(S * _row(q, rr, r)[:, None], axis=0)               # S^T q   [BV]
+        tl.store(o_raw_ptr + (row0 + r).to(tl.int64) * P + ch_v, o)
         if HAS_SNAP:
-            snap = (b * ROWS + r).to(tl.int64)
-            tl.store(snap_state_ptr + (snap * H + h) * K * K + offs[:, None] * K + offs[None, :],
+            snap = (row0 + r).to(tl.int64)
+            tl.store(snap_state_ptr + (snap * H + h) * K * K + offs[:, None] * K + offs_v[None, :],
                      S, mask=live)
-            snap_conv = snap_conv_ptr + snap * (W - 1) * 3 * P
-            _copy_window(q_ptr, conv_row, snap_conv, row0, r + 1, ch_q, ch_q, live, P, W, WB)
-            _copy_window(k_ptr, conv_row, snap_conv, row0, r + 1, ch_q, P + ch_q, live, P, W, WB)
-            _copy_window(v_ptr, conv_row, snap_conv, row0, r + 1, ch_q, 2 * P + ch_q, live, P, W, WB)
-
     tl.store(state_ptr + state_off, S, mask=live)
-    # The new window may still contain old window rows (ROWS < W-1): every thread must have read
-    # the old window before any thread overwrites it.
-    i = tl.arange(0, WB)
-    win_q = window_rows(q_ptr, conv_row, row0, ROWS + i, ch_q, ch_q, live, i < W - 1, P, W)
-    win_k = window_rows(k_ptr, conv_row, row0, ROWS + i, ch_q, P + ch_q, live, i < W - 1, P, W)
-    win_v = window_rows(v_ptr, conv_row, row0, ROWS + i, ch_q, 2 * P + ch_q, live, i < W - 1, P, W)
+
+    # the last V tile of this (request, head) to finish does the per-head tail
     tl.debug_barrier()
-    win_mask = ((i < W - 1) & live)[:, None]
-    dst = conv_row + i[:, None] * (3 * P) + ch_q[None, :]
-    tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    arrived = tl.atomic_add(count_ptr + b * H + h, 1, sem="acq_rel", scope="gpu")
+    if arrived == NV - 1:
+        tl.debug_barrier()
+        m2 = rv[:, None]
+        o = tl.load(o_raw_ptr + n[:, None] * P + ch[None, :], mask=m2, other=0.0,
+                    cache_modifier=".cg")                              # other tiles' o: via L2
+        gate = tl.load(gate_ptr + n[:, None] * P + ch[None, :], mask=m2, other=0.0)
+        norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
+            * tl.sigmoid(gate.to(tl.float32))
+        tl.store(out_ptr + n[:, None] * P + ch[None, :],
+                 tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty), mask=m2)
+        if HAS_SNAP:
+            for r in range(ROWS):
+                snap_conv = snap_conv_ptr + (row0 + r).to(tl.int64) * (W - 1) * 3 * P
+                _copy_window(q_ptr, conv_row, snap_conv, row0, r + 1, ch, ch, live, P, W, WB)
+                _copy_window(k_ptr, conv_row, snap_conv, row0, r + 1, ch, P + ch, live, P, W, WB)
+                _copy_window(v_ptr, conv_row, snap_conv, row0, r + 1, ch, 2 * P + ch, live, P,
+                             W, WB)
+        # The new window may still contain old window rows (ROWS < W-1): every thread must have
+        # read the old window before any thread overwrites it.
+        i = tl.arange(0, WB)
+        wm = i < W - 1
+        win_q = window_rows(q_ptr, conv_row, row0, ROWS + i, ch, ch, live, wm, P, W)
+        win_k = window_rows(k_ptr, conv_row, row0, ROWS + i, ch, P + ch, live, wm, P, W)
+        win_v = window_rows(v_ptr, conv_row, row0, ROWS + i, ch, 2 * P + ch, live, wm, P, W)
+        tl.debug_barrier()
+        win_mask = (wm & live)[:, None]
+        dst = conv_row + i[:, None] * (3 * P) + ch[None, :]
+        tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        tl.atomic_xchg(count_ptr + b * H + h, 0)                      # ready for the next call
 
 
 @register("k31c::kda_decode", ("h200", "mi350x"))
@@ -159,24 +194,29 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                       conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv, snap_state,
-                      num_warps: int = 8) -> torch.Tensor:
-    """The launch itself, with the tuning knob exposed for benchmarks (8 warps: state 64 regs/thread)."""
+                      block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """The launch itself, with the tuning knobs exposed for benchmarks. Default tile: the best
+    measured on the H200 at B=16, H=96 (BV=32 for one row, BV=64 for verify rows)."""
     N, H, K, W = _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, rows, snap_conv, snap_state)
     check_kda_layout(q, K, conv_state, recurrent)
     if snap_conv is not None and not (snap_conv.is_contiguous() and snap_state.is_contiguous()):
         raise ValueError("snap_conv, snap_state: expected contiguous buffers (written in place)")
     B = slots.shape[0]
+    BV = min(block_v or (32 if rows == 1 else 64), K)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     out = torch.empty_like(q)
+    o_raw = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    arrivals = torch.zeros(B * H, device=q.device, dtype=torch.int32)
     has_snap = snap_conv is not None
-    _kda_decode_kernel[(B, H)](
-        q, k, v, f, beta, gate, out,
+    _kda_decode_kernel[(B, H, K // BV)](
+        q, k, v, f, beta, gate, out, o_raw, arrivals,
         conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
         o_norm_weight.contiguous(), conv_state, recurrent, slots,
         snap_conv if has_snap else conv_state, snap_state if has_snap else recurrent,
         H, 0.0 if lower_bound is None else float(lower_bound), float(eps), K ** -0.5,
-        ROWS=rows, K=K, W=W, WP=triton.next_power_of_2(W), WB=triton.next_power_of_2(max(W - 1, 1)),
+        ROWS=rows, RB=max(triton.next_power_of_2(rows), 2), K=K, BV=BV, W=W,
+        WB=triton.next_power_of_2(max(W - 1, 1)),
         HAS_LOWER_BOUND=lower_bound is not None, HAS_SNAP=has_snap, num_warps=num_warps)
     return out
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
 from ..registry import register
-from .kda_decode import check_kda_layout, kda_gate_math, window_rows
+from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, window_rows
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 _L2_EPS = tl.constexpr(L2_NORM_EPS)
@@ -50,17 +50,6 @@ def _request_chunks(cu_ptr, B, C: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def _pick(j, sel, x):
     return tl.sum(tl.where(j == sel, x, 0), axis=0)
-
-
-@triton.jit
-def _conv_silu_block(in_ptr, conv_row, w_ptr, s, p, rv, ch_in, ch_conv, live, P,
-                     W: tl.constexpr):
-    """SiLU(causal conv) for request positions p [BC] (rows rv valid) of one channel vector."""
-    acc = tl.zeros([p.shape[0], ch_in.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(W):
-        x = window_rows(in_ptr, conv_row, s, p + j, ch_in, ch_conv, live, rv, P, W)
-        acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
-    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -106,9 +95,9 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
             p = c0 + I * BC + rows
             rv = p < L
             t = (s + p).to(tl.int64)
-            q = _conv_silu_block(q_ptr, conv_row, conv_w_ptr, s, p, rv, ch, ch, True, P, W)
-            k = _conv_silu_block(k_ptr, conv_row, conv_w_ptr, s, p, rv, ch, P + ch, True, P, W)
-            v = _conv_silu_block(v_ptr, conv_row, conv_w_ptr, s, p, rv, ch, 2 * P + ch, True, P, W)
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, s, p, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, s, p, rv, ch, P + ch, True, P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, s, p, rv, ch, 2 * P + ch, True, P, W)
             q = q * tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS)[:, None] * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
             f = tl.load(f_ptr + t[:, None] * P + ch[None, :], mask=rv[:, None], other=0.0)
@@ -156,7 +145,7 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
             else:
                 m_ii = tl.zeros([BC, BC], dtype=tl.float32)
                 a_ii = tl.zeros([BC, BC], dtype=tl.float32)
-                for c in tl.static_range(BC):
+                for c in range(BC):
                     k_c = _row(k, rows, c)
                     diff = tl.minimum(G - _row(G, rows, c)[None, :], 0.0)   # ≤ 0 where used
                     decay = tl.where(rows[:, None] >= c, tl.exp(diff), 0.0)
@@ -169,7 +158,7 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
 
             # (I + M_II)^-1 by forward substitution, row by row
             inv = eye
-            for r in tl.static_range(1, BC):
+            for r in range(1, BC):
                 m_r = _row(m_ii, rows, r)
                 new = (rows == r).to(tl.float32) - tl.sum(m_r[:, None] * inv, axis=0)
                 inv = tl.where(rows[:, None] == r, new[None, :], inv)
@@ -307,5 +296,5 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
         conv_state, recurrent, slots, cu_seqlens, B, H, float(eps),
         C=C, BC=BC, K=K, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=BP, PREC=prec,
-        num_warps=state_warps)
+        num_warps=state_warps, num_stages=1)   # pipelined loads of 5 chunk tiles overflow smem
     return out

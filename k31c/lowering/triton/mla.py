@@ -8,10 +8,18 @@ in fp32 (log2 domain). Keys are positions `indices[t, j]` (sparse; -1 = empty) o
 (dense); a position p of request b lives in slot `block_table[b, p // bs] * bs + p % bs`.
 
 Heads are tiled without padding to a power of two above Hq: 96 heads run as one 64-head tile
-(MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same launch so the programs
-that share a row's gathers run side by side and the second read hits L2. When rows x head tiles
-cannot fill the GPU the keys are split (flash-decoding): each split writes its normalised partial
-output and LSE, and a small kernel merges them by LSE.
+(MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same launch (head tiles
+vary fastest in the grid) so the programs that share a row's gathers run side by side and the
+second read hits L2. When rows x head tiles cannot fill the GPU the keys are split
+(flash-decoding): each split writes its normalised partial output and LSE, and a small kernel
+merges them by LSE. Sparse index lists are first resolved to physical slots by a small kernel,
+so the attention loop has one level of indirection, which Triton's pipeliner can run ahead.
+
+Where it stands (H200, B16 x R4, 96 heads, k = 2048): ~0.30-0.44 ms, 8-12x the bf16 compute
+floor; dense ~5.8x. One 184 KB / 255-register program per SM leaves nothing to hide the gather
+latency behind, and Triton's pipeliner issues each gather after the previous block's math
+(`python benchmarks/bench_mla.py --sweep` prints registers, spills and shared memory per launch
+config). A warp-specialised producer/consumer kernel is the next step.
 
 Everything the kernels read about lengths, slots and indices is a device tensor and the grid is a
 function of static shapes only, so the launchers are CUDA-graph safe (no host sync).
@@ -19,7 +27,7 @@ function of static shapes only, so the launchers are CUDA-graph safe (no host sy
 from __future__ import annotations
 
 import functools
-import math
+import os
 
 import torch
 import triton
@@ -33,17 +41,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _positions(idx_row, start, hi, BN: tl.constexpr, DENSE: tl.constexpr):
-    """Logical positions of keys start..start+BN-1 of this program (-1 = none / empty slot)."""
-    offs = start + tl.arange(0, BN)
-    if DENSE:
-        return tl.where(offs < hi, offs, -1)
-    return tl.load(idx_row + offs, mask=offs < hi, other=-1)
+def _slots_kernel(idx_ptr, bt_ptr, row_req_ptr, slots_ptr, n_keys, stride_in, stride_btb,
+                  stride_sn, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Physical slot of every selected position (-1 stays -1): the sparse index lists resolved
+    once, so the attention loop has a single level of indirection to pipeline."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < n_keys
+    pos = tl.load(idx_ptr + t.to(tl.int64) * stride_in + offs, mask=in_range, other=-1)
+    b = tl.load(row_req_ptr + t)
+    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + tl.maximum(pos, 0) // BLOCK_SIZE,
+                  mask=pos >= 0, other=0)
+    slot = tl.where(pos >= 0, blk * BLOCK_SIZE + tl.maximum(pos, 0) % BLOCK_SIZE, -1)
+    tl.store(slots_ptr + t.to(tl.int64) * stride_sn + offs, slot, mask=in_range)
 
 
 @triton.jit
-def _blocks(bt_row, pos, BLOCK_SIZE: tl.constexpr):
-    return tl.load(bt_row + tl.maximum(pos, 0) // BLOCK_SIZE, mask=pos >= 0, other=0)
+def _slots(bt_row, slot_row, start, hi, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr,
+           DENSE: tl.constexpr):
+    """Physical slots of keys start..start+BN-1 (-1 = none): one load either way (dense: the
+    block table; sparse: the slots _slots_kernel resolved)."""
+    offs = start + tl.arange(0, BN)
+    if DENSE:
+        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < hi, other=0)
+        return tl.where(offs < hi, blk * BLOCK_SIZE + offs % BLOCK_SIZE, -1)
+    return tl.load(slot_row + offs, mask=offs < hi, other=-1)
 
 
 @triton.jit
@@ -63,32 +85,34 @@ def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
 
     q_rows = q_ptr + t.to(tl.int64) * stride_qn + offs_h[:, None] * stride_qh
     q_v = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
-    q_r = tl.load(q_rows + DV + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
+    if DR > 0:
+        q_r = tl.load(q_rows + DV + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :],
+                      other=0.0)
     dt = q_v.dtype
 
     m_i = tl.full([HT], float("-inf"), tl.float32)
     l_i = tl.zeros([HT], tl.float32)
     acc = tl.zeros([HT, BLOCK_V], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    idx_row = idx_ptr + t.to(tl.int64) * stride_in
-    # A key's slot takes two dependent loads (index, then block table). The next block's are
-    # fetched one iteration early, so they never sit between a block's row gather and its math;
-    # the row gathers themselves are multi-buffered by the compiler's pipeliner (num_stages).
-    pos = _positions(idx_row, lo, hi, BN, DENSE)
-    blk = _blocks(bt_row, pos, BLOCK_SIZE)
+    slot_row = idx_ptr + t.to(tl.int64) * stride_in
+    slot = _slots(bt_row, slot_row, lo, hi, BLOCK_SIZE, BN, DENSE)
     for j in range(lo, hi, BN):
-        pos_next = _positions(idx_row, j + BN, hi, BN, DENSE)
-        blk_next = _blocks(bt_row, pos_next, BLOCK_SIZE)
-        valid = pos >= 0
-        rows = (cache_ptr + blk.to(tl.int64) * stride_cb
-                + (tl.maximum(pos, 0) % BLOCK_SIZE) * stride_cs)
+        # next block's slots now, used next iteration; the row gathers below are pipelined by the
+        # compiler (num_stages 3: issued two blocks ahead). Loop-carried values stay fresh: one
+        # that is a plain copy of another stops Triton from pipelining the loop at all.
+        slot_next = _slots(bt_row, slot_row, j + BN, hi, BLOCK_SIZE, BN, DENSE)
+        valid = slot >= 0
+        rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
         # the gathered latent rows, split into the value part and the rest (rope) part
         k_v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None] & v_mask[None, :],
                       other=0.0).to(dt)
-        k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=valid[:, None] & r_mask[None, :],
-                      other=0.0).to(dt)
-
-        s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        if DR > 0:
+            k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
+                          mask=valid[:, None] & r_mask[None, :], other=0.0).to(dt)
+            s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        else:
+            s = tl.zeros([HT, BN], tl.float32)
         s = tl.dot(q_v, tl.trans(k_v), s, input_precision=PRECISION)
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -99,8 +123,7 @@ def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(dt), k_v, acc, input_precision=PRECISION)
         m_i = m_new
-        pos = pos_next          # fresh values only: a loop-carried copy of a loop-carried value
-        blk = blk_next          # would stop the compiler from pipelining the row gathers
+        slot = slot_next
 
     has_key = l_i > 0.0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
@@ -193,7 +216,6 @@ def _num_sms(index: int) -> int:
 
 
 def _interpreted() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -227,7 +249,9 @@ def _plan(q: torch.Tensor, n_work_keys: int, dense: bool, config: dict | None) -
     if "splits" not in cfg:
         # enough programs for a few waves; never a split shorter than a few key blocks
         sms = 1 if q.device.type != "cuda" else _num_sms(q.device.index or 0)
-        want = -(-((4 if dense else 1) * sms) // max(1, q.shape[0] * n_tiles))
+        programs = max(1, q.shape[0] * n_tiles)
+        # dense: ~4 waves (long rows); sparse: one wave, split only when rows x tiles are few
+        want = -(-(4 * sms) // programs) if dense else max(1, round(sms / programs))
         most = max(1, n_work_keys // (4 * cfg["bn"]))
         cfg["splits"] = max(1, min(want, most))
     return cfg
@@ -254,7 +278,14 @@ def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, d
     else:
         part = q.new_empty((splits, n, n_heads, dv), dtype=torch.float32)
         part_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
-    idx = indices if indices is not None else row_req          # unused pointer in dense mode
+    if dense:
+        idx = row_req                                          # unused pointer in dense mode
+    else:
+        idx = torch.empty_like(indices)                        # slots, -1 = empty
+        slot_block = 256
+        _slots_kernel[(n, triton.cdiv(n_keys, slot_block))](
+            indices, block_table, row_req, idx, n_keys, indices.stride(0), block_table.stride(0),
+            idx.stride(0), BLOCK_SIZE=latent_cache.shape[1], BLOCK=slot_block, num_warps=4)
     lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
@@ -263,8 +294,8 @@ def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, d
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         block_table.stride(0), idx.stride(0),
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        DV=dv, DR=width - dv, BLOCK_V=triton.next_power_of_2(dv),
-        BLOCK_R=max(1, triton.next_power_of_2(width - dv)), BLOCK_SIZE=latent_cache.shape[1],
+        DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),    # tl.dot: K >= 16
+        BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=latent_cache.shape[1],
         BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=bn, DENSE=dense,
         FINAL=final, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -278,7 +309,7 @@ def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, d
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=triton.next_power_of_2(dv), HB=hb, num_warps=4)
+            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=hb, num_warps=4)
     return out, lse
 
 

@@ -287,7 +287,7 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 @triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
-                   ckey_ptr, cpos_ptr, k, cap, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                   ckey_ptr, cpos_ptr, k, cap, chunk, TILE: tl.constexpr,
                    RTILE: tl.constexpr):
     row = tl.program_id(0)
     rows = row + tl.zeros([1], tl.int32)
@@ -296,8 +296,8 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
     if tl.sum(active.to(tl.int32), 0) > 0:
         n = tl.load(row_len_ptr + row)
         thresh = tl.load(st_rows + _THRESH).to(tl.uint32, bitcast=True)
-        lo = tl.program_id(1) * CHUNK
-        hi = tl.minimum(lo + CHUNK, n)
+        lo = tl.program_id(1) * chunk
+        hi = tl.minimum(lo + chunk, n)
         for start in range(lo, hi, TILE):
             pos = start + tl.arange(0, TILE)
             x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos < hi, other=0.0)
@@ -327,7 +327,7 @@ def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, b
 @triton.jit
 def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
                          row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, ckey_ptr, cpos_ptr,
-                         n_rows, k, cap, G: tl.constexpr, CHUNK: tl.constexpr, BS: tl.constexpr,
+                         n_rows, k, cap, chunk, G: tl.constexpr, BS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                          FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, RTILE: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
@@ -342,13 +342,13 @@ def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, b
     st_rows = state_ptr + rows * _RS
     active = valid & (tl.load(st_rows + _MODE, mask=valid, other=1) == 0)
     thresh = tl.load(st_rows + _THRESH, mask=valid, other=0).to(tl.uint32, bitcast=True)
-    lo = tl.program_id(1) * CHUNK
+    lo = tl.program_id(1) * chunk
     for j in tl.static_range(G):
         lead = tl.sum(tl.where(r == j, reqs, 0), 0)
         first = tl.sum(tl.where((r < j) & active & (reqs == lead), 1, 0), 0) == 0
         if first & (tl.sum(tl.where(r == j, active.to(tl.int32), 0), 0) > 0):
             mine = active & (reqs == lead)
-            hi = tl.minimum(lo + CHUNK, tl.max(tl.where(mine, lens, 0), 0))
+            hi = tl.minimum(lo + chunk, tl.max(tl.where(mine, lens, 0), 0))
             q, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, mine, H, D, G, HP, DP, DOT_DTYPE)
             for start in tl.range(lo, hi, BS, num_stages=NUM_STAGES):
                 pos = start + tl.arange(0, BS)
@@ -533,9 +533,9 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
         return out
     chunk, per_row = _chunking(width, n_rows, _SCORE_TILE)
     _filter_kernel[(n_rows, per_row)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
-                                      ws["fb"], ws["ckey"], ws["cpos"], k, cap, CHUNK=chunk,
+                                      ws["fb"], ws["ckey"], ws["cpos"], k, cap, chunk,
                                       TILE=_SCORE_TILE, RTILE=_REFINE_TILE, num_warps=8)
-    src = (scores, scores.stride(0), scores, 0, 0, scores, 0, scores, scores, 0, scores, 0, 0)
+    src = (scores, scores.stride(0), scores, 0, 0, scores, 0, scores, scores, scores, 0, scores, 0, 0)
     _fallback(src, row_len, out, ws, dict(TILE=_REFINE_TILE, FUSED=False, BLOCK_SIZE=1, HP=16, DP=16,
                                           FP8=False, DOT_DTYPE=tl.float32, num_warps=8))
     return out
@@ -606,7 +606,7 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     chunk, per_group = _chunking(width, n_groups, _FUSED_TILE, programs=2048)
     _fused_filter_kernel[(n_groups, per_group)](
         *src, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["ckey"], ws["cpos"], n_rows, k,
-        cap, G=groups, CHUNK=chunk, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape,
+        cap, chunk, G=groups, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape,
         RTILE=_REFINE_TILE, NUM_STAGES=3, num_warps=8)
     _fallback((q, 0, *src), row_len, out, ws, dict(TILE=_FUSED_TILE, FUSED=True, HP=hp1, **shape,
                                                    num_warps=4))

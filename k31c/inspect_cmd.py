@@ -1,0 +1,135 @@
+"""`k31c inspect`: the graph of one step after any pass, as canonical text or an SVG picture.
+
+    k31c inspect --config tiny --step decode --after indexer_prolog
+    k31c inspect --config tiny --step verify --rows 4 --target h200 --format svg --layer 3 -o g.svg
+
+The model is built from the config alone (weights are not needed to see the graph: they live on
+the `meta` device, nothing is allocated), the cache pool is a fixed small geometry (4 requests,
+256 tokens, blocks of 16), so the text is the same on every machine: it is what tests/golden holds.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+STEPS = ("decode", "prefill", "verify")
+POOL = dict(max_requests=4, max_seq_len=256, block_size=16)
+
+
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="print a step's graph after a pass (text or SVG)",
+                       description="Capture one step of a K3.1 model, run the pass pipeline up to a "
+                                   "pass, and print the graph in canonical text or draw it as SVG.")
+    p.add_argument("--config", default="tiny", help="preset name or a config.json / checkpoint dir")
+    p.add_argument("--step", choices=STEPS, default="decode")
+    p.add_argument("--rows", type=int, default=2, help="rows per request of a verify step (default 2)")
+    p.add_argument("--target", default="cpu", help="cpu, h200 or mi350x (default cpu)")
+    p.add_argument("--after", default=None, help="stop after this pass (default: the whole pipeline)")
+    p.add_argument("--passes", default=None, help="comma-separated pass list (default: all, in order)")
+    p.add_argument("--option", action="append", default=[], metavar="PASS.OPTION=VALUE",
+                   help="a pass option, e.g. quantize.mxfp8_indexer=true (repeatable)")
+    p.add_argument("--index-cache", choices=("bf16", "fp8"), default="bf16",
+                   help="index-key cache format of the pool (default bf16)")
+    p.add_argument("--format", choices=("text", "svg"), default="text")
+    p.add_argument("--layer", type=int, default=None, help="svg: draw only this decoder layer")
+    p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+    p.set_defaults(run=run_inspect)
+
+
+def parse_options(items: list[str]) -> dict:
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        name, dot, option = key.partition(".")
+        if not sep or not dot or not name or not option:
+            raise ValueError(f"--option {item!r}: expected PASS.OPTION=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out.setdefault(name, {})[option] = value
+    return out
+
+
+def load_config(arg: str):
+    from .config import PRESETS, K31Config, preset
+    if arg in PRESETS:
+        return preset(arg)
+    path = Path(arg)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--config {arg!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                         "config.json / checkpoint directory")
+    return K31Config.from_json(path)
+
+
+def step_kind(step: str, rows: int):
+    from .graph.capture import StepKind
+    if step == "verify":
+        if rows < 2:
+            raise ValueError(f"--rows must be at least 2 for a verify step, got {rows}")
+        return StepKind("decode", rows)
+    return StepKind(step)
+
+
+def shape_model(cfg):
+    """The model with its weights on the meta device: shapes and dtypes only."""
+    import torch
+    from .graph.model import K31ForCausalLM
+    with torch.device("meta"):
+        return K31ForCausalLM(cfg).eval()
+
+
+def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
+    """Step metadata and caches of the fixed inspection pool (values are never read)."""
+    import torch
+    from .graph.step import StepMeta
+    from .runtime.kv import CachePool
+    pool = CachePool(cfg, index_cache=index_cache, device=device, **POOL)
+    i32, i64 = torch.int32, torch.int64
+    meta = StepMeta(slot_mapping=torch.zeros(1, dtype=i64, device=device),
+                    block_table=pool.block_table[:1], row_req=torch.zeros(1, dtype=i32, device=device),
+                    row_len=torch.ones(1, dtype=i32, device=device),
+                    kda_slots=torch.zeros(1, dtype=i64, device=device),
+                    cu_seqlens=torch.tensor([0, 1], dtype=i32, device=device))
+    return meta, pool.caches()
+
+
+def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu", passes=None,
+                  options: Optional[dict] = None, after: Optional[str] = None,
+                  index_cache: str = "bf16"):
+    """Build one step's graph without running it. Returns (graph module, captured)."""
+    from .api import compile as k31c_compile
+    compiled = k31c_compile(shape_model(cfg), target=target, passes=passes, options=options)
+    meta, caches = pool_inputs(cfg, index_cache)
+    program = compiled.build(step_kind(step, rows), meta, caches, stop_after=after, executable=False)
+    return program.gm, program.captured
+
+
+def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None) -> str:
+    if fmt == "svg":
+        from .graph.svg import draw_svg
+        return draw_svg(gm, title=title, layer=layer)
+    from .graph.printer import format_graph
+    return format_graph(gm, title=title, dims=captured.dims)
+
+
+def run_inspect(args) -> int:
+    from .cli import UsageError
+    try:
+        cfg = load_config(args.config)
+        passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
+        gm, captured = inspect_graph(cfg, args.step, args.rows, args.target, passes,
+                                     parse_options(args.option), args.after, args.index_cache)
+        from .passes.manager import DEFAULT_PIPELINE
+        title = f"{captured.step.name} target={args.target} after={args.after or (passes or DEFAULT_PIPELINE)[-1]}"
+        text = render(gm, captured, args.format, title, args.layer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text, end="")
+    return 0

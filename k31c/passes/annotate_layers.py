@@ -1,0 +1,50 @@
+"""annotate_layers: `node.meta["k31c"] = {layer, kind, stream, region}` for every op.
+
+`layer` is the decoder layer index from the module path (`layers.3...`), `kind` the block the op
+belongs to: kda, mla (the indexer included), moe, mlp, norm (the layer's RMSNorms), residual
+(AttnRes mixing and adds between blocks), embed, head. Every op starts on stream 0 outside any
+region; indexer_prolog moves some to side streams.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..graph.capture import module_classes, module_path
+from .graph_utils import info, layer_of
+from .manager import PassResult, register_pass
+
+_CONTAINERS = {"_Step", "K31ForCausalLM", "K31Model", "DecoderLayer", "ModuleList"}
+_BLOCKS = {"KimiDeltaAttention": "kda", "GatedMLA": "mla", "LightningIndexer": "mla",
+           "LatentMoE": "moe", "GatedMLP": "mlp", "RMSNorm": "norm", "Embedding": "embed"}
+
+
+def kind_of(node: torch.fx.Node) -> str:
+    for cls in module_classes(node):        # outermost block wins: a GatedMLP inside MoE is moe
+        if cls in _CONTAINERS:
+            continue
+        if cls in _BLOCKS:
+            return _BLOCKS[cls]
+        if cls == "Linear":                 # lm_head, or an AttnRes projection
+            return "head" if module_path(node) == "lm_head" else "residual"
+        return cls.lower()
+    classes = module_classes(node)
+    if classes and classes[-1] in ("K31ForCausalLM", "_Step"):
+        return "head"                       # the logits cast at the top level
+    return "residual"
+
+
+@register_pass("annotate_layers")
+def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
+    """Record each op's decoder layer, block kind, stream (0) and region (none)."""
+    count = changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        meta = info(node)
+        new = {"layer": layer_of(node), "kind": kind_of(node)}
+        new.setdefault("region", meta.get("region"))
+        if any(meta.get(k) != v for k, v in new.items()):
+            changed += 1
+        meta.update(new)
+        count += 1
+    return PassResult(matches=count, changed=changed > 0, notes=[f"annotated {count} ops"])

@@ -1,0 +1,53 @@
+"""lower: pick the kernel of every k31c op for the target, from lowering/registry.py.
+
+`node.meta["k31c"]["kernel"]` becomes `<backend>:<module>.<function>` for a registered kernel, or
+`reference` for the op's plain-PyTorch implementation. On the CPU the reference ops are the
+kernels. On a GPU target every reference fallback is counted per op and reported: nothing falls
+back silently. Stream markers lower to `stream` (events on a target with device graphs) or `noop`
+(the CPU has one stream); dense ops are left to the dense code generator (Inductor, or IREE on
+targets where DESIGN §5 says so), recorded per target in the report.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..lowering.registry import lookup
+from .graph_utils import info, is_k31c, is_marker_node
+from .manager import PassResult, register_pass
+
+DENSE_CODEGEN = {"cpu": "inductor", "h200": "inductor", "mi350x": "iree"}
+
+
+def kernel_name(kernel) -> str:
+    return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
+
+
+@register_pass("lower")
+def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
+    """Assign each k31c op its kernel for the target; count reference fallbacks."""
+    target = ctx.target
+    on_gpu = target.device != "cpu"
+    kernels, fallbacks = Counter(), Counter()
+    for node in gm.graph.nodes:
+        if is_marker_node(node):
+            info(node)["kernel"] = "stream" if target.device_graphs else "noop"
+            continue
+        if not is_k31c(node):
+            continue
+        op = f"k31c::{node.target._schema.name.split('::')[-1]}"
+        kernel = lookup(op, target.name)
+        name = kernel_name(kernel) if kernel is not None else "reference"
+        info(node)["kernel"] = name
+        kernels[(op, name)] += 1
+        if kernel is None and on_gpu:
+            fallbacks[op] += 1
+    ctx.state["kernels"] = dict(kernels)
+    ctx.state["fallbacks"] = dict(fallbacks)
+    ctx.state["dense_codegen"] = DENSE_CODEGEN.get(target.name, "inductor")
+    notes = [f"{op} -> {name} x{n}" for (op, name), n in sorted(kernels.items())]
+    if fallbacks:
+        notes.append("reference fallbacks on " + target.name + ": "
+                     + ", ".join(f"{op} x{n}" for op, n in sorted(fallbacks.items())))
+    return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes)
