@@ -33,6 +33,8 @@ def add_inspect(sub) -> None:
                    help="index-key cache format of the pool (default bf16)")
     p.add_argument("--format", choices=("text", "svg"), default="text")
     p.add_argument("--layer", type=int, default=None, help="svg: draw only this decoder layer")
+    p.add_argument("--k31c-only", action="store_true",
+                   help="text: only the k31c ops and stream markers (the per-target lowering)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     p.set_defaults(run=run_inspect)
 
@@ -99,21 +101,24 @@ def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
 
 def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu", passes=None,
                   options: Optional[dict] = None, after: Optional[str] = None,
-                  index_cache: str = "bf16"):
-    """Build one step's graph without running it. Returns (graph module, captured)."""
+                  index_cache: str = "bf16", model=None):
+    """Build one step's graph without running it. Returns (graph module, captured). Passing the
+    same `model` (a `shape_model(cfg)`) again reuses its capture."""
     from .api import compile as k31c_compile
-    compiled = k31c_compile(shape_model(cfg), target=target, passes=passes, options=options)
+    compiled = k31c_compile(model if model is not None else shape_model(cfg), target=target,
+                            passes=passes, options=options)
     meta, caches = pool_inputs(cfg, index_cache)
     program = compiled.build(step_kind(step, rows), meta, caches, stop_after=after, executable=False)
     return program.gm, program.captured
 
 
-def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None) -> str:
+def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None,
+           k31c_only: bool = False) -> str:
     if fmt == "svg":
         from .graph.svg import draw_svg
         return draw_svg(gm, title=title, layer=layer)
     from .graph.printer import format_graph
-    return format_graph(gm, title=title, dims=captured.dims)
+    return format_graph(gm, title=title, dims=captured.dims, only_k31c=k31c_only)
 
 
 def run_inspect(args) -> int:
@@ -125,7 +130,7 @@ def run_inspect(args) -> int:
                                      parse_options(args.option), args.after, args.index_cache)
         from .passes.manager import DEFAULT_PIPELINE
         title = f"{captured.step.name} target={args.target} after={args.after or (passes or DEFAULT_PIPELINE)[-1]}"
-        text = render(gm, captured, args.format, title, args.layer)
+        text = render(gm, captured, args.format, title, args.layer, args.k31c_only)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.output:

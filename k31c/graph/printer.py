@@ -123,7 +123,9 @@ def _meta(node) -> str:
 
 
 def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
-                 dims: Optional[dict[str, str]] = None) -> str:
+                 dims: Optional[dict[str, str]] = None, only_k31c: bool = False) -> str:
+    """The canonical text. `only_k31c`: just the k31c ops and stream markers (what lowering
+    decides per target), without inputs, weights and dense ops."""
     sym = _Symbols(dims)
     names = node_names(gm)
     lines = ["# k31c graph" + (f": {title}" if title else "")]
@@ -135,11 +137,17 @@ def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
         elif node.op == "output":
             output = f"output {_arg(node.args[0], names, sym)}"
         else:
+            if only_k31c and not (isinstance(node.target, torch._ops.OpOverload)
+                                  and node.target.namespace == "k31c"):
+                _value_type(node.meta.get("val"), sym)       # keep s0, s1, ... numbering stable
+                continue
             args = [_arg(a, names, sym) for a in node.args]
             args += [f"{k}={_arg(v, names, sym)}" for k, v in sorted(node.kwargs.items())]
             typ = _value_type(node.meta.get("val"), sym)
             stream = (node.meta.get("k31c") or {}).get("stream", 0)
             body.append(f"  {names[node]} = {op_name(node.target)}({', '.join(args)})"
                         + (f" : {typ}" if typ else "") + f"  stream={stream}" + _meta(node))
-    lines += ["inputs:"] + inputs + ["weights:"] + weights + ["nodes:"] + body + [output]
+    if not only_k31c:
+        lines += ["inputs:"] + inputs + ["weights:"] + weights
+    lines += ["nodes:"] + body + [output]
     return "\n".join(lines) + "\n"

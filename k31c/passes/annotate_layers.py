@@ -13,24 +13,20 @@ from ..graph.capture import module_classes, module_path
 from .graph_utils import info, layer_of
 from .manager import PassResult, register_pass
 
-_CONTAINERS = {"_Step", "K31ForCausalLM", "K31Model", "DecoderLayer", "ModuleList"}
 _BLOCKS = {"KimiDeltaAttention": "kda", "GatedMLA": "mla", "LightningIndexer": "mla",
            "LatentMoE": "moe", "GatedMLP": "mlp", "RMSNorm": "norm", "Embedding": "embed"}
 
 
 def kind_of(node: torch.fx.Node) -> str:
-    for cls in module_classes(node):        # outermost block wins: a GatedMLP inside MoE is moe
-        if cls in _CONTAINERS:
-            continue
+    classes = module_classes(node)
+    for cls in classes:                     # outermost block wins: a GatedMLP inside MoE is moe
         if cls in _BLOCKS:
             return _BLOCKS[cls]
         if cls == "Linear":                 # lm_head, or an AttnRes projection
             return "head" if module_path(node) == "lm_head" else "residual"
-        return cls.lower()
-    classes = module_classes(node)
     if classes and classes[-1] in ("K31ForCausalLM", "_Step"):
         return "head"                       # the logits cast at the top level
-    return "residual"
+    return "residual"                       # AttnRes mixing and adds between blocks
 
 
 @register_pass("annotate_layers")

@@ -81,11 +81,20 @@ def exclusive_slice(roots: Iterable[torch.fx.Node], sink: torch.fx.Node) -> list
         stack.extend(a for a in n.all_input_nodes)
     chosen = {sink}
     for n in reversed(list(sink.graph.nodes)):      # users before producers: one sweep suffices
-        if n in candidates and n.users and all(u in chosen for u in n.users) and not is_marker_node(n) \
-                and not mutated_args(n):
+        if n in candidates and n.users and all(u in chosen or is_check(u) for u in n.users) \
+                and not is_marker_node(n) and not mutated_args(n):
             chosen.add(n)
     chosen.discard(sink)
+    # checks on the slice's values (export's _assert_tensor_metadata) travel with it
+    chosen |= {u for n in chosen for u in n.users if is_check(u)
+               and all(a in chosen or a.op != "call_function" for a in u.all_input_nodes)}
     return [n for n in sink.graph.nodes if n in chosen]
+
+
+def is_check(node: torch.fx.Node) -> bool:
+    """An op with no users that only checks its inputs (writes nothing, marks nothing)."""
+    return node.op == "call_function" and not node.users and not is_marker_node(node) \
+        and not mutated_args(node)
 
 
 def stable_toposort(graph: torch.fx.Graph) -> bool:

@@ -65,13 +65,15 @@ def _plan(consumer: torch.fx.Node, order: dict):
 
 def _place(consumer, branches, anchor, region: int, event: int, order: dict) -> None:
     marker = dict(like=consumer, region=region)
-    start = anchor
-    if branches["query"] and order[branches["query"][0]] < order[anchor]:
-        start = branches["query"][0].prev
-    enter = insert_after(start, K31C.region_enter.default, (region, "indexer_prolog"), stream=0, **marker)
-    cursor = insert_after(enter, K31C.event_record.default, (event, 0), stream=0, **marker)
-    if order[anchor] > order[start]:
+    # The region opens before the first branch op; the fork comes after the last input the side
+    # branches need (so they can start at once), which may be after the query branch has begun.
+    query = branches["query"]
+    opened_after = query[0].prev if query and order[query[0]] < order[anchor] else anchor
+    cursor = insert_after(opened_after, K31C.region_enter.default, (region, "indexer_prolog"),
+                          stream=0, **marker)
+    if order[anchor] > order[opened_after]:
         cursor = anchor
+    cursor = insert_after(cursor, K31C.event_record.default, (event, 0), stream=0, **marker)
     joins = []
     for name, stream in SIDE_STREAMS:
         if not branches[name]:

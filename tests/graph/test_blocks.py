@@ -61,6 +61,7 @@ def test_router_and_latent_moe_against_sparse_dispatch(changes):
         torch.testing.assert_close(got[t:t + 1], want, rtol=1e-4, atol=1e-5)
 
 
+@torch.no_grad()
 def test_attn_res_against_per_token_loop():
     g = torch.Generator().manual_seed(3)
     D, T = 16, 5

@@ -47,7 +47,10 @@ def test_topk_random_rows_and_lengths():
     _check_topk(scores.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k)
 
 
-def test_topk_tie_heavy_rows():
+@pytest.mark.parametrize("path", ["sampled", "fallback"])
+def test_topk_tie_heavy_rows(path, monkeypatch):
+    if path == "fallback":   # a zero sample target puts T above every key: all long rows fall back
+        monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(1)
     k, width = 16, 2000
     rows = [
@@ -56,7 +59,7 @@ def test_topk_tie_heavy_rows():
         torch.full((width,), 1.5),                                      # all equal
         torch.randint(0, 2, (width,), generator=gen).float() * -0.0,    # +0.0 and -0.0 tie
         torch.relu(torch.randn(width, generator=gen)),                  # ~half exact zeros
-        torch.randint(-2, 3, (width,), generator=gen).float() * torch.inf,  # +-inf and NaN (0*inf)
+        torch.tensor([-torch.inf, 1.0, torch.inf])[torch.randint(0, 3, (width,), generator=gen)],
     ]
     scores = torch.stack(rows)
     row_len = torch.tensor([width, width, 1234, width, 600, width], dtype=torch.int32)
@@ -146,8 +149,11 @@ def _check_fused(args, row_len, k):
     _same_sets(topk.lightning_indexer_topk(*args, row_len, k), ref)
 
 
-@pytest.mark.parametrize("cache_kind", ["fp8", torch.float32])
-def test_fused_matches_reference(cache_kind):
+@pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),
+                                              ("fp8", "fallback")])
+def test_fused_matches_reference(cache_kind, path, monkeypatch):
+    if path == "fallback":
+        monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(4)
     B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
     args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)

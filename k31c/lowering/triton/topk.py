@@ -56,7 +56,6 @@ _KREM = tl.constexpr(5)     # fallback: how many of the keys matching PREFIX are
 _PREFIX = tl.constexpr(6)   # fallback: digits of the k-th key found so far
 _RS = tl.constexpr(ROW_STATE)
 
-
 # ---- keys and selection helpers ---------------------------------------------------------------
 
 @triton.jit
@@ -66,56 +65,6 @@ def _order_key(x):
     bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
     key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
-
-
-@triton.jit
-def _composite(key_ptr, pos_ptr, offs, m, WITH_POS: tl.constexpr):
-    key = tl.load(key_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-    comp = key.to(tl.uint64) << 32
-    if WITH_POS:
-        comp = comp | tl.load(pos_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint64)
-    return comp
-
-
-@triton.jit
-def _kth_composite(key_ptr, pos_ptr, count, kth, EXTRA_DIGITS: tl.constexpr, TILE: tl.constexpr,
-                   WITH_POS: tl.constexpr):
-    """Largest t, to 4-bit digits, with #{c >= t} >= kth over c = key << 32 | pos of the first
-    `count` entries. With WITH_POS the composites are distinct and the search runs until exactly
-    kth entries reach t. The digits shared by the largest and smallest entry are taken as known;
-    at most EXTRA_DIGITS further digits are searched."""
-    hi = tl.zeros((), tl.uint64)
-    lo = tl.full((), 0xFFFFFFFFFFFFFFFF, tl.uint64)
-    for start in range(0, count, TILE):
-        offs = start + tl.arange(0, TILE)
-        m = offs < count
-        comp = _composite(key_ptr, pos_ptr, offs, m, WITH_POS)
-        hi = tl.maximum(hi, tl.max(comp, 0))
-        lo = tl.minimum(lo, tl.min(tl.where(m, comp, 0xFFFFFFFFFFFFFFFF), 0))
-    diff = hi ^ lo
-    digit = 0
-    while (digit < 16) & ((diff >> (60 - 4 * digit).to(tl.uint64)) == 0):
-        digit += 1
-    keep = (64 - 4 * digit).to(tl.uint64)
-    prefix = tl.where(digit == 0, tl.zeros_like(hi), (hi >> keep) << keep)
-    done = digit >= 16
-    last = tl.minimum(digit + EXTRA_DIGITS, 16 if WITH_POS else 8)
-    j = tl.arange(0, 16)
-    while (digit < last) & (not done):
-        shift = (60 - 4 * digit).to(tl.uint64)
-        steps = prefix + (j.to(tl.uint64) << shift)
-        counts = tl.zeros([16], tl.int32)
-        for start in range(0, count, TILE):
-            offs = start + tl.arange(0, TILE)
-            m = offs < count
-            comp = _composite(key_ptr, pos_ptr, offs, m, WITH_POS)
-            ge = (comp[None, :] >= steps[:, None]) & m[None, :]
-            counts += tl.sum(ge.to(tl.int32), 1)
-        best = tl.max(tl.where(counts >= kth, j, 0), 0)
-        prefix = prefix + (best.to(tl.uint64) << shift)
-        done = tl.sum(tl.where(j == best, counts, 0), 0) == kth
-        digit += 1
-    return prefix
 
 
 @triton.jit
@@ -132,45 +81,37 @@ def _append(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
 
 
 @triton.jit
-def _refine(row, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap,
-            TILE: tl.constexpr):
-    """The row's exact top-k from its candidates, or hand the row to the fallback passes."""
-    st = state_ptr + row * _RS
-    ckey = ckey_ptr + row.to(tl.int64) * cap
-    cpos = cpos_ptr + row.to(tl.int64) * cap
-    count = tl.atomic_add(st + _CNT, 0)
-    if (count >= k) & (count <= cap):
-        t = _kth_composite(ckey, cpos, count, k, 16, TILE, True)
-        out_row = out_ptr + row.to(tl.int64) * out_stride
-        base = 0
+def _radix_select(key_ptr, pos_ptr, count, krem, tie_key, POS_PHASE: tl.constexpr, TILE: tl.constexpr):
+    """In-program radix select (8-bit digits, top first) over the first `count` buffer entries of
+    value = key, or (POS_PHASE) value = position among the entries whose key == tie_key.
+    Returns (t, krem, exact): exact → exactly krem entries have value >= t (t a digit boundary);
+    else t is a full value and krem of the entries equal to t are still to take."""
+    prefix = tl.zeros((), tl.uint32)
+    bins = tl.arange(0, 256)
+    level = 0
+    exact = level < 0
+    while (level < 4) & (exact == 0):
+        shift = 24 - 8 * level
+        high = (tl.full((), 0xFFFFFFFF, tl.uint64) << (shift + 8).to(tl.uint64)).to(tl.uint32)
+        hist = tl.zeros([256], tl.int32)
         for start in range(0, count, TILE):
             offs = start + tl.arange(0, TILE)
             m = offs < count
-            sel = m & (_composite(ckey, cpos, offs, m, True) >= t)
-            seli = sel.to(tl.int32)
-            pos = tl.load(cpos + offs, mask=sel, other=0, cache_modifier=".cg")
-            tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-            base += tl.sum(seli, 0)
-    else:
-        slot = tl.atomic_add(fb_ptr, 1)
-        tl.store(fb_ptr + 1 + slot, row)
-        tl.store(st + _PREFIX, 0)
-        tl.store(st + _KREM, k)
-        tl.store(st + _DONE, 0)
-
-
-@triton.jit
-def _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap,
-            R: tl.constexpr, TILE: tl.constexpr):
-    """Count this program done for its rows; the last program of a row refines it."""
-    tl.debug_barrier()   # every thread's candidate stores happen before the release below
-    fin = tl.atomic_add(state_ptr + rows * _RS + _DONE, 1, mask=active)
-    last = active & (fin == tl.num_programs(1) - 1)
-    r = tl.arange(0, R)
-    for j in tl.static_range(R):
-        if tl.sum(tl.where(r == j, last.to(tl.int32), 0), 0) > 0:
-            row = tl.sum(tl.where(r == j, rows, 0), 0)
-            _refine(row, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, TILE)
+            key = tl.load(key_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+            if POS_PHASE:
+                m = m & (key == tie_key)
+                val = tl.load(pos_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32)
+            else:
+                val = key
+            m = m & ((val & high) == (prefix & high))
+            hist += tl.histogram(((val >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # entries with digit >= d
+        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
+        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
+        prefix = prefix | (best.to(tl.uint32) << shift)
+        exact = tl.sum(tl.where(bins == best, hist, 0), 0) == krem
+        level += 1
+    return prefix, krem, exact
 
 
 @triton.jit
@@ -184,9 +125,9 @@ def _sample_pos(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
 @triton.jit
 def _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, ok, H, D, G: tl.constexpr, HP: tl.constexpr,
             DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """q of G rows as one [G*HP, DP] MMA operand and their head weights [G*HP] (0 where masked).
-    For an FP8 dot q is quantised per (row, head) as the keys are (scale folded into w), exactly
-    as the Triton indexer does, so fused and unfused scores agree."""
+    """q of G rows as one transposed MMA operand [DP, G*HP] and their head weights [G*HP] (0
+    where masked). For an FP8 dot q is quantised per (row, head) as the keys are (scale folded
+    into w), exactly as the Triton indexer does, so fused and unfused scores agree."""
     gh = tl.arange(0, G * HP)
     sel = (gh // HP)[:, None] == tl.arange(0, G)[None, :]
     row = tl.sum(tl.where(sel, rows[None, :], 0), 1)
@@ -200,11 +141,11 @@ def _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, ok, H, D, G: tl.constexpr, HP:
         q_scale = e4m3_scale(tl.max(tl.abs(q), 1))
         q = quantize_e4m3(q, q_scale[:, None])
         w = w * q_scale                     # ReLU(s·x) = s·ReLU(x) for s > 0
-    return q.to(DOT_DTYPE), w
+    return tl.trans(q.to(DOT_DTYPE)), w
 
 
 @triton.jit
-def _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, req, pos, pos_ok, D,
+def _score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, req, pos, pos_ok, D,
                 BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                 FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """[G, BS] scores Σ_h w[g,h]·ReLU(q[g,h]·key[pos]) of request req's keys at positions pos."""
@@ -222,13 +163,13 @@ def _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, req, pos, pos_ok, D,
         keys = tl.load(cache_ptr + ((blk * BLOCK_SIZE + off) * D)[:, None] + d[None, :], mask=kmask,
                        other=0.0)
     if DOT_DTYPE == tl.float32:
-        s = tl.dot(q, tl.trans(keys.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(keys.to(tl.float32), q_t, input_precision="ieee")      # [BS, G*HP]
     else:
-        s = tl.dot(q, tl.trans(keys.to(DOT_DTYPE)))
-    s = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[:, None], [G, HP, pos.shape[0]]), 1)
+        s = tl.dot(keys.to(DOT_DTYPE), q_t)
+    s = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[None, :], [pos.shape[0], G, HP]), 2)
     if FP8:
-        s = s * scale[None, :]            # the key's scale > 0 factors out of ReLU and the head sum
-    return s
+        s = s * scale[:, None]            # the key's scale > 0 factors out of ReLU and the head sum
+    return tl.trans(s)
 
 
 @triton.jit
@@ -239,8 +180,8 @@ def _row_keys(row, pos, pos_ok, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, s
     """Keys of one row at positions pos: read from the scores, or scored from the cache."""
     if FUSED:
         rows = row + tl.zeros([1], tl.int32)
-        q, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, rows >= 0, H, D, 1, HP, DP, DOT_DTYPE)
-        s = _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, tl.load(row_req_ptr + row), pos,
+        q_t, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, rows >= 0, H, D, 1, HP, DP, DOT_DTYPE)
+        s = _score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, tl.load(row_req_ptr + row), pos,
                         pos_ok, D, BLOCK_SIZE, 1, HP, DP, FP8, DOT_DTYPE)
         key = _order_key(tl.reshape(s, [pos.shape[0]]))
     else:
@@ -254,6 +195,7 @@ def _row_keys(row, pos, pos_ok, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, s
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
                  sample_ptr, hist_ptr, k, cap, target, PRESAMPLED: tl.constexpr, SAMPLES: tl.constexpr,
                  RUN: tl.constexpr, TILE: tl.constexpr):
+    """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
     row = tl.program_id(0)
     n = tl.load(row_len_ptr + row)
     st = state_ptr + row * _RS
@@ -281,36 +223,37 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
                     tl.store(samples + i, _order_key(x).to(tl.int32, bitcast=True), mask=i < SAMPLES)
                 tl.debug_barrier()
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh = (_kth_composite(samples, samples, SAMPLES, rank, 5, TILE, False) >> 32).to(tl.uint32)
+            thresh, _, _ = _radix_select(samples, samples, SAMPLES, rank, 0, False, TILE)
     tl.store(st + _THRESH, thresh.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _filter_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
-                   ckey_ptr, cpos_ptr, k, cap, chunk, TILE: tl.constexpr,
-                   RTILE: tl.constexpr):
+def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
+                   chunk, TILE: tl.constexpr):
+    """One pass over a chunk of a row: append keys > threshold, count keys == threshold."""
     row = tl.program_id(0)
     rows = row + tl.zeros([1], tl.int32)
     st_rows = state_ptr + rows * _RS
-    active = tl.load(st_rows + _MODE) == 0
-    if tl.sum(active.to(tl.int32), 0) > 0:
+    if tl.load(state_ptr + row * _RS + _MODE) == 0:
         n = tl.load(row_len_ptr + row)
         thresh = tl.load(st_rows + _THRESH).to(tl.uint32, bitcast=True)
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, n)
+        ties = tl.zeros([1], tl.int32)
         for start in range(lo, hi, TILE):
             pos = start + tl.arange(0, TILE)
             x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos < hi, other=0.0)
             key = _order_key(x)[None, :]
-            sel = (pos < hi)[None, :] & (key >= thresh[:, None])
+            live = (pos < hi)[None, :]
+            ties += tl.sum((live & (key == thresh[:, None])).to(tl.int32), 1)
             _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
-                    key, pos[None, :], sel, cap)
-        _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, 1, RTILE)
+                    key, pos[None, :], live & (key > thresh[:, None]), cap)
+        tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), ties)
 
 
 @triton.jit
-def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
-                         row_len_ptr, sample_ptr, cap, SAMPLES: tl.constexpr, RUN: tl.constexpr,
+def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr,
+                         H, D, row_len_ptr, sample_ptr, cap, SAMPLES: tl.constexpr, RUN: tl.constexpr,
                          BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
                          DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Order keys of the sampled positions of each long row (the plan pass reads them)."""
@@ -325,15 +268,14 @@ def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, b
 
 
 @triton.jit
-def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
-                         row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, ckey_ptr, cpos_ptr,
-                         n_rows, k, cap, chunk, G: tl.constexpr, BS: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                         FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, RTILE: tl.constexpr,
+def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr,
+                         H, D, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, n_rows, cap, chunk,
+                         G: tl.constexpr, BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
+                         DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
     """Score G consecutive rows over one chunk of positions, keeping the candidates. Rows of one
-    request share each key load (one MMA of G*HP query rows); a group spanning several
-    requests is handled one request at a time."""
+    request share each key load (one MMA with G*HP query columns); a group spanning several
+    requests makes one pass per request."""
     r = tl.arange(0, G)
     rows = tl.program_id(0) * G + r
     valid = rows < n_rows
@@ -343,22 +285,88 @@ def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, b
     active = valid & (tl.load(st_rows + _MODE, mask=valid, other=1) == 0)
     thresh = tl.load(st_rows + _THRESH, mask=valid, other=0).to(tl.uint32, bitcast=True)
     lo = tl.program_id(1) * chunk
-    for j in tl.static_range(G):
+    ties = tl.zeros([G], tl.int32)
+    for j in range(G):
         lead = tl.sum(tl.where(r == j, reqs, 0), 0)
         first = tl.sum(tl.where((r < j) & active & (reqs == lead), 1, 0), 0) == 0
         if first & (tl.sum(tl.where(r == j, active.to(tl.int32), 0), 0) > 0):
             mine = active & (reqs == lead)
             hi = tl.minimum(lo + chunk, tl.max(tl.where(mine, lens, 0), 0))
-            q, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, mine, H, D, G, HP, DP, DOT_DTYPE)
+            q_t, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, mine, H, D, G, HP, DP, DOT_DTYPE)
             for start in tl.range(lo, hi, BS, num_stages=NUM_STAGES):
                 pos = start + tl.arange(0, BS)
-                s = _score_tile(q, w, cache_ptr, scale_ptr, bt_ptr, sbt, lead, pos, pos < hi, D, BLOCK_SIZE,
-                                G, HP, DP, FP8, DOT_DTYPE)
-                key = _order_key(s)
-                sel = mine[:, None] & (pos[None, :] < lens[:, None]) & (key >= thresh[:, None])
+                key = _order_key(_score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, lead, pos, pos < hi,
+                                             D, BLOCK_SIZE, G, HP, DP, FP8, DOT_DTYPE))
+                live = mine[:, None] & (pos[None, :] < lens[:, None])
+                ties += tl.sum((live & (key == thresh[:, None])).to(tl.int32), 1)
                 _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
-                        key, pos[None, :], sel, cap)
-    _finish(rows, active, state_ptr, ckey_ptr, cpos_ptr, out_ptr, out_stride, fb_ptr, k, cap, G, RTILE)
+                        key, pos[None, :], live & (key > thresh[:, None]), cap)
+    tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), ties, mask=active)
+
+
+@triton.jit
+def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, ckey_ptr,
+                   cpos_ptr, ties_ptr, k, cap, chunk, n_chunks, SCAN_TIES: tl.constexpr,
+                   CP: tl.constexpr, TILE: tl.constexpr, STILE: tl.constexpr):
+    """Per row, with G keys > threshold T in the buffer and E keys == T in the row:
+    k <= G <= CAP: exact top-k of the buffer (key digits, then positions among ties);
+    G < k <= G + E (SCAN_TIES): the whole buffer plus the k - G highest positions at T, found by
+    reading chunks of the scores from the top; anything else goes to the fallback passes."""
+    row = tl.program_id(0)
+    st = state_ptr + row * _RS
+    if tl.load(st + _MODE) == 0:
+        count = tl.load(st + _CNT)
+        thresh = tl.load(st + _THRESH).to(tl.uint32, bitcast=True)
+        c = tl.arange(0, CP)
+        ties = tl.load(ties_ptr + row * n_chunks + c, mask=c < n_chunks, other=0)
+        need = k - count
+        ckey = ckey_ptr + row.to(tl.int64) * cap
+        cpos = cpos_ptr + row.to(tl.int64) * cap
+        out_row = out_ptr + row.to(tl.int64) * out_stride
+        use_ties = SCAN_TIES & (need > 0) & (need <= tl.sum(ties, 0)) & (count <= cap)
+        if ((count >= k) & (count <= cap)) | use_ties:
+            key_t = tl.zeros((), tl.uint32)
+            pos_t = tl.zeros((), tl.uint32)
+            if need <= 0:
+                key_t, krem, exact = _radix_select(ckey, cpos, count, k, 0, False, TILE)
+                if exact == 0:
+                    pos_t, _, _ = _radix_select(ckey, cpos, count, krem, key_t, True, TILE)
+            base = 0
+            for start in range(0, count, TILE):
+                offs = start + tl.arange(0, TILE)
+                m = offs < count
+                key = tl.load(ckey + offs, mask=m, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+                pos = tl.load(cpos + offs, mask=m, other=0, cache_modifier=".cg")
+                sel = m & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
+                seli = sel.to(tl.int32)
+                tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+                base += tl.sum(seli, 0)
+            if use_ties:   # chunks from the top, each giving its highest positions at T
+                n = tl.load(row_len_ptr + row)
+                j = n_chunks - 1
+                while (need > 0) & (j >= 0):
+                    take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
+                    lo = j * chunk
+                    top = tl.minimum(lo + chunk, n)
+                    while (take > 0) & (top > lo):
+                        pos = top - STILE + tl.arange(0, STILE)
+                        live = (pos >= lo) & (pos < top)
+                        x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=live, other=0.0)
+                        tie = (live & (_order_key(x) == thresh)).to(tl.int32)
+                        above = tl.sum(tie, 0) - tl.cumsum(tie, 0)          # ties above, in the tile
+                        sel = (tie > 0) & (above < take)
+                        seli = sel.to(tl.int32)
+                        tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+                        base += tl.sum(seli, 0)
+                        take -= tl.sum(seli, 0)
+                        need -= tl.sum(seli, 0)
+                        top -= STILE
+                    j -= 1
+        else:
+            slot = tl.atomic_add(fb_ptr, 1)
+            tl.store(fb_ptr + 1 + slot, row)
+            tl.store(st + _PREFIX, 0)
+            tl.store(st + _KREM, k)
 
 
 @triton.jit
@@ -474,6 +482,9 @@ def _fb_emit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_p
 
 # ---- launchers --------------------------------------------------------------------------------
 
+
+# ---- launchers --------------------------------------------------------------------------------
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -482,36 +493,42 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def _workspace(n_rows: int, width: int, k: int, device) -> tuple[int, dict[str, torch.Tensor]]:
+def _workspace(n_rows: int, width: int, k: int, n_chunks: int, device) -> tuple[int, dict]:
     """Scratch for one call (one int32 allocation): per-row state, fallback list, candidate
-    buffers, samples, fallback histograms and per-chunk tie takes."""
+    buffers, samples, per-chunk tie counts, fallback histograms and per-chunk tie takes."""
     cap = min(max(CAP, 6 * k), width)
     sizes = {"state": n_rows * ROW_STATE, "fb": n_rows + 1, "ckey": n_rows * cap, "cpos": n_rows * cap,
-             "samples": n_rows * SAMPLES if width > cap else 1, "hist": n_rows * 256,
-             "take": n_rows * FB_PROGRAMS}
+             "samples": n_rows * SAMPLES if width > cap else 1, "ties": n_rows * n_chunks,
+             "hist": n_rows * 256, "take": n_rows * FB_PROGRAMS}
     flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
     return cap, dict(zip(sizes, flat.split(list(sizes.values()))))
 
 
-def _chunking(width: int, groups: int, tile: int, programs: int = 4096) -> tuple[int, int]:
+def _chunking(width: int, groups: int, tile: int, programs: int) -> tuple[int, int]:
     """Positions per filter program (whole tiles) and programs per row group, ~`programs` in all."""
     per_group = max(1, programs // max(groups, 1))
     chunk = max(tile, triton.cdiv(triton.cdiv(width, per_group), tile) * tile)
     return chunk, triton.cdiv(width, chunk)
 
 
-def _fallback(src: tuple, row_len, out, ws, k_args: dict) -> None:
-    """The exact radix passes for the rows the filter could not settle (usually none)."""
+def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks: int, scan_ties: bool,
+            fb_args: dict) -> None:
+    """Refine every row from its candidates, then the exact radix passes for the rows the
+    candidates could not settle (usually none: those passes then exit at once)."""
+    n_rows = out.shape[0]
+    _refine_kernel[(n_rows,)](src[0], src[1], row_len, out, out.stride(0), ws["state"], ws["fb"], ws["ckey"],
+                              ws["cpos"], ws["ties"], k, cap, chunk, n_chunks, SCAN_TIES=scan_ties,
+                              CP=_pow2(n_chunks), TILE=_REFINE_TILE, STILE=_REFINE_TILE, num_warps=8)
     common = (*src, row_len)
     for level in range(4):
         _fb_digit_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["hist"], LEVEL=level,
-                                         NP=FB_PROGRAMS, **k_args)
-    _fb_ties_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["take"], NP=FB_PROGRAMS, **k_args)
+                                         NP=FB_PROGRAMS, **fb_args)
+    _fb_ties_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["take"], NP=FB_PROGRAMS, **fb_args)
     _fb_emit_kernel[(FB_PROGRAMS,)](*common, out, out.stride(0), ws["state"], ws["fb"], ws["take"],
-                                    NP=FB_PROGRAMS, **k_args)
+                                    NP=FB_PROGRAMS, **fb_args)
 
 
-_SCORE_TILE, _REFINE_TILE = 2048, 1024
+_SCORE_TILE, _REFINE_TILE = 4096, 1024
 
 
 @register("k31c::topk_select", ("h200", "mi350x"))
@@ -524,22 +541,20 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
         return out
     if width and scores.stride(1) != 1:
         scores = scores.contiguous()
-    cap, ws = _workspace(n_rows, max(width, 1), k, scores.device)
-    target = TARGET_NUM * k // TARGET_DEN
+    chunk, n_chunks = _chunking(max(width, 1), n_rows, _SCORE_TILE, programs=4096)
+    cap, ws = _workspace(n_rows, max(width, 1), k, n_chunks, scores.device)
     _plan_kernel[(n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"], ws["fb"],
-                            ws["samples"], ws["hist"], k, cap, target, PRESAMPLED=False,
+                            ws["samples"], ws["hist"], k, cap, TARGET_NUM * k // TARGET_DEN, PRESAMPLED=False,
                             SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE, num_warps=8)
     if width == 0:
         return out
-    chunk, per_row = _chunking(width, n_rows, _SCORE_TILE)
-    _filter_kernel[(n_rows, per_row)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
-                                      ws["fb"], ws["ckey"], ws["cpos"], k, cap, chunk,
-                                      TILE=_SCORE_TILE, RTILE=_REFINE_TILE, num_warps=8)
+    _filter_kernel[(n_rows, n_chunks)](scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"],
+                                       ws["ties"], cap, chunk, TILE=_SCORE_TILE, num_warps=8)
     src = (scores, scores.stride(0), scores, 0, 0, scores, 0, scores, scores, scores, 0, scores, 0, 0)
-    _fallback(src, row_len, out, ws, dict(TILE=_REFINE_TILE, FUSED=False, BLOCK_SIZE=1, HP=16, DP=16,
-                                          FP8=False, DOT_DTYPE=tl.float32, num_warps=8))
+    _finish(src, row_len, out, ws, k, cap, chunk, n_chunks, True,
+            dict(TILE=_REFINE_TILE, FUSED=False, BLOCK_SIZE=1, HP=16, DP=16, FP8=False,
+                 DOT_DTYPE=tl.float32, num_warps=8))
     return out
-
 
 
 def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
@@ -556,7 +571,7 @@ def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
     return tl.float32
 
 
-_FUSED_TILE = 64      # positions per scoring tile
+_FUSED_TILE = 128      # positions per scoring tile
 
 
 @register("k31c::lightning_indexer_topk", ("h200", "mi350x"))
@@ -581,33 +596,31 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     out = torch.empty((n_rows, k), dtype=torch.int32, device=q.device)
     if n_rows == 0:
         return out
-    cap, ws = _workspace(n_rows, max(width, 1), k, q.device)
+    groups = min(4, 1 << (max(1, n_rows // block_table.shape[0]).bit_length() - 1))  # rows per request
+    n_groups = triton.cdiv(n_rows, groups)
+    chunk, n_chunks = _chunking(max(width, 1), n_groups, _FUSED_TILE, programs=2048)
+    cap, ws = _workspace(n_rows, max(width, 1), k, n_chunks, q.device)
     if q.stride(2) != 1:
         q = q.contiguous()
     dot = _dot_dtype(q, index_cache, fp8)
     scale_view = index_cache.view(torch.float32) if fp8 else index_cache
     if dot == tl.float8e4nv:   # e4m3 loads feed the tensor cores directly (no byte bitcast)
         index_cache = index_cache.view(torch.float8_e4m3fn)
-    groups = min(4, 1 << (max(1, n_rows // block_table.shape[0]).bit_length() - 1))  # rows per request
     hp1 = max(_pow2(heads), 16)
     shape = dict(BLOCK_SIZE=block_size, DP=max(16, _pow2(d)), FP8=fp8, DOT_DTYPE=dot)
     src = (q, q.stride(0), q.stride(1), weights, weights.stride(0), index_cache, scale_view, block_table,
            block_table.stride(0), row_req, heads, d)
     if width > cap:
-        _fused_sample_kernel[(n_rows, SAMPLES // _FUSED_TILE)](*src, row_len, ws["samples"], cap,
-                                                               SAMPLES=SAMPLES, RUN=RUN, BS=_FUSED_TILE,
-                                                               HP=hp1, **shape, num_warps=4)
+        _fused_sample_kernel[(n_rows, SAMPLES // 64)](*src, row_len, ws["samples"], cap, SAMPLES=SAMPLES,
+                                                      RUN=RUN, BS=64, HP=hp1, **shape, num_warps=4)
     _plan_kernel[(n_rows,)](q, 0, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["samples"],
                             ws["hist"], k, cap, TARGET_NUM * k // TARGET_DEN, PRESAMPLED=True,
                             SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE, num_warps=8)
     if width == 0:
         return out
-    n_groups = triton.cdiv(n_rows, groups)
-    chunk, per_group = _chunking(width, n_groups, _FUSED_TILE, programs=2048)
-    _fused_filter_kernel[(n_groups, per_group)](
-        *src, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["ckey"], ws["cpos"], n_rows, k,
-        cap, chunk, G=groups, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape,
-        RTILE=_REFINE_TILE, NUM_STAGES=3, num_warps=8)
-    _fallback((q, 0, *src), row_len, out, ws, dict(TILE=_FUSED_TILE, FUSED=True, HP=hp1, **shape,
-                                                   num_warps=4))
+    _fused_filter_kernel[(n_groups, n_chunks)](
+        *src, row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"], n_rows, cap, chunk, G=groups,
+        BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape, NUM_STAGES=3, num_warps=8)
+    _finish((q, 0, *src), row_len, out, ws, k, cap, chunk, n_chunks, False,
+            dict(TILE=64, FUSED=True, HP=hp1, **shape, num_warps=4))
     return out
