@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+try:
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+except ImportError:  # run as a script from benchmarks/
+    from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
 
 H, K, W = 96, 128, 4
 P = H * K
@@ -126,7 +129,7 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((32, 4), (64, 4), (16, 2), (16, 1), (8, 1)), rows=(1, 4)) -> list[Row]:
+                configs=((32, 4), (64, 4), (16, 2), (8, 1)), rows=(1, 4)) -> list[Row]:
     from k31c.lowering.triton.kda_decode import launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
@@ -181,7 +184,7 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 def prefill_rows(m: Machine, torch_peers: bool = True,
-                 configs=((4, 8), (4, 4), (8, 8))) -> list[Row]:
+                 configs=((4, 8, None), (8, 8, None), (8, 8, 64), (8, 4, 32))) -> list[Row]:
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -191,11 +194,13 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
     sweep = {}
-    for cw, sw in configs:
-        sweep[(cw, sw)] = time_ms(lambda: launch_kda_prefill(
-            *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw), reps=10)
+    for cw, sw, bv in configs:
+        sweep[(cw, sw, bv)] = time_ms(lambda: launch_kda_prefill(
+            *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
+            block_v=bv), reps=10)
     best = min(sweep, key=sweep.get)
-    peers, notes = {}, ["warps(chunk,state) " + "/".join(f"{a},{b}:{t:.3f}" for (a, b), t in sweep.items())]
+    peers, notes = {}, ["(chunk warps, state warps, BV) " + " ".join(
+        f"{a},{b},{c or K}:{t:.3f}" for (a, b, c), t in sweep.items())]
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d
@@ -232,7 +237,7 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
         notes.append("torch.compile not timed (per-chunk Python loop, 128 chunks)")
     nbytes = T * (6 * P * 2 + H * 2) + 2 * H * K * K * 4
     return [Row("kda_prefill", shape, sweep[best], bytes_floor_ms(nbytes, m), "bytes", peers,
-                f"best warps {best}; " + "; ".join(notes))]
+                f"best {best}; " + "; ".join(notes))]
 
 
 def run(machine: Machine) -> list[Row]:

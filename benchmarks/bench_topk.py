@@ -45,10 +45,10 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.sort(1).values, b.sort(1).values))
 
 
-def topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
     import k31c.graph.ops.indexer as ref_ops
     from k31c.lowering.triton import topk
-    compiled = torch.compile(ref_ops.select_topk, dynamic=True)
+    compiled = torch.compile(ref_ops.select_topk, dynamic=True) if compile_peer else None
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = [(ctx, "random") for ctx in contexts] + [(contexts[-1], "relu-zeros")]
@@ -65,7 +65,9 @@ def topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
                  "reference eager": time_ms(lambda: torch.ops.k31c.topk_select(scores, row_len, K),
                                             warmup=1, reps=5)}
         try:
-            peers["reference compiled"] = time_ms(lambda: compiled(scores, row_len, K), warmup=2, reps=5)
+            if compiled is not None:
+                peers["reference compiled"] = time_ms(lambda: compiled(scores, row_len, K), warmup=2,
+                                                      reps=5)
         except Exception as e:  # noqa: BLE001  (a peer that does not compile is reported, not fatal)
             print(f"torch.compile of the reference failed at {ctx}: {type(e).__name__}: {e}")
         ms = time_ms(graphed(lambda: topk.topk_select(scores, row_len, K)))
@@ -136,8 +138,8 @@ def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     return rows
 
 
-def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
-    return topk_rows(machine, contexts) + fused_rows(machine, contexts)
+def run(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
+    return topk_rows(machine, contexts, compile_peer) + fused_rows(machine, contexts)
 
 
 if __name__ == "__main__":

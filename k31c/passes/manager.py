@@ -151,13 +151,13 @@ def run_pipeline(gm: torch.fx.GraphModule, pipeline: Pipeline, ctx: PassContext,
         if not isinstance(result, PassResult):
             raise TypeError(f"pass '{name}' returned {type(result).__name__}, not a PassResult")
         gm.graph.lint()
-        gm.recompile()
         records.append(PassRecord(name, result, time.perf_counter() - start))
         if out_dir is not None:
             _dump(out_dir / ctx.step / f"{i:02d}_{name}.after.txt",
                   format_graph(gm, title=f"{title} after={name}", dims=ctx.dims))
         if name == stop_after:
             break
+    gm.recompile()
     return records
 
 

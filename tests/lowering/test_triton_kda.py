@@ -10,7 +10,7 @@ import k31c.graph.ops.kda  # noqa: F401  (registers torch.ops.k31c.kda_*)
 from functools import partial
 
 from k31c.lowering.triton.kda_decode import kda_decode, launch_kda_decode
-from k31c.lowering.triton.kda_prefill import kda_prefill
+from k31c.lowering.triton.kda_prefill import kda_prefill, launch_kda_prefill
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"        # small shapes: the GPU when there is one
@@ -122,13 +122,13 @@ def run_prefill(fn, tok, params, conv, state, slots, cu, lb, chunk):
     return out, conv, state
 
 
-def check_prefill(H, K, lens, slot_ids, lb, chunk, dtype, device, seed, num_slots=6):
+def check_prefill(H, K, lens, slot_ids, lb, chunk, dtype, device, seed, num_slots=6, fn=kda_prefill):
     gen = torch.Generator().manual_seed(seed)
     params, conv, state = make_layer(H, K, num_slots, dtype, device, gen)
     tok = make_tokens(sum(lens), H, K, dtype, device, gen)
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
     slots = torch.tensor(slot_ids, device=device)
-    got = run_prefill(kda_prefill, tok, params, conv, state, slots, cu, lb, chunk)
+    got = run_prefill(fn, tok, params, conv, state, slots, cu, lb, chunk)
     want = run_prefill(torch.ops.k31c.kda_prefill, tok, params, conv, state, slots, cu, lb, chunk)
     for name, g, w in zip(("out", "conv_state", "recurrent"), got, want):
         close(name, g, w, dtype)
@@ -144,6 +144,12 @@ def test_prefill_varlen(lb):
 def test_prefill_chunk32_k32_padding():
     check_prefill(H=2, K=32, lens=[45, 9], slot_ids=[3, -1], lb=-5.0, chunk=16,
                   dtype=torch.float32, device=DEV, seed=5)
+
+
+def test_prefill_value_tiles():
+    # the state pass split over 2 V tiles; the gated norm then runs as its own launch
+    check_prefill(H=2, K=32, lens=[21, 40], slot_ids=[-1, 1], lb=-5.0, chunk=16,
+                  dtype=torch.float32, device=DEV, seed=8, fn=partial(launch_kda_prefill, block_v=16))
 
 
 def test_prefill_fp16():

@@ -43,45 +43,47 @@ def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
 
 
 @triton.jit
-def window_rows(in_ptr, conv_row_ptr, row0, ext, ch_in, ch_conv, live, mask_ext,
-                 P, W: tl.constexpr):
-    """Rows `ext` [E] of one request's extended input (cached window ++ new rows) for a channel
-    vector: ext < W-1 comes from the conv window, the rest from input row row0 + ext - (W-1).
-    Returns [E, C] fp32 (zeros where mask_ext is false)."""
+def window_rows(in_ptr, conv_row_ptr, pos0, tok0, rel, ch_in, ch_conv, live, mask_rel, P,
+                W: tl.constexpr):
+    """ext[pos0 + rel] for a channel vector, [E, C] fp32 (0 where mask_rel is false).
+
+    ext is one request's cached window (positions < W-1, conv_row_ptr) followed by its new
+    rows; tok0 is the token index that position pos0 would have (request start + pos0 - (W-1),
+    possibly negative). Addresses are a scalar base plus small int32 offsets (few registers)."""
+    ext = pos0 + rel
     from_hist = ext < W - 1
-    hist = tl.load(conv_row_ptr + ext[:, None] * (3 * P) + ch_conv[None, :],
-                   mask=(mask_ext & from_hist & live)[:, None], other=0.0)
-    new_row = (row0 + ext - (W - 1)).to(tl.int64)
-    new = tl.load(in_ptr + new_row[:, None] * P + ch_in[None, :],
-                  mask=(mask_ext & ~from_hist)[:, None], other=0.0)
+    hist_row = tl.where(from_hist, ext, 0)
+    hist = tl.load(conv_row_ptr + (hist_row[:, None] * (3 * P) + ch_conv[None, :]),
+                   mask=(mask_rel & from_hist & live)[:, None], other=0.0)
+    new = tl.load(in_ptr + tok0.to(tl.int64) * P + (rel[:, None] * P + ch_in[None, :]),
+                  mask=(mask_rel & ~from_hist)[:, None], other=0.0)
     return hist.to(tl.float32) + new.to(tl.float32)
 
 
 @triton.jit
-def conv_silu_rows(in_ptr, conv_row, w_ptr, row0, p, rv, ch_in, ch_conv, live, P,
+def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv, live, P,
                    W: tl.constexpr):
-    """SiLU(causal conv) of new rows p [M] (rv valid) of one request for a channel vector:
-    y[p, c] = sum_j w[c, j] * ext[p + j, c]. Returns [M, C] fp32."""
-    acc = tl.zeros([p.shape[0], ch_in.shape[0]], dtype=tl.float32)
+    """SiLU(causal conv) of the new rows at positions pos0 + rel [M] (rv valid; tok0 as in
+    window_rows) for a channel vector: y[p, c] = sum_j w[c, j] * ext[p + j, c]. [M, C] fp32."""
+    acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
-        x = window_rows(in_ptr, conv_row, row0, p + j, ch_in, ch_conv, live, rv, P, W)
+        x = window_rows(in_ptr, conv_row, pos0, tok0, rel + j, ch_in, ch_conv, live, rv, P, W)
         acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
-def _copy_window(in_ptr, conv_row_ptr, dst_ptr, row0, first, ch_in, ch_conv, live, P,
+def _copy_window(in_ptr, conv_row_ptr, dst_ptr, pos0, tok0, ch_in, ch_conv, live, P,
                  W: tl.constexpr, WB: tl.constexpr):
-    """dst[i, c] = ext[first + i, c] for the W-1 window rows (dst is [W-1, 3P])."""
+    """dst[i, c] = ext[pos0 + i, c] for the W-1 window rows (dst is [W-1, 3P])."""
     i = tl.arange(0, WB)
-    rows = window_rows(in_ptr, conv_row_ptr, row0, first + i, ch_in, ch_conv, live,
-                        i < W - 1, P, W)
-    tl.store(dst_ptr + i[:, None] * (3 * P) + ch_conv[None, :],
+    rows = window_rows(in_ptr, conv_row_ptr, pos0, tok0, i, ch_in, ch_conv, live, i < W - 1, P, W)
+    tl.store(dst_ptr + (i[:, None] * (3 * P) + ch_conv[None, :]),
              rows.to(dst_ptr.dtype.element_ty), mask=((i < W - 1) & live)[:, None])
 
 
 @triton.jit
-def _row(x, rows, r):
+def row_of(x, rows, r):
     """Row r of a 2-D tile as a vector (rows = arange over dim 0)."""
     return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
 
@@ -107,72 +109,81 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, out_ptr, 
     offs_v = vt * BV + tl.arange(0, BV)        # this program's value channels
     ch = h * K + offs
     ch_v = h * K + offs_v
+    # scalar int64 bases + small int32 tile offsets keep the address registers few
     conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    state_off = (slot * H + h) * K * K + offs[:, None] * K + offs_v[None, :]
-    S = tl.load(state_ptr + state_off, mask=live, other=0.0)            # [K, BV] fp32
+    kv = offs[:, None] * K + offs_v[None, :]
+    state_head = state_ptr + (slot * H + h) * K * K
+    S = tl.load(state_head + kv, mask=live, other=0.0)                 # [K, BV] fp32
 
     # token-parallel part for all rows at once (one round of loads)
     rr = tl.arange(0, RB)
     rv = rr < ROWS
     row0 = b * ROWS
-    n = (row0 + rr).to(tl.int64)
-    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch, ch, live, P, W)
-    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch, P + ch, live, P, W)
-    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, row0, rr, rv, ch_v, 2 * P + ch_v, live, P, W)
+    rows_p = rr[:, None] * P                                           # row offsets in [N, P]
+    row0_64 = row0.to(tl.int64)
+    tok0 = row0 - (W - 1)                                              # token of position 0
+    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W)
+    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W)
+    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch_v, 2 * P + ch_v, live,
+                       P, W)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
-    f = tl.load(f_ptr + n[:, None] * P + ch[None, :], mask=rv[:, None], other=0.0)
+    f = tl.load(f_ptr + row0_64 * P + (rows_p + ch[None, :]), mask=rv[:, None], other=0.0)
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
     decay = tl.exp(kda_gate_math(f.to(tl.float32), dt_bias[None, :], a, lower_bound,
                                  HAS_LOWER_BOUND))
-    beta = tl.sigmoid(tl.load(beta_ptr + n * H + h, mask=rv, other=0.0).to(tl.float32))
+    beta = tl.sigmoid(tl.load(beta_ptr + row0_64 * H + (rr * H + h), mask=rv,
+                              other=0.0).to(tl.float32))
 
+    o_raw_rows = o_raw_ptr + row0_64 * P
     for r in range(ROWS):
-        k_r = _row(k, rr, r)
-        S = S * _row(decay, rr, r)[:, None]                           # decay the key rows
+        k_r = row_of(k, rr, r)
+        S = S * row_of(decay, rr, r)[:, None]                           # decay the key rows
         pred = tl.sum(S * k_r[:, None], axis=0)                        # S^T k   [BV]
         beta_r = tl.sum(tl.where(rr == r, beta, 0.0), axis=0)
-        S = S + k_r[:, None] * (beta_r * (_row(v, rr, r) - pred))[None, :]
-        o = tl.sum(S * _row(q, rr, r)[:, None], axis=0)               # S^T q   [BV]
-        tl.store(o_raw_ptr + (row0 + r).to(tl.int64) * P + ch_v, o)
+        S = S + k_r[:, None] * (beta_r * (row_of(v, rr, r) - pred))[None, :]
+        o = tl.sum(S * row_of(q, rr, r)[:, None], axis=0)               # S^T q   [BV]
+        tl.store(o_raw_rows + (r * P + ch_v), o)
         if HAS_SNAP:
-            snap = (row0 + r).to(tl.int64)
-            tl.store(snap_state_ptr + (snap * H + h) * K * K + offs[:, None] * K + offs_v[None, :],
-                     S, mask=live)
-    tl.store(state_ptr + state_off, S, mask=live)
+            snap_head = snap_state_ptr + ((row0_64 + r) * H + h) * K * K
+            tl.store(snap_head + kv, S, mask=live)
 
-    # the last V tile of this (request, head) to finish does the per-head tail
+    # the last V tile of this (request, head) to finish does the per-head tail; the state store
+    # comes after the release so that the release does not wait for it to drain
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + b * H + h, 1, sem="acq_rel", scope="gpu")
+    tl.store(state_head + kv, S, mask=live)
     if arrived == NV - 1:
         tl.debug_barrier()
         m2 = rv[:, None]
-        o = tl.load(o_raw_ptr + n[:, None] * P + ch[None, :], mask=m2, other=0.0,
-                    cache_modifier=".cg")                              # other tiles' o: via L2
-        gate = tl.load(gate_ptr + n[:, None] * P + ch[None, :], mask=m2, other=0.0)
+        tile = rows_p + ch[None, :]
+        o = tl.load(o_raw_rows + tile, mask=m2, other=0.0, cache_modifier=".cg")  # via L2
+        gate = tl.load(gate_ptr + row0_64 * P + tile, mask=m2, other=0.0)
         norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
         y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
             * tl.sigmoid(gate.to(tl.float32))
-        tl.store(out_ptr + n[:, None] * P + ch[None, :],
+        tl.store(out_ptr + row0_64 * P + tile,
                  tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty), mask=m2)
         if HAS_SNAP:
             for r in range(ROWS):
-                snap_conv = snap_conv_ptr + (row0 + r).to(tl.int64) * (W - 1) * 3 * P
-                _copy_window(q_ptr, conv_row, snap_conv, row0, r + 1, ch, ch, live, P, W, WB)
-                _copy_window(k_ptr, conv_row, snap_conv, row0, r + 1, ch, P + ch, live, P, W, WB)
-                _copy_window(v_ptr, conv_row, snap_conv, row0, r + 1, ch, 2 * P + ch, live, P,
+                snap_conv = snap_conv_ptr + (row0_64 + r) * (W - 1) * 3 * P
+                tok = tok0 + r + 1
+                _copy_window(q_ptr, conv_row, snap_conv, r + 1, tok, ch, ch, live, P, W, WB)
+                _copy_window(k_ptr, conv_row, snap_conv, r + 1, tok, ch, P + ch, live, P, W, WB)
+                _copy_window(v_ptr, conv_row, snap_conv, r + 1, tok, ch, 2 * P + ch, live, P,
                              W, WB)
         # The new window may still contain old window rows (ROWS < W-1): every thread must have
         # read the old window before any thread overwrites it.
         i = tl.arange(0, WB)
         wm = i < W - 1
-        win_q = window_rows(q_ptr, conv_row, row0, ROWS + i, ch, ch, live, wm, P, W)
-        win_k = window_rows(k_ptr, conv_row, row0, ROWS + i, ch, P + ch, live, wm, P, W)
-        win_v = window_rows(v_ptr, conv_row, row0, ROWS + i, ch, 2 * P + ch, live, wm, P, W)
+        tok = tok0 + ROWS
+        win_q = window_rows(q_ptr, conv_row, ROWS, tok, i, ch, ch, live, wm, P, W)
+        win_k = window_rows(k_ptr, conv_row, ROWS, tok, i, ch, P + ch, live, wm, P, W)
+        win_v = window_rows(v_ptr, conv_row, ROWS, tok, i, ch, 2 * P + ch, live, wm, P, W)
         tl.debug_barrier()
         win_mask = (wm & live)[:, None]
-        dst = conv_row + i[:, None] * (3 * P) + ch[None, :]
+        dst = conv_row + (i[:, None] * (3 * P) + ch[None, :])
         tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)

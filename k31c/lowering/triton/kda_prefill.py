@@ -1,7 +1,7 @@
 """Triton kernels for `k31c::kda_prefill` (spec/model.md §4.2-4.5): the chunked WY form for varlen
 requests that continue from their slot's conv window and recurrent state.
 
-Two launches:
+Two launches (three when the state pass splits V):
 1. `_kda_chunk_kernel`, one program per (chunk, head), all chunks in parallel: causal conv + SiLU
    over the window, q/k L2 norms, gates and betas, then the intra-chunk WY solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
@@ -12,10 +12,11 @@ Two launches:
    relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
    unbounded softplus gate, exactly column by column.
    Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its end.
-2. `_kda_state_kernel`, one program per (request, head), walks the request's chunks in order with
-   the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
+2. `_kda_state_kernel`, one program per (request, head[, V tile]), walks the request's chunks in
+   order with the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
-   the final state and the new conv window.
+   the final state and the new conv window. (Optionally V is split into tiles for more programs;
+   then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
 
 Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
 requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
@@ -28,7 +29,7 @@ import triton.language as tl
 
 from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
 from ..registry import register
-from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, window_rows
+from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, row_of, window_rows
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 _L2_EPS = tl.constexpr(L2_NORM_EPS)
@@ -50,12 +51,6 @@ def _request_chunks(cu_ptr, B, C: tl.constexpr, BP: tl.constexpr):
 @triton.jit
 def _pick(j, sel, x):
     return tl.sum(tl.where(j == sel, x, 0), axis=0)
-
-
-@triton.jit
-def _row(x, rows, r):
-    """Row r of a 2-D tile as a vector (rows = arange over dim 0)."""
-    return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
 
 
 @triton.jit
@@ -89,29 +84,38 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
         lower = rows[:, None] > rows[None, :]
         causal = rows[:, None] >= rows[None, :]
         eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+        # scalar int64 bases per block + these small int32 tile offsets (few address registers)
+        rk = rows[:, None] * (H * K) + offs[None, :]        # [BC, K] tile of a [T, H, K] buffer
+        rc = rows[:, None] * (H * C) + rows[None, :]        # [BC, BC] tile of [T, H, C] (aqk)
+        t_chunk = (s + c0).to(tl.int64)                      # token of the chunk's first row
 
         g_b = tl.zeros([K], dtype=tl.float32)          # Γ at the end of the previous block
         for I in range(NB):
-            p = c0 + I * BC + rows
-            rv = p < L
-            t = (s + p).to(tl.int64)
-            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, s, p, rv, ch, ch, True, P, W)
-            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, s, p, rv, ch, P + ch, True, P, W)
-            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, s, p, rv, ch, 2 * P + ch, True, P, W)
+            pb = c0 + I * BC                             # position of the block's first row
+            rv = pb + rows < L
+            tb = t_chunk + I * BC                        # its token
+            tok0 = tb - (W - 1)
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
+                               P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
+                               True, P, W)
             q = q * tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS)[:, None] * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
-            f = tl.load(f_ptr + t[:, None] * P + ch[None, :], mask=rv[:, None], other=0.0)
+            f = tl.load(f_ptr + tb * P + (rows[:, None] * P + ch[None, :]), mask=rv[:, None],
+                        other=0.0)
             g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,
                                                     lower_bound, HAS_LOWER_BOUND), 0.0)
-            beta = tl.sigmoid(tl.load(beta_ptr + t * H + h, mask=rv, other=0.0).to(tl.float32))
+            beta = tl.sigmoid(tl.load(beta_ptr + tb * H + (rows * H + h), mask=rv,
+                                      other=0.0).to(tl.float32))
             beta = tl.where(rv, beta, 0.0)
             G = g_b[None, :] + tl.cumsum(g, axis=0)      # Γ (from the chunk start) [BC, K]
             g_e = g_b + tl.sum(g, axis=0)                # Γ at the end of this block
 
-            tok = t[:, None] * H + h                     # row index into [T, H, .] scratch
-            tl.store(qg_ptr + tok * K + offs[None, :], (q * tl.exp(G)).to(DT), mask=rv[:, None])
-            tl.store(kg_ptr + tok * K + offs[None, :], (k * tl.exp(g_e[None, :] - G)).to(DT),
-                     mask=rv[:, None])
+            blk_k = (tb * H + h) * K                     # block base in [T, H, K] scratch
+            blk_c = (tb * H + h) * C                     # ... and in [T, H, C]
+            tl.store(qg_ptr + blk_k + rk, (q * tl.exp(G)).to(DT), mask=rv[:, None])
+            tl.store(kg_ptr + blk_k + rk, (k * tl.exp(g_e[None, :] - G)).to(DT), mask=rv[:, None])
             tl.store(ge_ptr + ((cid * NB + I) * H + h) * K + offs, g_e)
 
             # earlier blocks: both factors relative to the boundary Γ_b (each ≤ 1)
@@ -121,23 +125,22 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
             rhs_w = beta[:, None] * tl.exp(G) * k
             rhs_u = beta[:, None] * v
             for J in range(I):
-                tj = (s + c0 + J * BC + rows).to(tl.int64)
                 rvj = c0 + J * BC + rows < L
-                tokj = tj[:, None] * H + h
-                kj = tl.load(kg_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
+                blk_kj = ((t_chunk + J * BC) * H + h) * K
+                kj = tl.load(kg_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
                 g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
                 kj = (kj.to(tl.float32) * tl.exp(g_b - g_ej)[None, :]).to(DT)
                 m_ij = tl.dot(kb, tl.trans(kj), input_precision=PREC) * beta[:, None]
                 a_ij = tl.dot(qb, tl.trans(kj), input_precision=PREC)
-                tl.store(aqk_ptr + tok * C + J * BC + rows[None, :], a_ij.to(DT), mask=rv[:, None])
-                w_j = tl.load(w_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
-                u_j = tl.load(u_ptr + tokj * K + offs[None, :], mask=rvj[:, None], other=0.0)
+                tl.store(aqk_ptr + blk_c + J * BC + rc, a_ij.to(DT), mask=rv[:, None])
+                w_j = tl.load(w_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
+                u_j = tl.load(u_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
                 rhs_w -= tl.dot(m_ij, w_j.to(tl.float32), input_precision=PREC)
                 rhs_u -= tl.dot(m_ij, u_j.to(tl.float32), input_precision=PREC)
 
             # the diagonal block
             if SAFE_DIAG:
-                g_m = _row(G, rows, BC // 2)
+                g_m = row_of(G, rows, BC // 2)
                 to_m = tl.exp(G - g_m[None, :])
                 from_m = (k * tl.exp(g_m[None, :] - G)).to(DT)
                 m_ii = tl.dot((k * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
@@ -146,34 +149,33 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
                 m_ii = tl.zeros([BC, BC], dtype=tl.float32)
                 a_ii = tl.zeros([BC, BC], dtype=tl.float32)
                 for c in range(BC):
-                    k_c = _row(k, rows, c)
-                    diff = tl.minimum(G - _row(G, rows, c)[None, :], 0.0)   # ≤ 0 where used
+                    k_c = row_of(k, rows, c)
+                    diff = tl.minimum(G - row_of(G, rows, c)[None, :], 0.0)   # ≤ 0 where used
                     decay = tl.where(rows[:, None] >= c, tl.exp(diff), 0.0)
                     kd = k_c[None, :] * decay
                     m_ii = tl.where(rows[None, :] == c, tl.sum(k * kd, axis=1)[:, None], m_ii)
                     a_ii = tl.where(rows[None, :] == c, tl.sum(q * kd, axis=1)[:, None], a_ii)
             m_ii = tl.where(lower, m_ii, 0.0) * beta[:, None]
             a_ii = tl.where(causal, a_ii, 0.0)
-            tl.store(aqk_ptr + tok * C + I * BC + rows[None, :], a_ii.to(DT), mask=rv[:, None])
+            tl.store(aqk_ptr + blk_c + I * BC + rc, a_ii.to(DT), mask=rv[:, None])
 
             # (I + M_II)^-1 by forward substitution, row by row
             inv = eye
             for r in range(1, BC):
-                m_r = _row(m_ii, rows, r)
+                m_r = row_of(m_ii, rows, r)
                 new = (rows == r).to(tl.float32) - tl.sum(m_r[:, None] * inv, axis=0)
                 inv = tl.where(rows[:, None] == r, new[None, :], inv)
             w_i = tl.dot(inv, rhs_w, input_precision=PREC)
             u_i = tl.dot(inv, rhs_u, input_precision=PREC)
-            tl.store(w_ptr + tok * K + offs[None, :], w_i.to(DT), mask=rv[:, None])
-            tl.store(u_ptr + tok * K + offs[None, :], u_i.to(DT), mask=rv[:, None])
+            tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])
+            tl.store(u_ptr + blk_k + rk, u_i.to(DT), mask=rv[:, None])
             tl.debug_barrier()                           # block I's scratch is read by block I+1
             g_b = g_e
 
         # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
         for J in range(NB):
-            tj = (s + c0 + J * BC + rows).to(tl.int64)
             rvj = c0 + J * BC + rows < L
-            ptrs = kg_ptr + (tj[:, None] * H + h) * K + offs[None, :]
+            ptrs = kg_ptr + ((t_chunk + J * BC) * H + h) * K + rk
             g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
             kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
             tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])
@@ -181,12 +183,14 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
 
 @triton.jit
 def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr,
+                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr,
                       conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
-                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                      WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                      W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    vt = tl.program_id(2)
+    FUSED_NORM: tl.constexpr = BV == K      # the whole o row is here: gated norm in place
     P = H * K
     NB: tl.constexpr = C // BC
     DT = qg_ptr.dtype.element_ty
@@ -200,24 +204,33 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
     slot = tl.maximum(slot, 0)
 
     offs = tl.arange(0, K)
+    offs_v = vt * BV + tl.arange(0, BV)
     ch = h * K + offs
+    ch_v = h * K + offs_v
     rows = tl.arange(0, C)
-    state_off = (slot * H + h) * K * K + offs[:, None] * K + offs[None, :]
-    S = tl.load(state_ptr + state_off, mask=live, other=0.0)         # [K, V] fp32
-    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+    # scalar int64 bases + small int32 tile offsets keep the address registers few
+    kv = offs[:, None] * K + offs_v[None, :]
+    state_head = state_ptr + (slot * H + h) * K * K
+    S = tl.load(state_head + kv, mask=live, other=0.0)                # [K, BV] fp32
+    norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
+    rk = rows[:, None] * (H * K) + offs[None, :]          # [C, K] tile of a [T, H, K] buffer
+    rc = rows[:, None] * (H * C) + rows[None, :]          # [C, C] tile of [T, H, C] (aqk)
+    rp = rows[:, None] * P                                # rows of a [T, P] tensor
     for i in range(n):
         p = i * C + rows
         rv = (p < L) & live
-        t = (s + p).to(tl.int64)
-        tok = t[:, None] * H + h
+        tc = (s + i * C).to(tl.int64)                     # token of the chunk's first row
+        blk_k = (tc * H + h) * K
         m2 = rv[:, None]
-        w_c = tl.load(w_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
-        u_c = tl.load(u_ptr + tok * K + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-        qg = tl.load(qg_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
-        kg = tl.load(kg_ptr + tok * K + offs[None, :], mask=m2, other=0.0)
-        a_qk = tl.load(aqk_ptr + tok * C + rows[None, :], mask=m2 & causal, other=0.0)
-        g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live, other=0.0)
+        w_c = tl.load(w_ptr + blk_k + rk, mask=m2, other=0.0)
+        u_c = tl.load(u_ptr + blk_k + (rows[:, None] * (H * K) + offs_v[None, :]), mask=m2,
+                      other=0.0).to(tl.float32)
+        qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
+        kg = tl.load(kg_ptr + blk_k + rk, mask=m2, other=0.0)
+        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
+        g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live,
+                      other=0.0)
 
         S_dot = S.to(DT)
         v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
@@ -226,26 +239,48 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
         S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
 
-        gate = tl.load(gate_ptr + t[:, None] * P + ch[None, :], mask=m2, other=0.0).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
-            * tl.sigmoid(gate)
-        tl.store(out_ptr + t[:, None] * P + ch[None, :],
-                 tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
-    tl.store(state_ptr + state_off, S, mask=live)
+        if FUSED_NORM:
+            gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
+            o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
+                * tl.sigmoid(gate.to(tl.float32))
+            tl.store(out_ptr + tc * P + (rp + ch[None, :]),
+                     tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
+        else:                                    # raw o; _gated_norm_kernel finishes the rows
+            tl.store(o_raw_ptr + tc * P + (rp + ch_v[None, :]), tl.where(m2, o, 0.0),
+                     mask=(p < L)[:, None])
+    tl.store(state_head + kv, S, mask=live)
 
-    # new conv window = last W-1 rows of (old window ++ new tokens); it may reuse old rows
-    conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    wi = tl.arange(0, WB)
-    wm = wi < W - 1
-    win_q = window_rows(q_ptr, conv_row, s, L + wi, ch, ch, live, wm, P, W)
-    win_k = window_rows(k_ptr, conv_row, s, L + wi, ch, P + ch, live, wm, P, W)
-    win_v = window_rows(v_ptr, conv_row, s, L + wi, ch, 2 * P + ch, live, wm, P, W)
-    tl.debug_barrier()
-    dst = conv_row + wi[:, None] * (3 * P) + ch[None, :]
-    win_mask = (wm & live)[:, None]
-    tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    if vt == 0:                              # one V tile writes the head's new conv window
+        # new conv window = last W-1 rows of (old window ++ new tokens); it may reuse old rows
+        conv_row = conv_ptr + slot * (W - 1) * 3 * P
+        wi = tl.arange(0, WB)
+        wm = wi < W - 1
+        tok0 = s + L - (W - 1)                   # token of window position L
+        win_q = window_rows(q_ptr, conv_row, L, tok0, wi, ch, ch, live, wm, P, W)
+        win_k = window_rows(k_ptr, conv_row, L, tok0, wi, ch, P + ch, live, wm, P, W)
+        win_v = window_rows(v_ptr, conv_row, L, tok0, wi, ch, 2 * P + ch, live, wm, P, W)
+        tl.debug_barrier()
+        dst = conv_row + (wi[:, None] * (3 * P) + ch[None, :])
+        win_mask = (wm & live)[:, None]
+        tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+
+
+@triton.jit
+def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
+                       K: tl.constexpr, BT: tl.constexpr):
+    """out = RMSNorm(o)·w·σ(gate) per (token, head) when the state pass split V."""
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, K)
+    m2 = (t < T)[:, None]
+    idx = t[:, None] * (H * K) + h * K + offs[None, :]
+    o = tl.load(o_raw_ptr + idx, mask=m2, other=0.0)
+    gate = tl.load(gate_ptr + idx, mask=m2, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+    y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] * tl.sigmoid(gate)
+    tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 @register("k31c::kda_prefill", ("h200", "mi350x"))
@@ -262,8 +297,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
-                       chunk_warps: int = 4, state_warps: int = 8) -> torch.Tensor:
-    """The launches themselves, with the tuning knobs exposed for benchmarks."""
+                       chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
+                       state_stages: int = 1) -> torch.Tensor:
+    """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
+    the state pass over V tiles (more programs when B·H is small) and adds a norm launch."""
     T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                 conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
@@ -292,9 +329,17 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5,
             C=C, BC=BC, K=K, W=W, BP=BP, HAS_LOWER_BOUND=lower_bound is not None,
             SAFE_DIAG=safe_diag, PREC=prec, num_warps=chunk_warps)
-    _kda_state_kernel[(B, H)](
-        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
+    BV = min(block_v or K, K)
+    if BV < 16 or BV & (BV - 1):
+        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
+    # one software-pipeline stage by default: pipelining 5 chunk tiles at BV = K overflows smem
+    _kda_state_kernel[(B, H, K // BV)](
+        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
         conv_state, recurrent, slots, cu_seqlens, B, H, float(eps),
-        C=C, BC=BC, K=K, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=BP, PREC=prec,
-        num_warps=state_warps, num_stages=1)   # pipelined loads of 5 chunk tiles overflow smem
+        C=C, BC=BC, K=K, BV=BV, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=BP, PREC=prec,
+        num_warps=state_warps, num_stages=state_stages)
+    if BV < K and T > 0:
+        _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
+                                                    float(eps), K=K, BT=16, num_warps=4)
     return out

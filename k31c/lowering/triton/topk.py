@@ -81,16 +81,18 @@ def _append(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
 
 
 @triton.jit
-def _radix_select(key_ptr, pos_ptr, count, krem, tie_key, POS_PHASE: tl.constexpr, TILE: tl.constexpr):
+def _radix_select(key_ptr, pos_ptr, count, krem, tie_key, POS_PHASE: tl.constexpr, TILE: tl.constexpr,
+                  LEVELS: tl.constexpr = 4):
     """In-program radix select (8-bit digits, top first) over the first `count` buffer entries of
     value = key, or (POS_PHASE) value = position among the entries whose key == tie_key.
     Returns (t, krem, exact): exact → exactly krem entries have value >= t (t a digit boundary);
-    else t is a full value and krem of the entries equal to t are still to take."""
+    else t is the value to LEVELS digits (all 4: the full value) and krem of the entries at t are
+    still to take."""
     prefix = tl.zeros((), tl.uint32)
     bins = tl.arange(0, 256)
     level = 0
     exact = level < 0
-    while (level < 4) & (exact == 0):
+    while (level < LEVELS) & (exact == 0):
         shift = 24 - 8 * level
         high = (tl.full((), 0xFFFFFFFF, tl.uint64) << (shift + 8).to(tl.uint64)).to(tl.uint32)
         hist = tl.zeros([256], tl.int32)
@@ -189,6 +191,29 @@ def _row_keys(row, pos, pos_ok, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, s
     return key
 
 
+@triton.jit
+def _take_top_ties(row, lo, hi, thresh, take, out_row, base, src_ptr, src_stride, q_ptr, sq_t, sq_h,
+                   w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D,
+                   FUSED: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                   FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, TILE: tl.constexpr):
+    """Write the `take` highest positions in [lo, hi) whose key == thresh to out_row[base:]
+    (one program, reading tiles from the top down); returns the new base."""
+    top = hi
+    while (take > 0) & (top > lo):
+        pos = top - TILE + tl.arange(0, TILE)
+        live = (pos >= lo) & (pos < top)
+        key = _row_keys(row, pos, live, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr,
+                        scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP, FP8, DOT_DTYPE)
+        tie = (live & (key == thresh)).to(tl.int32)
+        sel = (tie > 0) & (tl.sum(tie, 0) - tl.cumsum(tie, 0) < take)    # ties above it in the tile
+        seli = sel.to(tl.int32)
+        tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+        base += tl.sum(seli, 0)
+        take -= tl.sum(seli, 0)
+        top -= TILE
+    return base
+
+
 # ---- kernels ----------------------------------------------------------------------------------
 
 @triton.jit
@@ -215,15 +240,13 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
         tl.store(st + _MODE, 0)
         if n > cap:  # threshold from a sample; shorter rows keep 0 (all positions are candidates)
             samples = sample_ptr + row.to(tl.int64) * SAMPLES
-            if not PRESAMPLED:
-                for start in range(0, SAMPLES, TILE):
-                    i = start + tl.arange(0, TILE)
-                    x = tl.load(src_ptr + row.to(tl.int64) * src_stride + _sample_pos(i, n, SAMPLES, RUN),
-                                mask=i < SAMPLES, other=0.0)
-                    tl.store(samples + i, _order_key(x).to(tl.int32, bitcast=True), mask=i < SAMPLES)
+            if not PRESAMPLED:   # one gather of the whole sample, then the radix passes read it back
+                i = tl.arange(0, SAMPLES)
+                x = tl.load(src_ptr + row.to(tl.int64) * src_stride + _sample_pos(i, n, SAMPLES, RUN))
+                tl.store(samples + i, _order_key(x).to(tl.int32, bitcast=True))
                 tl.debug_barrier()
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh, _, _ = _radix_select(samples, samples, SAMPLES, rank, 0, False, TILE)
+            thresh, _, _ = _radix_select(samples, samples, SAMPLES, rank, 0, False, SAMPLES, 3)  # 24 bits
     tl.store(st + _THRESH, thresh.to(tl.int32, bitcast=True))
 
 
@@ -239,16 +262,19 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         thresh = tl.load(st_rows + _THRESH).to(tl.uint32, bitcast=True)
         lo = tl.program_id(1) * chunk
         hi = tl.minimum(lo + chunk, n)
-        ties = tl.zeros([1], tl.int32)
+        src_row = src_ptr + row.to(tl.int64) * src_stride
+        ties = tl.zeros([1, TILE], tl.int32)
+        nxt = tl.load(src_row + lo + tl.arange(0, TILE), mask=lo + tl.arange(0, TILE) < hi, other=0.0)
         for start in range(lo, hi, TILE):
             pos = start + tl.arange(0, TILE)
-            x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos < hi, other=0.0)
+            x = nxt          # the next tile's load is in flight while this one is filtered
+            nxt = tl.load(src_row + pos + TILE, mask=pos + TILE < hi, other=0.0)
             key = _order_key(x)[None, :]
             live = (pos < hi)[None, :]
-            ties += tl.sum((live & (key == thresh[:, None])).to(tl.int32), 1)
+            ties += (live & (key == thresh[:, None])).to(tl.int32)
             _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
                     key, pos[None, :], live & (key > thresh[:, None]), cap)
-        tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), ties)
+        tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
 
 
 @triton.jit
@@ -341,26 +367,17 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
                 seli = sel.to(tl.int32)
                 tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
                 base += tl.sum(seli, 0)
-            if use_ties:   # chunks from the top, each giving its highest positions at T
-                n = tl.load(row_len_ptr + row)
+            if SCAN_TIES:  # chunks from the top, each giving its highest positions at T (need > 0 only)
                 j = n_chunks - 1
+                n = tl.load(row_len_ptr + row)
                 while (need > 0) & (j >= 0):
                     take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
-                    lo = j * chunk
-                    top = tl.minimum(lo + chunk, n)
-                    while (take > 0) & (top > lo):
-                        pos = top - STILE + tl.arange(0, STILE)
-                        live = (pos >= lo) & (pos < top)
-                        x = tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=live, other=0.0)
-                        tie = (live & (_order_key(x) == thresh)).to(tl.int32)
-                        above = tl.sum(tie, 0) - tl.cumsum(tie, 0)          # ties above, in the tile
-                        sel = (tie > 0) & (above < take)
-                        seli = sel.to(tl.int32)
-                        tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-                        base += tl.sum(seli, 0)
-                        take -= tl.sum(seli, 0)
-                        need -= tl.sum(seli, 0)
-                        top -= STILE
+                    if take > 0:
+                        base = _take_top_ties(row, j * chunk, tl.minimum(j * chunk + chunk, n), thresh, take,
+                                              out_row, base, src_ptr, src_stride, src_ptr, 0, 0, src_ptr, 0,
+                                              src_ptr, src_ptr, src_ptr, 0, src_ptr, 0, 0, False, 1, 16, 16,
+                                              False, tl.float32, STILE)
+                    need -= take
                     j -= 1
         else:
             slot = tl.atomic_add(fb_ptr, 1)
@@ -414,71 +431,36 @@ def _fb_digit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_
 
 
 @triton.jit
-def _fb_ties_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
-                    row_req_ptr, H, D, row_len_ptr, state_ptr, fb_ptr, take_ptr,
+def _fb_emit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
+                    row_req_ptr, H, D, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr,
                     NP: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Fallback: count each chunk's ties at the (now exact) k-th key; the row's last program turns
-    the counts into how many ties each chunk takes, highest chunks first."""
-    p = tl.program_id(0)
+    """Fallback output: every program writes its keys above the (exact) k-th key T; the row's last
+    program then takes the remaining ties at T from the top of the row down."""
     for j in range(tl.load(fb_ptr)):
         row = tl.load(fb_ptr + 1 + j)
         st = state_ptr + row * _RS
-        lo, hi = _fb_chunk(tl.load(row_len_ptr + row), NP, TILE)
+        n = tl.load(row_len_ptr + row)
+        lo, hi = _fb_chunk(n, NP, TILE)
         thresh = tl.load(st + _PREFIX).to(tl.uint32, bitcast=True)
-        ties = 0
+        out_row = out_ptr + row.to(tl.int64) * out_stride
         for start in range(lo, hi, TILE):
             pos = start + tl.arange(0, TILE)
             key = _row_keys(row, pos, pos < hi, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t,
                             cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP,
                             FP8, DOT_DTYPE)
-            ties += tl.sum(((pos < hi) & (key == thresh)).to(tl.int32), 0)
-        take_row = take_ptr + row * NP
-        tl.store(take_row + p, ties)
-        tl.debug_barrier()
-        if tl.atomic_add(st + _DONE, 1) == NP - 1:
-            tl.store(st + _DONE, 0)
-            chunk_ties = tl.load(take_row + tl.arange(0, NP), cache_modifier=".cg")
-            higher = tl.sum(chunk_ties, 0) - tl.cumsum(chunk_ties, 0)
-            take = tl.minimum(tl.maximum(tl.load(st + _KREM) - higher, 0), chunk_ties)
-            tl.store(take_row + tl.arange(0, NP), take)
-
-
-@triton.jit
-def _fb_emit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt,
-                    row_req_ptr, H, D, row_len_ptr, out_ptr, out_stride, state_ptr, fb_ptr, take_ptr,
-                    NP: tl.constexpr, TILE: tl.constexpr, FUSED: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Fallback output: keys above the k-th key, and each chunk's share of ties at it from the
-    highest position down."""
-    p = tl.program_id(0)
-    for j in range(tl.load(fb_ptr)):
-        row = tl.load(fb_ptr + 1 + j)
-        st = state_ptr + row * _RS
-        lo, hi = _fb_chunk(tl.load(row_len_ptr + row), NP, TILE)
-        thresh = tl.load(st + _PREFIX).to(tl.uint32, bitcast=True)
-        take = tl.load(take_ptr + row * NP + p)
-        seen = 0
-        tiles = tl.cdiv(hi - lo, TILE)
-        for t in range(tiles):
-            pos = lo + (tiles - 1 - t) * TILE + tl.arange(0, TILE)
-            key = _row_keys(row, pos, pos < hi, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t,
-                            cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP,
-                            FP8, DOT_DTYPE)
-            tie = ((pos < hi) & (key == thresh)).to(tl.int32)
-            n_tie = tl.sum(tie, 0)
-            above = seen + n_tie - tl.cumsum(tie, 0)         # ties at higher positions
-            sel = ((pos < hi) & (key > thresh)) | ((tie > 0) & (above < take))
+            sel = (pos < hi) & (key > thresh)
             seli = sel.to(tl.int32)
             n_sel = tl.sum(seli, 0)
             if n_sel > 0:
                 base = tl.atomic_add(st + _OUT, n_sel)
-                tl.store(out_ptr + row.to(tl.int64) * out_stride + base + tl.cumsum(seli, 0) - seli,
-                         pos, mask=sel)
-            seen += n_tie
-
+                tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+        tl.debug_barrier()
+        if tl.atomic_add(st + _DONE, 1) == NP - 1:
+            _take_top_ties(row, 0, n, thresh, tl.load(st + _KREM), out_row, tl.atomic_add(st + _OUT, 0),
+                           src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr,
+                           sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP, FP8, DOT_DTYPE, TILE)
 
 # ---- launchers --------------------------------------------------------------------------------
 
@@ -495,13 +477,17 @@ def _pow2(x: int) -> int:
 
 def _workspace(n_rows: int, width: int, k: int, n_chunks: int, device) -> tuple[int, dict]:
     """Scratch for one call (one int32 allocation): per-row state, fallback list, candidate
-    buffers, samples, per-chunk tie counts, fallback histograms and per-chunk tie takes."""
+    buffers, samples, per-chunk tie counts and the fallback's digit histograms."""
     cap = min(max(CAP, 6 * k), width)
     sizes = {"state": n_rows * ROW_STATE, "fb": n_rows + 1, "ckey": n_rows * cap, "cpos": n_rows * cap,
              "samples": n_rows * SAMPLES if width > cap else 1, "ties": n_rows * n_chunks,
-             "hist": n_rows * 256, "take": n_rows * FB_PROGRAMS}
+             "hist": n_rows * 256}
     flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
     return cap, dict(zip(sizes, flat.split(list(sizes.values()))))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _chunking(width: int, groups: int, tile: int, programs: int) -> tuple[int, int]:
@@ -523,12 +509,11 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
     for level in range(4):
         _fb_digit_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["hist"], LEVEL=level,
                                          NP=FB_PROGRAMS, **fb_args)
-    _fb_ties_kernel[(FB_PROGRAMS,)](*common, ws["state"], ws["fb"], ws["take"], NP=FB_PROGRAMS, **fb_args)
-    _fb_emit_kernel[(FB_PROGRAMS,)](*common, out, out.stride(0), ws["state"], ws["fb"], ws["take"],
-                                    NP=FB_PROGRAMS, **fb_args)
+    _fb_emit_kernel[(FB_PROGRAMS,)](*common, out, out.stride(0), ws["state"], ws["fb"], NP=FB_PROGRAMS,
+                                    **fb_args)
 
 
-_SCORE_TILE, _REFINE_TILE = 4096, 1024
+_SCORE_TILE, _REFINE_TILE = 2048, 2048
 
 
 @register("k31c::topk_select", ("h200", "mi350x"))
@@ -598,7 +583,7 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
         return out
     groups = min(4, 1 << (max(1, n_rows // block_table.shape[0]).bit_length() - 1))  # rows per request
     n_groups = triton.cdiv(n_rows, groups)
-    chunk, n_chunks = _chunking(max(width, 1), n_groups, _FUSED_TILE, programs=2048)
+    chunk, n_chunks = _chunking(max(width, 1), n_groups, _FUSED_TILE, programs=2 * _sm_count(q.device))
     cap, ws = _workspace(n_rows, max(width, 1), k, n_chunks, q.device)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -621,6 +606,6 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     _fused_filter_kernel[(n_groups, n_chunks)](
         *src, row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"], n_rows, cap, chunk, G=groups,
         BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape, NUM_STAGES=3, num_warps=8)
-    _finish((q, 0, *src), row_len, out, ws, k, cap, chunk, n_chunks, False,
+    _finish((weights, 0, *src), row_len, out, ws, k, cap, chunk, n_chunks, False,
             dict(TILE=64, FUSED=True, HP=hp1, **shape, num_warps=4))
     return out

@@ -1,0 +1,159 @@
+"""`k31c.compile` on the CPU: the done-when scenario through Inductor, compilation counting, and
+the errors of the front door. Inductor's first compile of the three tiny-model graphs takes a
+few minutes on two cores; its cache (.inductor-cache/ in the repo) makes later runs quick."""
+import os
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".inductor-cache"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import k31c.api as k31c_api  # noqa: E402
+from k31c.config import preset  # noqa: E402
+from k31c.graph.model import K31ForCausalLM  # noqa: E402
+from k31c.runtime.engine import Engine  # noqa: E402
+
+DECODE_STEPS = 32
+
+
+def make_model():
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    m = K31ForCausalLM(cfg)
+    m.reset_parameters(torch.Generator().manual_seed(0))
+    with torch.no_grad():                          # non-trivial residual mixing (as tests/graph do)
+        for name, p in m.named_parameters():
+            if "res_proj" in name:
+                p.normal_(0, 0.5)
+    return m.eval()
+
+
+def scenario(model, step_fn):
+    """Prefill of index_topk + 8 tokens (and of 5 and 11 tokens for two more requests), then
+    DECODE_STEPS decode steps alternating 1 and 3 requests, then a 3-row verification step."""
+    topk = model.config.index_topk
+    toks = torch.randint(0, model.config.vocab_size, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=step_fn)
+    a, b, c = (eng.add_request() for _ in range(3))
+    out = [eng.prefill([a, b, c], [toks[:topk + 8], toks[:5], toks[7:18]])]
+    pos = 100
+    for i in range(DECODE_STEPS):
+        rids = [a] if i % 2 == 0 else [a, b, c]
+        out.append(eng.decode(rids, toks[pos:pos + len(rids)]))
+        pos += len(rids)
+    logits, _ = eng.verify([a, c], [toks[pos:pos + 3], toks[pos + 3:pos + 6]])
+    out.append(logits)
+    return torch.cat(out)
+
+
+def close(a, b, tol=2e-4):
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    assert err < tol, f"rel err {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def compiled_run(model):
+    compiled = k31c_api.compile(model, target="cpu")
+    return compiled, scenario(model, compiled)
+
+
+def test_compiled_logits_equal_eager(model, compiled_run):
+    compiled, got = compiled_run
+    close(got, scenario(model, model))
+
+
+def test_one_program_per_step_kind_serves_every_batch_size(compiled_run):
+    compiled, _ = compiled_run
+    # decode ran with 1 and 3 requests, prefill with 3: one build each, no retrace
+    assert compiled.compilations == {"prefill": 1, "decode": 1, "verify3": 1}
+    assert compiled.executor == "inductor"
+    decode = compiled.graphs["decode"]
+    sizes = {str(d.node.expr) for n in decode.graph.nodes if n.op == "placeholder"
+             for d in n.meta["val"].shape if isinstance(d, torch.SymInt)}
+    assert len(sizes) == 1                                   # one symbolic dim: the batch
+    assert sum(1 for n in decode.graph.nodes if n.target is torch.ops.k31c.region_enter.default) == 2
+
+
+def test_report_says_what_each_pass_did(compiled_run):
+    compiled, _ = compiled_run
+    report = compiled.report
+    assert set(report.steps) == {"prefill", "decode", "verify3"}
+    decode = {r.name: r.result for r in report.steps["decode"].passes}
+    assert decode["indexer_prolog"].matches == 2 and decode["fuse_index_write"].matches == 2
+    assert report.fallbacks() == {}                          # the CPU's kernels are the reference ops
+    text = str(report)
+    assert "indexer_prolog" in text and "2 indexer regions" in text
+
+
+def test_engine_takes_the_compiled_model_directly(compiled_run, model):
+    compiled, _ = compiled_run
+    eng, ref = Engine(compiled, max_requests=4, max_seq_len=128), Engine(model, max_requests=4, max_seq_len=128)
+    prompt = list(range(30, 50))
+    close(eng.prefill_logits(prompt), ref.prefill_logits(prompt))
+
+
+def test_another_pool_is_an_error_not_a_retrace(compiled_run, model):
+    compiled, _ = compiled_run
+    eng = Engine(model, max_requests=2, max_seq_len=64, step_fn=compiled)
+    r = eng.add_request()
+    with pytest.raises(ValueError, match="new compile"):
+        eng.prefill([r], [[1, 2, 3]])
+    assert compiled.compilations["prefill"] == 1
+
+
+def test_errors_name_the_model_target_pass_and_option(model):
+    with pytest.raises(ValueError, match=r"K31ForCausalLM.*torch\.nn\.modules\.linear\.Linear"):
+        k31c_api.compile(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown target 'tpu7'"):
+        k31c_api.compile(model, target="tpu7")
+    with pytest.raises(ValueError, match="unknown pass 'fuse_everything'"):
+        k31c_api.compile(model, passes=["canonicalize", "fuse_everything"])
+    with pytest.raises(ValueError, match="unknown option 'exector'"):
+        k31c_api.compile(model, options={"exector": "fx"})
+    with pytest.raises(ValueError, match="pass 'quantize' has no option 'fp4'"):
+        k31c_api.compile(model, options={"quantize": {"fp4": True}})
+    with pytest.raises(ValueError, match="executor must be one of"):
+        k31c_api.compile(model, options={"executor": "tvm"})
+
+
+def test_compile_only_targets_build_but_do_not_run(model):
+    from k31c.inspect_cmd import pool_inputs
+    from k31c.graph.capture import StepKind
+    compiled = k31c_api.compile(model, target="mi350x")
+    meta, caches = pool_inputs(model.config, device="cpu")
+    program = compiled.build(StepKind("decode"), meta, caches, executable=False)
+    kernels = {(n.meta.get("k31c") or {}).get("kernel") for n in program.gm.graph.nodes}
+    assert "stream" in kernels
+    eng = Engine(model, max_requests=2, max_seq_len=64, step_fn=compiled)
+    r = eng.add_request()
+    with pytest.raises(ValueError, match="compile-only"):
+        eng.prefill([r], [[1, 2, 3]])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_gpu_target_without_a_gpu_is_an_error(model):
+    compiled = k31c_api.compile(model, target="h200")
+    eng = Engine(model, max_requests=2, max_seq_len=64, step_fn=compiled)
+    r = eng.add_request()
+    with pytest.raises(ValueError, match="CUDA device"):
+        eng.prefill([r], [[1, 2, 3]])
+
+
+def test_caches_are_written_like_eager(model, compiled_run):
+    compiled, _ = compiled_run
+    a = Engine(model, max_requests=4, max_seq_len=128, step_fn=compiled)
+    b = Engine(model, max_requests=4, max_seq_len=128)
+    for eng in (a, b):
+        r = eng.add_request()
+        eng.prefill([r], [list(range(1, 30))])
+        eng.decode([r], [7])
+    for ca, cb in zip(a.pool.mla, b.pool.mla):
+        assert torch.allclose(ca.latent, cb.latent, atol=1e-5) and torch.allclose(ca.index, cb.index, atol=1e-5)
+    for sa, sb in zip(a.pool.kda, b.pool.kda):
+        assert torch.allclose(sa.recurrent, sb.recurrent, atol=1e-5)
