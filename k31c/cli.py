@@ -216,6 +216,47 @@ def run_generate(args) -> int:
     return 0
 
 
+def add_info(sub) -> None:
+    p = sub.add_parser("info", help="parameter counts and cache bytes of a config (built on the "
+                                    "meta device: nothing is allocated)")
+    p.add_argument("--config", default="tiny", help="preset name or config.json / checkpoint dir")
+    p.set_defaults(run=_run_info)
+
+
+def _run_info(args) -> int:
+    import torch
+
+    from .checkpoint import config_from_name_or_path
+    from .graph.model import K31ForCausalLM
+    cfg = config_from_name_or_path(args.config)
+    with torch.device("meta"):
+        model = K31ForCausalLM(cfg)
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        part = ("indexer" if ".indexer." in name else "routed experts" if ".experts." in name
+                else "attention (MLA)" if ".self_attn." in name and name.split(".")[2].isdigit()
+                and cfg.is_mla_layer(int(name.split(".")[2]))
+                else "KDA" if ".self_attn." in name else "embedding + lm_head"
+                if "embed_tokens" in name or "lm_head" in name else "MLP / shared / router / norms")
+        groups[part] = groups.get(part, 0) + p.numel()
+    print(f"config {args.config}: {cfg.num_hidden_layers} layers ({len(cfg.kda_layers)} KDA, "
+          f"{len(cfg.mla_layers)} MLA{' + indexer' if cfg.has_indexer else ''})")
+    total = sum(groups.values())
+    unit, div = ("B", 1e9) if total >= 1e9 else ("M", 1e6)
+    for part, n in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {part:<30} {n / div:10.3f} {unit}")
+    print(f"  {'total':<30} {total / div:10.3f} {unit} parameters")
+    itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    latent = len(cfg.mla_layers) * cfg.latent_dim * itemsize
+    index = len(cfg.mla_layers) * (cfg.index_head_dim + 4) if cfg.has_indexer else 0
+    P, K = cfg.kda_proj_dim, cfg.kda_head_dim
+    state = len(cfg.kda_layers) * (cfg.kda_num_heads * K * K * 4
+                                   + (cfg.short_conv_kernel_size - 1) * 3 * P * itemsize)
+    print(f"  cache per token: {latent} B latent + {index} B FP8 index keys; "
+          f"per request KDA state {state / 2**20:.1f} MiB")
+    return 0
+
+
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="run device benchmarks (needs a GPU)",
                        description="Benchmarks live in the repository's benchmarks/ folder; each "
@@ -241,7 +282,7 @@ def _run_bench(args) -> int:
 
 # ---- entry point --------------------------------------------------------------------------------
 
-COMMANDS = [add_init, add_logits, add_generate, add_bench]
+COMMANDS = [add_init, add_logits, add_generate, add_info, add_bench]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -144,3 +144,12 @@ def test_byte_tokenizer():
     assert tok.decode([0xC3]) == "\ufffd"  # an unfinished character becomes U+FFFD
     with pytest.raises(ValueError, match="vocab_size=100"):
         ByteTokenizer(100)
+
+
+def test_info_prints_full_size_parameter_counts():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "k31c", "info", "--config", "k3.1-pro"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "93 layers (69 KDA, 24 MLA + indexer)" in out
+    assert "indexer" in out and "B parameters" in out

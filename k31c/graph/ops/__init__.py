@@ -22,8 +22,4 @@ Conventions shared by all ops (see graph/step.py for the row layout):
 import importlib
 
 for _m in ("cache_write", "indexer", "mla", "kda", "streams"):
-    try:
-        importlib.import_module(f"{__name__}.{_m}")
-    except ModuleNotFoundError as e:  # a module not written yet; every other op still registers
-        if e.name != f"{__name__}.{_m}":
-            raise
+    importlib.import_module(f"{__name__}.{_m}")

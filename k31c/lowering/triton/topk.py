@@ -592,7 +592,8 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     if dot == tl.float8e4nv:   # e4m3 loads feed the tensor cores directly (no byte bitcast)
         index_cache = index_cache.view(torch.float8_e4m3fn)
     hp1 = max(_pow2(heads), 16)
-    shape = dict(BLOCK_SIZE=block_size, DP=max(16, _pow2(d)), FP8=fp8, DOT_DTYPE=dot)
+    dp = max(32 if dot == tl.float8e4nv else 16, _pow2(d))     # an fp8 MMA needs K >= 32 (zero-padded)
+    shape = dict(BLOCK_SIZE=block_size, DP=dp, FP8=fp8, DOT_DTYPE=dot)
     src = (q, q.stride(0), q.stride(1), weights, weights.stride(0), index_cache, scale_view, block_table,
            block_table.stride(0), row_req, heads, d)
     if width > cap:
