@@ -7,19 +7,22 @@ set is unique and equals the reference's: among equal scores the higher position
 
 Fixed launch sequence (no host sync; grids from static shapes; CUDA-graph safe):
 1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
-   with n <= CAP take threshold 0 (every position is a candidate). Longer rows read a strided
-   sample (runs of 8) and take as threshold T the sample key ranked TARGET*SAMPLES/n, so about
-   TARGET = 2.5k keys of the row reach T.
-2. filter, several programs per row: one pass appends each (key, position) with key >= T to the
-   row's candidate buffer (atomic counter). The row's last program to finish (atomic done
-   counter) refines: with k <= count <= CAP it finds the exact k-th largest composite by a
-   4-bit-digit search and writes the k winners; otherwise (the sample misjudged T, or a mass of
-   ties at T such as ReLU zeros) the row joins the fallback list.
-3. fallback, 4 digit passes + 1 emit pass over the listed rows (programs exit at once when the
-   list is empty): exact 8-bit radix select on the full row. Each program histograms its chunk;
-   the row's last program picks the digit and the remaining k. After the 4th digit the key T and
-   the number of ties at T to take are exact; the per-chunk tie counts tell each chunk how many of
-   its own ties to take, highest positions first.
+   with n <= CAP take threshold T = 0 (every position is a candidate). Longer rows gather a
+   strided sample (runs of 8) and take as T the sample key ranked TARGET*SAMPLES/n (a 24-bit
+   radix select), so about TARGET = 2.5k keys of the row lie above T.
+2. filter, several programs per row: one pass appends each (key, position) with key > T to the
+   row's candidate buffer (atomic counter) and counts the keys == T of its chunk.
+3. refine, one program per row, with G keys > T buffered and E keys == T in the row:
+   - k <= G <= CAP: exact top-k of the buffer (8-bit radix select on the key, then on the
+     position among the keys tied at the k-th);
+   - G < k <= G + E (topk_select only; e.g. ReLU zeros at T): the whole buffer plus the k - G
+     highest positions at T, read from the chunks with ties, top down;
+   - otherwise (the sample misjudged T): the row joins the fallback list.
+4. fallback, 4 digit passes + 1 emit pass over the listed rows; every program exits at once when
+   the list is empty (~1 us a pass). Exact 8-bit radix select on the full row: each program
+   histograms its chunk, the row's last program (atomic done counter) picks the digit and the
+   remaining k; after 4 digits the k-th key is exact, every program writes its keys above it and
+   the row's last program takes the remaining ties from the top of the row down.
 
 The fused op runs the same pipeline on scores computed in-kernel from the index cache (FP8 e4m3
 through the block table, or BF16/F32); the [N, L] score matrix is never written. The sample
@@ -48,7 +51,7 @@ ROW_STATE = 8                   # int32 words of per-row state
 
 # per-row state words
 _CNT = tl.constexpr(0)      # candidates appended
-_DONE = tl.constexpr(1)     # programs finished with this row (filter, then each fallback pass)
+_DONE = tl.constexpr(1)     # programs finished with this row in a fallback pass
 _OUT = tl.constexpr(2)      # outputs written by the fallback emit pass
 _THRESH = tl.constexpr(3)   # filter threshold key (uint32 bits)
 _MODE = tl.constexpr(4)     # 1: row already written by plan (row_len <= k)
