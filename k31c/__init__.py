@@ -20,6 +20,8 @@ _LAZY = {
     "ByteTokenizer": ".tokenizer",
     "K31ForCausalLM": ".graph.model",
     "Engine": ".runtime.engine",
+    "compile": ".api",
+    "CompiledModel": ".api",
 }
 
 __all__ = ["PRESETS", "ConfigError", "K31Config", "preset", "__version__", *_LAZY]

@@ -54,7 +54,8 @@ class StepReport:
             out.append(f"  {rec.name:24s} matches={r.matches:<5d} changed={str(r.changed):5s} "
                        f"{rec.seconds:6.2f}s  {'; '.join(r.notes)}")
         if self.fallbacks:
-            out.append("  reference fallbacks: " + ", ".join(f"{op} x{n}" for op, n in sorted(self.fallbacks.items())))
+            out.append("  reference fallbacks: "
+                       + ", ".join(f"{op} x{n}" for op, n in sorted(self.fallbacks.items())))
         return out
 
 
@@ -148,6 +149,8 @@ class CompiledModel:
     def build(self, step: StepKind, meta, caches, stop_after: Optional[str] = None,
               executable: bool = True) -> Program:
         """Capture (once per step kind) and run the passes; with `executable`, generate code."""
+        if executable:
+            self._check_runnable()
         captured = capture_cached(self.model, step, meta, caches)
         start = time.perf_counter()
         gm = clone_graph(captured.gm)
@@ -156,7 +159,6 @@ class CompiledModel:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         fn = None
         if executable:
-            self._check_runnable()
             fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
         report = StepReport(step.name, captured.seconds, records, ctx.state.get("kernels", {}),
                             ctx.state.get("fallbacks", {}), time.perf_counter() - start,
@@ -229,10 +231,13 @@ def backend(target: str = "cpu", passes=None, options: Optional[dict] = None):
     return compile_graph
 
 
+dynamo_backend = backend()     # the default one, registered as "k31c" (also an entry-point target)
+
+
 def _register_backend() -> None:
     from torch._dynamo import list_backends, register_backend
     if "k31c" not in list_backends(exclude_tags=()):
-        register_backend(name="k31c")(backend())
+        register_backend(name="k31c")(dynamo_backend)
 
 
 _register_backend()

@@ -282,7 +282,12 @@ def _run_bench(args) -> int:
 
 # ---- entry point --------------------------------------------------------------------------------
 
-COMMANDS = [add_init, add_logits, add_generate, add_info, add_bench]
+def add_inspect(sub) -> None:
+    from .inspect_cmd import add_inspect as add
+    add(sub)
+
+
+COMMANDS = [add_init, add_logits, add_generate, add_info, add_inspect, add_bench]
 
 
 class _Parser(argparse.ArgumentParser):

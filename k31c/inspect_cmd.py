@@ -129,7 +129,8 @@ def run_inspect(args) -> int:
         gm, captured = inspect_graph(cfg, args.step, args.rows, args.target, passes,
                                      parse_options(args.option), args.after, args.index_cache)
         from .passes.manager import DEFAULT_PIPELINE
-        title = f"{captured.step.name} target={args.target} after={args.after or (passes or DEFAULT_PIPELINE)[-1]}"
+        after = args.after or (passes or DEFAULT_PIPELINE)[-1]
+        title = f"{captured.step.name} target={args.target} after={after}"
         text = render(gm, captured, args.format, title, args.layer, args.k31c_only)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -74,9 +74,9 @@ def test_one_program_per_step_kind_serves_every_batch_size(compiled_run):
     assert compiled.compilations == {"prefill": 1, "decode": 1, "verify3": 1}
     assert compiled.executor == "inductor"
     decode = compiled.graphs["decode"]
-    sizes = {str(d.node.expr) for n in decode.graph.nodes if n.op == "placeholder"
-             for d in n.meta["val"].shape if isinstance(d, torch.SymInt)}
-    assert len(sizes) == 1                                   # one symbolic dim: the batch
+    symbols = {s for n in decode.graph.nodes if n.op == "placeholder"
+               for d in n.meta["val"].shape if isinstance(d, torch.SymInt) for s in d.node.expr.free_symbols}
+    assert len(symbols) == 1                                 # one symbolic size: the batch
     assert sum(1 for n in decode.graph.nodes if n.target is torch.ops.k31c.region_enter.default) == 2
 
 
@@ -122,16 +122,15 @@ def test_errors_name_the_model_target_pass_and_option(model):
         k31c_api.compile(model, options={"executor": "tvm"})
 
 
-def test_compile_only_targets_build_but_do_not_run(model):
-    from k31c.inspect_cmd import pool_inputs
+def test_compile_only_targets_build_but_do_not_run(model, compiled_run):
     from k31c.graph.capture import StepKind
     compiled = k31c_api.compile(model, target="mi350x")
-    meta, caches = pool_inputs(model.config, device="cpu")
-    program = compiled.build(StepKind("decode"), meta, caches, executable=False)
+    eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=compiled)   # the scenario's pool
+    r = eng.add_request()
+    program = compiled.build(StepKind("prefill"), eng._meta([r], [0], [3]), eng.pool.caches(),
+                             executable=False)
     kernels = {(n.meta.get("k31c") or {}).get("kernel") for n in program.gm.graph.nodes}
     assert "stream" in kernels
-    eng = Engine(model, max_requests=2, max_seq_len=64, step_fn=compiled)
-    r = eng.add_request()
     with pytest.raises(ValueError, match="compile-only"):
         eng.prefill([r], [[1, 2, 3]])
 
@@ -154,6 +153,8 @@ def test_caches_are_written_like_eager(model, compiled_run):
         eng.prefill([r], [list(range(1, 30))])
         eng.decode([r], [7])
     for ca, cb in zip(a.pool.mla, b.pool.mla):
-        assert torch.allclose(ca.latent, cb.latent, atol=1e-5) and torch.allclose(ca.index, cb.index, atol=1e-5)
+        close(ca.latent, cb.latent)
+        close(ca.index, cb.index)
     for sa, sb in zip(a.pool.kda, b.pool.kda):
-        assert torch.allclose(sa.recurrent, sb.recurrent, atol=1e-5)
+        close(sa.recurrent, sb.recurrent)
+        close(sa.conv, sb.conv)

@@ -202,7 +202,9 @@ def trace(module: torch.nn.Module, args: tuple, dynamic_shapes, arg_names: Seque
             tensor = live.get(spec.target)
             if tensor is None:
                 tensor = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
-            path = spec.target[len(strip) + 1:] if strip and spec.target.startswith(strip + ".") else spec.target
+            path = spec.target
+            if strip and path.startswith(strip + "."):
+                path = path[len(strip) + 1:]
             inputs.append(GraphInput(canonical_path(path), True, tensor))
         elif kind == "USER_INPUT":
             inputs.append(GraphInput(next(user), False))

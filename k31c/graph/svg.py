@@ -97,9 +97,9 @@ def _regions(nodes, y_of, width) -> list[str]:
             out.append(f'<rect x="{LEFT - 8}" y="{y0}" width="{width - 2 * LEFT + 12}" height="{y1 - y0}" '
                        f'fill="{REGION_FILL}" fill-opacity="0.45" stroke="#c9a800" stroke-width="1"/>')
             layer = _meta(n).get("layer")
+            where = f" (layer {layer})" if layer is not None else ""
             out.append(f'<text x="{width - LEFT - 4}" y="{y0 + 12}" text-anchor="end" font-size="11">'
-                       f'region {n.args[0]}: {escape(str(kind))}{f" (layer {layer})" if layer is not None else ""}'
-                       f'</text>')
+                       f'region {n.args[0]}: {escape(str(kind))}{where}</text>')
     return out
 
 
@@ -131,6 +131,7 @@ def _events(nodes, x_of, y_of) -> list[str]:
             r = records[n.args[0]]
             x1, y1 = x_of(r) + BOX_W, y_of(r) + BOX_H // 2
             x2, y2 = x_of(n) + (BOX_W if x_of(n) == x_of(r) else 0), y_of(n) + BOX_H // 2
-            out.append(f'<path d="M{x1},{y1} C{x1 + 24},{y1} {x2 + (24 if x2 == x1 else -24)},{y2} {x2},{y2}" '
-                       f'fill="none" stroke="#8e44ad" stroke-width="1.4" stroke-dasharray="5,3"/>')
+            bend = 24 if x2 == x1 else -24
+            out.append(f'<path d="M{x1},{y1} C{x1 + 24},{y1} {x2 + bend},{y2} {x2},{y2}" fill="none" '
+                       f'stroke="#8e44ad" stroke-width="1.4" stroke-dasharray="5,3"/>')
     return out

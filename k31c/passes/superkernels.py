@@ -45,6 +45,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         for node in chain:
             info(node)["superkernel"] = i
     sizes = sorted((len(c) for c in chains), reverse=True)
-    ctx.state["superkernels"] = [{"id": i, "stream": stream_of(c[0]), "ops": len(c)} for i, c in enumerate(chains)]
+    ctx.state["superkernels"] = [{"id": i, "stream": stream_of(c[0]), "ops": len(c)}
+                                 for i, c in enumerate(chains)]
     notes = [f"{len(chains)} superkernels over {sum(sizes)} ops; largest {sizes[:3]}"]
     return PassResult(matches=len(chains), changed=bool(chains), notes=notes)

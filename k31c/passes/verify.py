@@ -130,7 +130,8 @@ def check_streams(gm: torch.fx.GraphModule) -> int:
 def _check_marker(node, s, clocks: _Clocks, open_regions, used) -> None:
     target, args = node.target, node.args
     if target in (K31C.event_record.default, K31C.event_wait.default) and args[1] != s:
-        raise GraphVerificationError(f"verify: {node.name} names stream {args[1]} but is placed on stream {s}")
+        raise GraphVerificationError(f"verify: {node.name} names stream {args[1]} but is placed on "
+                                     f"stream {s}")
     clocks.tick(node, s)
     if target is K31C.event_record.default:
         clocks.events[args[0]] = dict(clocks.clock[s])
@@ -138,7 +139,8 @@ def _check_marker(node, s, clocks: _Clocks, open_regions, used) -> None:
             used[node.meta["k31c"]["region"]][s] = node
     elif target is K31C.event_wait.default:
         if args[0] not in clocks.events:
-            raise GraphVerificationError(f"verify: {node.name} waits for event {args[0]}, never recorded before")
+            raise GraphVerificationError(f"verify: {node.name} waits for event {args[0]}, never "
+                                         "recorded before")
         for stream, t in clocks.events[args[0]].items():
             clocks.clock[s][stream] = max(clocks.clock[s][stream], t)
     elif target is K31C.region_enter.default:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import k31c.api as k31c_api
-from helpers import MLALayer, step_inputs, tiny_cfg
+from pass_helpers import MLALayer, step_inputs, tiny_cfg
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine

@@ -3,7 +3,7 @@ and that the rewritten graph computes what the eager layer computes (outputs and
 import pytest
 import torch
 
-from helpers import MLALayer, capture_layer, eager_and_graph, nodes, passes, step_inputs, tiny_cfg
+from pass_helpers import MLALayer, capture_layer, eager_and_graph, nodes, passes, step_inputs, tiny_cfg
 from k31c.graph.capture import clone_graph
 from k31c.passes.graph_utils import info, stable_toposort, stream_of
 from k31c.passes.manager import DEFAULT_PIPELINE

@@ -1,10 +1,10 @@
 """Done-when of the compiler core on the tiny model, for every pipeline with one pass switched
 off: a prefill longer than index_topk, then decode steps (one and two requests), then a
 verification step give the eager model's logits. The graphs run op by op (`executor="fx"`) so
-the ten pipelines share one capture per step kind; tests/test_api.py runs the default pipeline
-through Inductor with 32 decode steps. Here the decode steps default to 4 to keep the file fast
-on two cores (every step kind and both batch sizes still run); K31C_TEST_DECODE_STEPS=32 runs
-the full scenario for every pipeline (about 3 minutes)."""
+the ten pipelines share one capture per step kind. tests/test_api.py runs the full scenario (32
+decode steps) through Inductor with the default pipeline; here the decode steps default to 4 so
+the file stays near a minute on two cores (every step kind and both batch sizes still run).
+K31C_TEST_DECODE_STEPS=32 runs the full scenario for all ten pipelines (about 70 s more)."""
 import os
 
 import pytest

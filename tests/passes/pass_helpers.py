@@ -19,7 +19,7 @@ BLOCK, BLOCKS_PER_REQ, CACHED = 16, 4, 20
 
 
 class MLALayer(nn.Module):
-    def __init__(self, cfg, index_dtype=None):
+    def __init__(self, cfg):
         super().__init__()
         self.self_attn = GatedMLA(cfg)
         self.self_attn.reset_parameters(torch.Generator().manual_seed(3))

@@ -4,7 +4,7 @@ import xml.dom.minidom
 
 import pytest
 
-from helpers import MLALayer, capture_layer, passes, tiny_cfg
+from pass_helpers import MLALayer, capture_layer, passes, tiny_cfg
 from k31c.graph.printer import format_graph
 from k31c.graph.svg import draw_svg
 

@@ -1,7 +1,7 @@
 """The pass manager: registry, order, switches, options, results and dumps."""
 import pytest
 
-from helpers import MLALayer, capture_layer, passes, tiny_cfg
+from pass_helpers import MLALayer, capture_layer, passes, tiny_cfg
 from k31c.graph.capture import clone_graph
 from k31c.passes import manager
 from k31c.passes.manager import (DEFAULT_PIPELINE, PassResult, register_pass, registered, resolve,

@@ -1,0 +1,62 @@
+"""`k31c inspect`: argument handling and output (the model is captured once for the file)."""
+import argparse
+import xml.dom.minidom
+
+import pytest
+
+import k31c.inspect_cmd as inspect_cmd
+from k31c.config import preset
+
+
+@pytest.fixture(scope="module")
+def meta_model():
+    return inspect_cmd.shape_model(preset("tiny"))
+
+
+@pytest.fixture
+def run(meta_model, monkeypatch, capsys):
+    monkeypatch.setattr(inspect_cmd, "shape_model", lambda cfg: meta_model)
+
+    def call(*argv):
+        parser = argparse.ArgumentParser()
+        inspect_cmd.add_inspect(parser.add_subparsers())
+        args = parser.parse_args(["inspect", *argv])
+        assert args.run(args) == 0
+        return capsys.readouterr().out
+    return call
+
+
+def test_text_after_indexer_prolog(run):
+    out = run("--config", "tiny", "--step", "decode", "--after", "indexer_prolog")
+    assert out.startswith("# k31c graph: decode target=cpu after=indexer_prolog\n")
+    assert out.count("k31c.region_enter(") == 2
+    assert "k31c.index_cache_write(" in out and "index_key_norm_write" not in out   # not fused yet
+    assert "stream=1" in out and "stream=2" in out
+
+
+def test_k31c_only_and_options(run):
+    out = run("--step", "prefill", "--target", "h200", "--k31c-only", "--option", "quantize.mxfp8_indexer=true")
+    body = out.split("nodes:\n")[1].splitlines()[:-1]
+    assert "inputs:" not in out and body and all(" = k31c." in line for line in body)
+    assert "kernel=stream" in out and "k31c.index_cache_write(" in out   # MXFP8 splits the fused write
+
+
+def test_svg_output_file(run, tmp_path):
+    path = tmp_path / "g.svg"
+    assert run("--format", "svg", "--layer", "3", "-o", str(path)) == ""
+    doc = xml.dom.minidom.parse(str(path))
+    assert doc.documentElement.tagName == "svg"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--after", "indexer_prolgo"), "unknown pass 'indexer_prolgo'"),
+    (("--passes", "canonicalize,nope"), "unknown pass 'nope'"),
+    (("--option", "quantize.fp4=true"), "has no option 'fp4'"),
+    (("--option", "quantize"), "PASS.OPTION=VALUE"),
+    (("--config", "huge"), "neither a preset"),
+    (("--target", "tpu"), "unknown target 'tpu'"),
+])
+def test_errors_name_what_is_wrong(run, argv, message):
+    from k31c.cli import UsageError
+    with pytest.raises(UsageError, match=message):
+        run(*argv)
