@@ -287,7 +287,12 @@ def add_inspect(sub) -> None:
     add(sub)
 
 
-COMMANDS = [add_init, add_logits, add_generate, add_info, add_inspect, add_bench]
+def add_build_kernels(sub) -> None:
+    from .lowering.aot import add_build_parser
+    add_build_parser(sub)
+
+
+COMMANDS = [add_init, add_logits, add_generate, add_info, add_inspect, add_build_kernels, add_bench]
 
 
 class _Parser(argparse.ArgumentParser):

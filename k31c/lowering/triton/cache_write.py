@@ -259,3 +259,30 @@ def mla_cache_write_fp8(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: t
 
 __all__ = ["mla_cache_write", "index_cache_write", "index_key_norm_write", "mla_cache_write_fp8",
            "round_to_e4m3", "e4m3_scale", "quantize_e4m3", "FP8_MAX", "FP8_MIN_AMAX"]
+
+
+def aot_specs(shapes) -> list:
+    """The launches of the registered launchers at `shapes` (lowering.aot.AotShapes), for the
+    ahead-of-time build: the latent write, and the index-key write (FP8 uint8 and BF16 caches,
+    with and without the LayerNorm) with the constexprs `_launch_index_write` picks."""
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    dt = cfg.torch_dtype
+    specs = [kernel_spec(_latent_write_kernel, "k31c::mla_cache_write", f"{dt}".split(".")[-1],
+                         dict(TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK),
+                         dict(cache_ptr=dt, rows_ptr=dt, slot_ptr=torch.int64))]
+    d = cfg.index_head_dim
+    ln_dt = torch.float32                     # the indexer's key LayerNorm is kept in fp32
+    for fp8 in (True, False):
+        cache_dt = torch.uint8 if fp8 else torch.bfloat16
+        groups = index_scales_per_row(d) if fp8 else 1
+        group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
+        for norm, op in ((False, "k31c::index_cache_write"), (True, "k31c::index_key_norm_write")):
+            specs.append(kernel_spec(
+                _index_write_kernel, op, f"{'fp8' if fp8 else 'bf16'}{',norm' if norm else ''}",
+                dict(TOKENS=_TOKENS_PER_PROGRAM, GROUP=group, GROUPS=triton.next_power_of_2(groups),
+                     FP8=fp8, NORM=norm),
+                dict(cache_ptr=cache_dt, cache_f32_ptr=torch.float32 if fp8 else cache_dt, keys_ptr=dt,
+                     ln_w_ptr=ln_dt if norm else dt, ln_b_ptr=ln_dt if norm else dt,   # else: keys
+                     slot_ptr=torch.int64, eps="fp32")))
+    return specs

@@ -217,3 +217,32 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch
                       block_table: torch.Tensor, row_req: torch.Tensor,
                       row_len: torch.Tensor) -> torch.Tensor:
     return launch_indexer(q, weights, index_cache, block_table, row_req, row_len)
+
+
+def aot_specs(shapes) -> list:
+    """The launches of `lightning_indexer` on the GPU at `shapes` (lowering.aot.AotShapes), for
+    the ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
+    R rows per request; the constexprs as `launch_indexer` derives them with its defaults."""
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    heads, d = cfg.index_n_heads, cfg.index_head_dim
+    h_pad = triton.next_power_of_2(heads)
+    specs = []
+    for fp8 in (True, False):
+        cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
+        dot_dtype = tl.float8e4nv if fp8 else tl.bfloat16
+        for r in shapes.rows_per_request:
+            rows, rows_pad = _tile_rows(shapes.batch * r, shapes.batch, h_pad)
+            out = rows_pad                                           # head_dot off
+            specs.append(kernel_spec(
+                _indexer_kernel, "k31c::lightning_indexer", f"{'fp8' if fp8 else 'bf16'},R={r}",
+                dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d,
+                     D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=shapes.block_size,
+                     KEYS=_GPU_KEYS_PER_STEP, TAIL=4096 // out, FP8_CACHE=fp8, QUANT_Q=fp8,
+                     DOT_DTYPE=dot_dtype, HEAD_DOT=False, HEAD_DTYPE=tl.bfloat16, OUT=out,
+                     NUM_STAGES=5),
+                dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, cache_ptr=cache_dt,
+                     cache_f32_ptr=torch.float32 if fp8 else cache_dt, table_ptr=torch.int32,
+                     row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32),
+                num_warps=8 if rows_pad * h_pad > 128 else 4))
+    return specs

@@ -242,3 +242,27 @@ def check_kda_layout(q: torch.Tensor, K: int, conv_state: torch.Tensor,
     for name, t in (("conv_state", conv_state), ("recurrent", recurrent)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor (updated in place)")
+
+
+def aot_specs(shapes) -> list:
+    """The launches of `kda_decode` at `shapes` (lowering.aot.AotShapes), for the ahead-of-time
+    build: one row per request (plain decode) and R rows with per-row snapshots (verification),
+    with `launch_kda_decode`'s default tile; dtypes as the KDA block passes them."""
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    dt, f32 = cfg.torch_dtype, torch.float32
+    K, W = cfg.kda_head_dim, cfg.short_conv_kernel_size
+    types = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, gate_ptr=dt, out_ptr=dt,
+                 o_raw_ptr=f32, count_ptr=torch.int32, conv_w_ptr=f32, a_log_ptr=f32,
+                 dt_bias_ptr=f32, norm_w_ptr=dt, conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64,
+                 snap_conv_ptr=dt, snap_state_ptr=f32, lower_bound="fp32", eps="fp32", scale="fp32")
+    specs = []
+    for rows in shapes.rows_per_request:
+        snap = rows > 1                       # verification rows write snapshots
+        specs.append(kernel_spec(
+            _kda_decode_kernel, "k31c::kda_decode", f"R={rows}{',snap' if snap else ''}",
+            dict(ROWS=rows, RB=max(triton.next_power_of_2(rows), 2), K=K,
+                 BV=min(32 if rows == 1 else 64, K), W=W, WB=triton.next_power_of_2(max(W - 1, 1)),
+                 HAS_LOWER_BOUND=cfg.gate_lower_bound is not None, HAS_SNAP=snap),
+            types, num_warps=4))
+    return specs

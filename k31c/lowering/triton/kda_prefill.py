@@ -283,7 +283,9 @@ def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-@register("k31c::kda_prefill", ("h200", "mi350x"))
+# h200 only: Triton 3.7.1 rejects input_precision="tf32" (the launcher's choice for bf16 inputs) on
+# gfx950 ("input_precision must be one of ('ieee', 'bf16x3', 'bf16x6')"); see lowering/aot.py.
+@register("k31c::kda_prefill", ("h200",))
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                 beta: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
@@ -343,3 +345,34 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
                                                     float(eps), K=K, BT=16, num_warps=4)
     return out
+
+
+def aot_specs(shapes) -> list:
+    """The launches of `kda_prefill` at `shapes` (lowering.aot.AotShapes), for the ahead-of-time
+    build: the chunk pass and the state pass with `launch_kda_prefill`'s defaults (V not split,
+    so no norm launch); dtypes as the KDA block passes them."""
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    dt, f32 = cfg.torch_dtype, torch.float32
+    C, K, W, B = cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size, shapes.prefill_requests
+    scratch = torch.bfloat16 if dt == torch.bfloat16 else torch.float32
+    prec = "tf32" if scratch == torch.bfloat16 else "ieee"
+    lb = cfg.gate_lower_bound
+    bp = triton.next_power_of_2(B + 1)
+    chunk = kernel_spec(
+        _kda_chunk_kernel, "k31c::kda_prefill", f"B={B}",
+        dict(C=C, BC=BC, K=K, W=W, BP=bp, HAS_LOWER_BOUND=lb is not None,
+             SAFE_DIAG=lb is not None and -lb * (BC // 2) <= _SAFE_EXPONENT, PREC=prec),
+        dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32, a_log_ptr=f32,
+             dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64, cu_ptr=torch.int32, qg_ptr=scratch,
+             kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
+             lower_bound="fp32", scale="fp32"),
+        num_warps=4)
+    state = kernel_spec(
+        _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={K}",
+        dict(C=C, BC=BC, K=K, BV=K, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=bp, PREC=prec),
+        dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
+             q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
+             conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
+        num_warps=8, num_stages=1)
+    return [chunk, state]

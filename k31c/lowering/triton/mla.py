@@ -343,7 +343,9 @@ def _check(q, latent_cache, block_table, row_req, dv, keys, keys_name) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-@register("k31c::sparse_mla", ("h200", "mi350x"))
+# h200 only: Triton 3.7.1 rejects input_precision="tf32" (what _launch passes for bf16/fp16 q) on
+# gfx950 ("input_precision must be one of ('ieee', 'bf16x3', 'bf16x6')"); see lowering/aot.py.
+@register("k31c::sparse_mla", ("h200",))
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,7 +355,8 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     return _launch(q, latent_cache, block_table, row_req, indices, None, sm_scale, dv)
 
 
-@register("k31c::dense_mla", ("h200", "mi350x"))
+# h200 only: the tf32 input_precision does not compile for gfx950 (see sparse_mla).
+@register("k31c::dense_mla", ("h200",))
 def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,3 +364,37 @@ def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
     if row_len.dim() != 1:
         raise ValueError(f"row_len: expected int32 [N], got {tuple(row_len.shape)}")
     return _launch(q, latent_cache, block_table, row_req, None, row_len, sm_scale, dv)
+
+
+def aot_specs(shapes) -> list:
+    """The launches of both launchers on the GPU at `shapes` (lowering.aot.AotShapes), for the
+    ahead-of-time build: sparse (top-k indices) and dense, each with one split (FINAL: output
+    written directly) and with several (partials + merge); tiles from `_plan`'s GPU defaults."""
+    from types import SimpleNamespace
+
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
+    i32, f32 = torch.int32, torch.float32
+    n = shapes.batch * max(shapes.rows_per_request)
+    q = SimpleNamespace(device=torch.device("cuda"), shape=(n, heads, width))   # a GPU q, for _plan
+    block_v = max(16, triton.next_power_of_2(dv))
+    specs = [kernel_spec(_slots_kernel, "k31c::sparse_mla", "slots",
+                         dict(BLOCK_SIZE=shapes.block_size, BLOCK=256),
+                         dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32))]
+    for dense, op in ((False, "k31c::sparse_mla"), (True, "k31c::dense_mla")):
+        for splits in (1, 2):
+            cfg_ = _plan(q, 0, dense, {"splits": splits})
+            final = splits == 1
+            specs.append(kernel_spec(
+                _mla_kernel, op, f"{'dense' if dense else 'sparse'},{'final' if final else 'split'}",
+                dict(DV=dv, DR=width - dv, BLOCK_V=block_v,
+                     BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=shapes.block_size,
+                     BIG_HT=cfg_["big"], N_BIG=cfg_["n_big"], SMALL_HT=cfg_["small"], BN=cfg_["bn"],
+                     DENSE=dense, FINAL=final, PRECISION="ieee" if dt == torch.float32 else "tf32"),
+                dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
+                     out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
+                num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
+        specs.append(kernel_spec(_merge_splits_kernel, op, "merge", dict(DV=dv, BLOCK_V=block_v, HB=8),
+                                 dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
+    return specs

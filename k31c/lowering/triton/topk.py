@@ -519,7 +519,10 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
 _SCORE_TILE, _REFINE_TILE = 2048, 2048
 
 
-@register("k31c::topk_select", ("h200", "mi350x"))
+# h200 only: for gfx950 Triton 3.7.1 lowers the tl.atomic_xchg of _fb_digit_kernel to a buffer
+# atomic whose LLVM intrinsic does not exist ("could not find LLVM intrinsic:
+# llvm.amdgcn.raw.ptr.buffer.atomic.exch"): the fallback passes do not compile (lowering/aot.py).
+@register("k31c::topk_select", ("h200",))
 def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
     _check_topk(scores, row_len, k)
@@ -562,7 +565,8 @@ def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
 _FUSED_TILE = 128      # positions per scoring tile
 
 
-@register("k31c::lightning_indexer_topk", ("h200", "mi350x"))
+# h200 only: shares _fb_digit_kernel, which does not compile for gfx950 (see topk_select).
+@register("k31c::lightning_indexer_topk", ("h200",))
 def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                            block_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
                            k: int) -> torch.Tensor:
@@ -613,3 +617,75 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     _finish((weights, 0, *src), row_len, out, ws, k, cap, chunk, n_chunks, False,
             dict(TILE=64, FUSED=True, HP=hp1, **shape, num_warps=4))
     return out
+
+
+def aot_specs(shapes) -> list:
+    """The launches of both launchers on the GPU at `shapes` (lowering.aot.AotShapes), for the
+    ahead-of-time build: `topk_select` over batch x R rows of `context` fp32 scores, and the fused
+    op over FP8 (e4m3 view) and BF16 index caches; constexprs as the launchers derive them."""
+    from k31c.lowering.aot import kernel_spec
+    cfg, width = shapes.cfg, shapes.context
+    i32, f32 = torch.int32, torch.float32
+    ws = dict(state_ptr=i32, fb_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, ties_ptr=i32, hist_ptr=i32,
+              sample_ptr=i32, out_ptr=i32, row_len_ptr=i32)
+
+    def spec(kernel, op, variant, consts, types, **opts):
+        names = set(kernel.arg_names)
+        return kernel_spec(kernel, op, variant, consts,
+                           {n: t for n, t in ({**ws, **types}).items() if n in names}, **opts)
+
+    specs = []
+    # topk_select: scores [N, width] fp32; the src tuple fills every scoring pointer with scores
+    op = "k31c::topk_select"
+    n_rows = shapes.batch * max(shapes.rows_per_request)
+    chunk, n_chunks = _chunking(width, n_rows, _SCORE_TILE, programs=4096)
+    scores = dict(src_ptr=f32, q_ptr=f32, w_ptr=f32, cache_ptr=f32, scale_ptr=f32, bt_ptr=f32,
+                  row_req_ptr=f32)
+    specs.append(spec(_plan_kernel, op, "scores", dict(PRESAMPLED=False, SAMPLES=SAMPLES, RUN=RUN,
+                                                       TILE=_REFINE_TILE), scores, num_warps=8))
+    specs.append(spec(_filter_kernel, op, "scores", dict(TILE=_SCORE_TILE), scores, num_warps=8))
+    specs.append(spec(_refine_kernel, op, f"scores,CP={_pow2(n_chunks)}",
+                      dict(SCAN_TIES=True, CP=_pow2(n_chunks), TILE=_REFINE_TILE, STILE=_REFINE_TILE),
+                      scores, num_warps=8))
+    fb = dict(TILE=_REFINE_TILE, FUSED=False, BLOCK_SIZE=1, HP=16, DP=16, FP8=False, DOT_DTYPE=tl.float32)
+    for level in range(4):
+        specs.append(spec(_fb_digit_kernel, op, f"scores,LEVEL={level}",
+                          dict(LEVEL=level, NP=FB_PROGRAMS, **fb), scores, num_warps=8))
+    specs.append(spec(_fb_emit_kernel, op, "scores", dict(NP=FB_PROGRAMS, **fb), scores, num_warps=8))
+
+    # lightning_indexer_topk: scores computed from the index cache
+    op = "k31c::lightning_indexer_topk"
+    heads, d = cfg.index_n_heads, cfg.index_head_dim
+    hp1 = max(_pow2(heads), 16)
+    for fp8 in (True, False):
+        cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        dot = tl.float8e4nv if fp8 else tl.bfloat16
+        dp = max(32 if dot == tl.float8e4nv else 16, _pow2(d))
+        shape = dict(BLOCK_SIZE=shapes.block_size, DP=dp, FP8=fp8, DOT_DTYPE=dot)
+        src = dict(q_ptr=cfg.torch_dtype, w_ptr=f32, cache_ptr=cache_dt,
+                   scale_ptr=f32 if fp8 else cache_dt, bt_ptr=i32, row_req_ptr=i32)
+        tag = "fp8" if fp8 else "bf16"
+        specs.append(spec(_fused_sample_kernel, op, tag,
+                          dict(SAMPLES=SAMPLES, RUN=RUN, BS=64, HP=hp1, **shape), src, num_warps=4))
+        specs.append(spec(_plan_kernel, op, "presampled",
+                          dict(PRESAMPLED=True, SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE),
+                          dict(src_ptr=cfg.torch_dtype), num_warps=8))
+        for r in shapes.rows_per_request:
+            n_rows = shapes.batch * r
+            groups = min(4, 1 << (max(1, n_rows // shapes.batch).bit_length() - 1))
+            chunk, n_chunks = _chunking(width, triton.cdiv(n_rows, groups), _FUSED_TILE,
+                                        programs=2 * shapes.sms)
+            specs.append(spec(_fused_filter_kernel, op, f"{tag},G={groups}",
+                              dict(G=groups, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups),
+                                   **shape, NUM_STAGES=3), src, num_warps=8))
+            specs.append(spec(_refine_kernel, op, f"fused,CP={_pow2(n_chunks)}",
+                              dict(SCAN_TIES=False, CP=_pow2(n_chunks), TILE=_REFINE_TILE,
+                                   STILE=_REFINE_TILE), dict(src_ptr=f32), num_warps=8))
+        fb = dict(TILE=64, FUSED=True, HP=hp1, **shape)
+        fb_src = dict(src_ptr=f32, **src)
+        for level in range(4):
+            specs.append(spec(_fb_digit_kernel, op, f"{tag},LEVEL={level}",
+                              dict(LEVEL=level, NP=FB_PROGRAMS, **fb), fb_src, num_warps=4))
+        specs.append(spec(_fb_emit_kernel, op, tag, dict(NP=FB_PROGRAMS, **fb), fb_src, num_warps=4))
+    return specs
+

@@ -1,0 +1,423 @@
+"""Ahead-of-time build of the Triton kernels of a GPU target, on a machine without that GPU.
+
+Every kernel module registered for a target lists, in its `aot_specs(shapes)`, the launches its
+launchers make at the K3.1 Pro shapes: the @triton.jit kernel, its signature and the launcher's
+own constexprs, num_warps and num_stages. `build_kernels` compiles each one for the target's
+`GPUTarget` (no ROCm/CUDA install or device needed: spec/toolchain.md §3.4) and reports the binary
+size and register / shared-memory use; with `out_dir` it also writes the binaries (hsaco or cubin)
+and a manifest.json (sizes and sha256).
+
+What is not reproduced: the JIT's value specialisations of integer arguments (an int equal to 1
+becomes a constant, a multiple of 16 gets a divisibility hint). Integers are compiled generic;
+pointers get the 16-byte alignment hint every torch allocation has.
+
+Triton must not be in interpreter mode (TRITON_INTERPRET=1 turns @triton.jit into Python
+functions); the tests therefore run the build in a subprocess.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, NamedTuple, Optional
+
+import torch
+
+from .registry import kernels_for
+from .targets import get_target
+
+# Streaming multiprocessors / compute units: the launch planners size grids (and a few
+# constexprs, e.g. top-k's chunk count) from them.
+DEVICE_SMS = {"h200": 132, "mi350x": 256}
+
+_PTR_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+              torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32",
+              torch.int64: "i64"}
+_BINARY = {"hip": "hsaco", "cuda": "cubin"}
+_TEXT = {"hip": "amdgcn", "cuda": "ptx"}
+
+
+class AotBuildError(RuntimeError):
+    """One or more kernels did not compile; the message lists every failure."""
+
+
+@dataclass(frozen=True)
+class AotShapes:
+    """The shapes the launch plans are made for (K3.1 Pro serving)."""
+    cfg: object                            # K31Config (preset "k3.1-pro")
+    sms: int                               # SMs / CUs of the target GPU
+    block_size: int = 64                   # paged cache block (latent and index planes)
+    batch: int = 16                        # decode requests
+    rows_per_request: tuple[int, ...] = (1, 4)   # plain decode, 4-row verification
+    context: int = 131072                  # keys a row sees (indexer / top-k width)
+    prefill_requests: int = 1              # requests in one KDA prefill launch
+
+
+class AotSpec(NamedTuple):
+    """One launch to build: what `kernel[grid](...)` compiles at run time."""
+    kernel: object                         # the @triton.jit function
+    signature: dict                        # arg name -> "*bf16", "i32", "fp32", "constexpr"
+    constexprs: dict                       # constexpr arg name -> value
+    num_warps: int
+    num_stages: Optional[int]              # None: the backend's default (the launcher passes none)
+    variant: str                           # what distinguishes this launch ("fp8,R=4")
+    ops: tuple[str, ...]                   # the k31c ops whose launchers make it
+
+
+def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
+                num_stages: Optional[int] = None) -> AotSpec:
+    """An AotSpec with the full signature: constexprs by name, pointers from `types` (a torch
+    dtype per pointer argument: every `*_ptr` argument must be listed), other scalars from
+    `types` as Triton type strings ("fp32", "i64"), "i32" when unlisted."""
+    names = list(kernel.arg_names)
+    unknown = (set(constexprs) | set(types)) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel.__name__}: no arguments named {sorted(unknown)}")
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(types.get(name), torch.dtype):
+            signature[name] = "*" + _PTR_TYPES[types[name]]
+        elif name.endswith("_ptr"):
+            raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
+        else:
+            signature[name] = types.get(name, "i32")
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
+    return AotSpec(kernel, signature, dict(constexprs), num_warps, num_stages, variant,
+                   tuple([ops] if isinstance(ops, str) else ops))
+
+
+@dataclass
+class BuiltKernel:
+    name: str             # "mla/_mla_kernel[sparse,final]"
+    kernel: str           # the Triton function's name
+    ops: tuple            # k31c ops whose launchers use it
+    target: str           # "mi350x"
+    arch: str             # "gfx950", "sm_90a"
+    asm_target: str       # the target line of the assembly (.amdgcn_target / .target)
+    binary_kind: str      # "hsaco" or "cubin"
+    size: int             # bytes of the binary
+    sha256: str
+    num_warps: int
+    num_stages: int
+    shared: int           # bytes of shared memory (LDS on AMD) per program
+    n_regs: Optional[int]         # registers per thread (AMD: VGPRs incl. AGPRs), None if unknown
+    scratch_bytes: Optional[int]  # per-thread private memory (spills): AMD private segment,
+                                  # CUDA stack frame; None if unknown
+    compile_s: float
+    binary: bytes = field(repr=False, default=b"")
+
+    def line(self) -> str:
+        regs = "?" if self.n_regs is None else str(self.n_regs)
+        scratch = f"  scratch {self.scratch_bytes} B" if self.scratch_bytes else ""
+        return (f"{self.name:<58} {self.arch:<7} {self.size:>8} B  regs {regs:>3}  "
+                f"smem {self.shared:>6} B{scratch}  ({self.compile_s:.1f} s)")
+
+
+def default_shapes(target_name: str) -> AotShapes:
+    from k31c.config import preset
+    return AotShapes(cfg=preset("k3.1-pro"), sms=DEVICE_SMS[target_name])
+
+
+def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
+                  families: Optional[Iterable[str]] = None) -> list[AotSpec]:
+    """The launches of every Triton kernel registered for the target (of the given kernel
+    families only: module names such as "topk"), duplicates removed."""
+    target = get_target(target_name)
+    if target.triton_backend is None:
+        raise ValueError(f"target '{target_name}' has no Triton backend (nothing to build)")
+    _require_compiler_mode()
+    shapes = shapes or default_shapes(target_name)
+    registered = {op: k.source for op, k in kernels_for(target_name).items() if k.backend == "triton"}
+    modules = {}
+    for op, source in sorted(registered.items()):
+        module = importlib.import_module(source)
+        if not hasattr(module, "aot_specs"):
+            raise ValueError(f"{module.__name__} registers {op} for {target_name} but has no "
+                             "aot_specs(): its kernels cannot be built ahead of time")
+        modules[module.__name__] = module
+    if families is not None:
+        known = {name.rsplit(".", 1)[-1] for name in modules}
+        wanted = set(families)
+        if wanted - known:
+            raise ValueError(f"no kernel family {sorted(wanted - known)} registered for {target_name}; "
+                             f"families: {', '.join(sorted(known))}")
+        modules = {n: m for n, m in modules.items() if n.rsplit(".", 1)[-1] in wanted}
+    specs, seen = [], set()
+    for name in sorted(modules):
+        module_specs = modules[name].aot_specs(shapes)
+        missing = {op for op, src in registered.items() if src == name} - \
+            {op for spec in module_specs for op in spec.ops}
+        if missing:
+            raise ValueError(f"{name}.aot_specs() lists no launch of {sorted(missing)}")
+        for spec in module_specs:
+            if not set(spec.ops) & set(registered):
+                continue
+            key = (spec.kernel.__name__, json.dumps(spec.signature, sort_keys=True),
+                   repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
+            if key not in seen:
+                seen.add(key)
+                specs.append(spec)
+    return specs
+
+
+def spec_name(spec: AotSpec) -> str:
+    family = spec.kernel.fn.__module__.rsplit(".", 1)[-1]
+    return f"{family}/{spec.kernel.__name__}[{spec.variant}]"
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel did not compile; the message is the root cause (with the source line, and the
+    compiler's own diagnostics where it printed them)."""
+
+
+def compile_spec(spec: AotSpec, target_name: str):
+    """triton.compile of one spec for the target; returns the CompiledKernel. Raises
+    KernelCompileError with the root cause: Triton chains front-end errors and prints the
+    MLIR/LLVM diagnostics of a failed lowering to fd 2, which is captured here."""
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        try:
+            with _stderr_to(log):
+                ck = _compile(spec, target_name)
+        except Exception as e:
+            log.seek(0)
+            raise KernelCompileError(_error_summary(e, log.read().decode(errors="replace"))) from e
+        log.seek(0)
+        printed = log.read()
+    if printed:            # warnings of a successful compile are passed on, not swallowed
+        sys.stderr.write(printed.decode(errors="replace"))
+    return ck
+
+
+def _compile(spec: AotSpec, target_name: str):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = get_target(target_name)
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, t in enumerate(spec.signature.values()) if t.startswith("*")}
+    src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    options = {"num_warps": spec.num_warps}
+    if spec.num_stages is not None:
+        options["num_stages"] = spec.num_stages
+    gpu = GPUTarget(target.triton_backend, target.triton_arch, target.warp_size)
+    return triton.compile(src, target=gpu, options=options)
+
+
+def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] = None,
+                  shapes: Optional[AotShapes] = None,
+                  families: Optional[Iterable[str]] = None) -> list[BuiltKernel]:
+    """Compile every registered Triton kernel of the target (optionally of some families only)
+    at the launchers' real-shape specialisations; `progress` gets one line per kernel. Raises
+    AotBuildError (after trying all) if any fails; with out_dir, writes <name>.<hsaco|cubin> per
+    kernel and manifest.json (only when all compiled)."""
+    target = get_target(target_name)
+    specs = collect_specs(target_name, shapes, families)
+    built, failures = [], []
+    for spec in specs:
+        name = spec_name(spec)
+        start = time.perf_counter()
+        try:
+            ck = compile_spec(spec, target_name)
+        except KernelCompileError as e:   # report every kernel, then fail once
+            failures.append(f"{name}: {e}")
+            if progress:
+                progress(f"{name:<58} FAILED: {e}")
+            continue
+        b = _describe(ck, spec, name, target_name, target.triton_backend, time.perf_counter() - start)
+        built.append(b)
+        if progress:
+            progress(b.line())
+    if failures:
+        raise AotBuildError(f"{len(failures)} of {len(specs)} kernels failed to compile for "
+                            f"{target_name} ({target.arch}):\n" + "\n".join(failures))
+    if out_dir is not None:
+        write_outputs(built, Path(out_dir), target_name, families)
+    return built
+
+
+def write_outputs(built: list[BuiltKernel], out_dir: Path, target_name: str,
+                  families: Optional[Iterable[str]] = None) -> Path:
+    """Each binary and then manifest.json, every file written to a temporary name and renamed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for b in built:
+        fname = _file_name(b)
+        _write_atomic(out_dir / fname, b.binary)
+        entry = {k: v for k, v in asdict(b).items() if k != "binary"}
+        entry["file"] = fname
+        entries.append(entry)
+    manifest = {"target": target_name, "arch": get_target(target_name).arch,
+                "triton": _triton_version(),
+                "families": "all" if families is None else sorted(families), "kernels": entries}
+    path = out_dir / "manifest.json"
+    _write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
+    return path
+
+
+# ---- metadata -------------------------------------------------------------------------------
+
+def _describe(ck, spec, name, target_name, backend, seconds) -> BuiltKernel:
+    md = ck.metadata
+    binary = ck.asm[_BINARY[backend]]
+    text = ck.asm[_TEXT[backend]]
+    if backend == "hip":
+        regs, scratch = _amd_registers(text)
+        line = re.search(r'\.amdgcn_target\s+"([^"]+)"', text)
+    else:
+        regs, scratch = _cuda_registers(binary)
+        line = re.search(r"^\s*\.target\s+(\S+)", text, re.M)
+    return BuiltKernel(name=name, kernel=spec.kernel.__name__, ops=spec.ops, target=target_name,
+                       arch=get_target(target_name).arch, asm_target=line.group(1) if line else "",
+                       binary_kind=_BINARY[backend], size=len(binary),
+                       sha256=hashlib.sha256(binary).hexdigest(), num_warps=md.num_warps,
+                       num_stages=md.num_stages, shared=md.shared, n_regs=regs, scratch_bytes=scratch,
+                       compile_s=round(seconds, 2), binary=binary)
+
+
+def _amd_registers(amdgcn: str) -> tuple[Optional[int], Optional[int]]:
+    """VGPRs per lane (the unified count, AGPRs included) and private-segment bytes, from the
+    code object metadata at the end of the assembly."""
+    def field_(key):
+        m = re.search(rf"^\s*\.{key}:\s+(\d+)", amdgcn, re.M)
+        return int(m.group(1)) if m else None
+    return field_("vgpr_count"), field_("private_segment_fixed_size")
+
+
+def _cuda_registers(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
+    """Registers per thread and stack-frame bytes from `cuobjdump -res-usage` (shipped with
+    Triton)."""
+    try:
+        import triton
+        tool = triton.knobs.nvidia.cuobjdump.path
+    except Exception:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                                 timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+def _require_compiler_mode() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise ValueError("TRITON_INTERPRET=1: Triton runs kernels in its interpreter and cannot "
+                         "compile them; unset it to build kernels ahead of time")
+
+
+def _file_name(b: BuiltKernel) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", b.name.replace("/", ".")).strip("_") + "." + b.binary_kind
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _stderr_to(file):
+    """Point fd 2 at `file` (the compiler's C++ diagnostics bypass sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _error_summary(e: BaseException, printed: str) -> str:
+    """Root cause of a failed compile in a line or two: the innermost chained exception, the
+    kernel source line of the innermost Triton CompilationError, the compiler's error lines."""
+    from triton.compiler.errors import CompilationError
+    chain = [e]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    if isinstance(root, CompilationError):
+        msg = root.error_message or type(root).__name__
+    else:
+        msg = f"{type(root).__name__}: {str(root).strip() or '(no message)'}"
+    located = [c for c in chain if isinstance(c, CompilationError) and c.src and hasattr(c.node, "lineno")]
+    if located:
+        line = located[-1].src.split("\n")[located[-1].node.lineno - 1].strip()
+        msg += f" [at: {line}]"
+    errors = [ln.strip() for ln in printed.splitlines() if "error:" in ln]
+    errors = list(dict.fromkeys(errors))     # the same diagnostic may be printed more than once
+    return msg + "".join(f"\n    {ln}" for ln in errors[:4])
+
+
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def add_build_parser(sub) -> None:
+    """`k31c build-kernels --target mi350x [--out DIR]`."""
+    p = sub.add_parser("build-kernels", help="compile the Triton kernels of a GPU target ahead of "
+                                              "time (no GPU needed)")
+    p.add_argument("--target", required=True, help="h200 or mi350x")
+    p.add_argument("--out", default=None, help="directory for the binaries and manifest.json")
+    p.add_argument("--only", default=None, metavar="FAMILIES",
+                   help="comma-separated kernel families (cache_write, indexer, topk, mla, ...)")
+    p.set_defaults(run=_run_build)
+
+
+def _run_build(args) -> int:
+    try:
+        get_target(args.target)
+        families = args.only.split(",") if args.only else None
+        built = build_kernels(args.target, args.out, progress=lambda s: print(s, flush=True),
+                              families=families)
+    except ValueError as e:
+        print(f"k31c: error: {e}", file=sys.stderr)
+        return 2
+    except AotBuildError as e:
+        print(f"k31c: error: {e}", file=sys.stderr)
+        return 1
+    total = sum(b.size for b in built)
+    where = f", written to {args.out}" if args.out else ""
+    print(f"{len(built)} kernels for {args.target}, {total} bytes{where}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m k31c.lowering.aot")
+    add_build_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
