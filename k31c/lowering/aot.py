@@ -60,6 +60,7 @@ class AotShapes:
     rows_per_request: tuple[int, ...] = (1, 4)   # plain decode, 4-row verification
     context: int = 131072                  # keys a row sees (indexer / top-k width)
     prefill_requests: int = 1              # requests in one KDA prefill launch
+    backend: str = "cuda"                  # Triton backend compiled for ("cuda", "hip")
 
 
 class AotSpec(NamedTuple):
@@ -128,7 +129,8 @@ class BuiltKernel:
 
 def default_shapes(target_name: str) -> AotShapes:
     from k31c.config import preset
-    return AotShapes(cfg=preset("k3.1-pro"), sms=DEVICE_SMS[target_name])
+    return AotShapes(cfg=preset("k3.1-pro"), sms=DEVICE_SMS[target_name],
+                     backend=get_target(target_name).triton_backend)
 
 
 def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,

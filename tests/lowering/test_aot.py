@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # gfx950 with Triton 3.7.1: op -> (family, kernel that fails, the compiler's error). This list
 # must only change together with the registrations (and shrink when the errors are fixed).
 GFX950_UNSUPPORTED = {
-    "k31c::sparse_mla": ("mla", "_mla_kernel", "input_precision must be one of"),
-    "k31c::dense_mla": ("mla", "_mla_kernel", "input_precision must be one of"),
-    "k31c::kda_prefill": ("kda_prefill", "_kda_chunk_kernel", "input_precision must be one of"),
     "k31c::topk_select": ("topk", "_fb_digit_kernel", "llvm.amdgcn.raw.ptr.buffer.atomic.exch"),
     "k31c::lightning_indexer_topk": ("topk", "_fb_digit_kernel",
                                      "llvm.amdgcn.raw.ptr.buffer.atomic.exch"),

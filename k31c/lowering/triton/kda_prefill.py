@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
 from ..registry import register
+from .dot_precision import dot_precision
 from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, row_of, window_rows
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
@@ -283,9 +284,7 @@ def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-# h200 only: Triton 3.7.1 rejects input_precision="tf32" (the launcher's choice for bf16 inputs) on
-# gfx950 ("input_precision must be one of ('ieee', 'bf16x3', 'bf16x6')"); see lowering/aot.py.
-@register("k31c::kda_prefill", ("h200",))
+@register("k31c::kda_prefill", ("h200", "mi350x"))
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                 beta: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
@@ -315,7 +314,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         t.contiguous() for t in (conv_weight, A_log, dt_bias, o_norm_weight))
     # bf16 inputs: bf16 MMAs (as fla); fp32/fp16 inputs: fp32 scratch and exact fp32 products
     dt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    prec = "tf32" if dt == torch.bfloat16 else "ieee"
+    prec = dot_precision(fast=dt == torch.bfloat16)
     n_chunks_max = (T + B * (C - 1)) // C               # Σ ceil(len_b / C) over any split of T
     NB = C // BC
     qg, kg, w, u = (torch.empty(T, H, K, device=q.device, dtype=dt) for _ in range(4))
@@ -356,7 +355,7 @@ def aot_specs(shapes) -> list:
     dt, f32 = cfg.torch_dtype, torch.float32
     C, K, W, B = cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size, shapes.prefill_requests
     scratch = torch.bfloat16 if dt == torch.bfloat16 else torch.float32
-    prec = "tf32" if scratch == torch.bfloat16 else "ieee"
+    prec = dot_precision(scratch == torch.bfloat16, shapes.backend)
     lb = cfg.gate_lower_bound
     bp = triton.next_power_of_2(B + 1)
     chunk = kernel_spec(

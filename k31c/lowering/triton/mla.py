@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ..registry import register
+from .dot_precision import dot_precision
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)   # FP8 latent rows are upcast on load (no scale)
@@ -287,7 +288,7 @@ def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, d
             indices, block_table, row_req, idx, n_keys, indices.stride(0), block_table.stride(0),
             idx.stride(0), BLOCK_SIZE=latent_cache.shape[1], BLOCK=slot_block, num_warps=4)
     lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(fast=q.dtype != torch.float32)
     compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
         q, latent_cache, block_table, row_req, idx, lens, part, part_lse,
         n_heads, n_keys, keys_per_split, float(sm_scale) * _LOG2E,
@@ -343,9 +344,7 @@ def _check(q, latent_cache, block_table, row_req, dv, keys, keys_name) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-# h200 only: Triton 3.7.1 rejects input_precision="tf32" (what _launch passes for bf16/fp16 q) on
-# gfx950 ("input_precision must be one of ('ieee', 'bf16x3', 'bf16x6')"); see lowering/aot.py.
-@register("k31c::sparse_mla", ("h200",))
+@register("k31c::sparse_mla", ("h200", "mi350x"))
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,8 +354,7 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     return _launch(q, latent_cache, block_table, row_req, indices, None, sm_scale, dv)
 
 
-# h200 only: the tf32 input_precision does not compile for gfx950 (see sparse_mla).
-@register("k31c::dense_mla", ("h200",))
+@register("k31c::dense_mla", ("h200", "mi350x"))
 def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,7 +389,8 @@ def aot_specs(shapes) -> list:
                 dict(DV=dv, DR=width - dv, BLOCK_V=block_v,
                      BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=shapes.block_size,
                      BIG_HT=cfg_["big"], N_BIG=cfg_["n_big"], SMALL_HT=cfg_["small"], BN=cfg_["bn"],
-                     DENSE=dense, FINAL=final, PRECISION="ieee" if dt == torch.float32 else "tf32"),
+                     DENSE=dense, FINAL=final,
+                     PRECISION=dot_precision(dt != torch.float32, shapes.backend)),
                 dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
                      out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
                 num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
