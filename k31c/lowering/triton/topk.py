@@ -425,7 +425,9 @@ def _fb_digit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_
         tl.debug_barrier()
         if tl.atomic_add(st + _DONE, 1) == NP - 1:     # last program: choose the digit
             tl.store(st + _DONE, 0)
-            total = tl.atomic_xchg(hrow, tl.zeros_like(hist))       # read and clear for the next level
+            # read and clear for the next level (and-with-0 = exchange with 0; AMD's buffer atomics
+            # have no exchange in Triton 3.7)
+            total = tl.atomic_and(hrow, tl.zeros_like(hist))
             krem = tl.load(st + _KREM)
             suffix = tl.sum(total, 0) - tl.cumsum(total, 0) + total  # keys with digit >= d
             best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
@@ -519,10 +521,7 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
 _SCORE_TILE, _REFINE_TILE = 2048, 2048
 
 
-# h200 only: for gfx950 Triton 3.7.1 lowers the tl.atomic_xchg of _fb_digit_kernel to a buffer
-# atomic whose LLVM intrinsic does not exist ("could not find LLVM intrinsic:
-# llvm.amdgcn.raw.ptr.buffer.atomic.exch"): the fallback passes do not compile (lowering/aot.py).
-@register("k31c::topk_select", ("h200",))
+@register("k31c::topk_select", ("h200", "mi350x"))
 def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
     _check_topk(scores, row_len, k)
@@ -565,8 +564,7 @@ def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
 _FUSED_TILE = 128      # positions per scoring tile
 
 
-# h200 only: shares _fb_digit_kernel, which does not compile for gfx950 (see topk_select).
-@register("k31c::lightning_indexer_topk", ("h200",))
+@register("k31c::lightning_indexer_topk", ("h200", "mi350x"))
 def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                            block_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
                            k: int) -> torch.Tensor:
