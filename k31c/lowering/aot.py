@@ -30,8 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Optional
 
-import torch
-
 from .registry import kernels_for
 from .targets import get_target
 
@@ -39,9 +37,8 @@ from .targets import get_target
 # constexprs, e.g. top-k's chunk count) from them.
 DEVICE_SMS = {"h200": 132, "mi350x": 256}
 
-_PTR_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-              torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int32: "i32",
-              torch.int64: "i64"}
+_PTR_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv",
+              "uint8": "u8", "int32": "i32", "int64": "i64"}   # torch dtype name -> Triton type
 _BINARY = {"hip": "hsaco", "cuda": "cubin"}
 _TEXT = {"hip": "amdgcn", "cuda": "ptx"}
 
@@ -79,6 +76,7 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
     """An AotSpec with the full signature: constexprs by name, pointers from `types` (a torch
     dtype per pointer argument: every `*_ptr` argument must be listed), other scalars from
     `types` as Triton type strings ("fp32", "i64"), "i32" when unlisted."""
+    import torch  # lazily: `k31c --help` builds this command's parser without importing torch
     names = list(kernel.arg_names)
     unknown = (set(constexprs) | set(types)) - set(names)
     if unknown:
@@ -88,7 +86,7 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
         if name in constexprs:
             signature[name] = "constexpr"
         elif isinstance(types.get(name), torch.dtype):
-            signature[name] = "*" + _PTR_TYPES[types[name]]
+            signature[name] = "*" + _PTR_TYPES[str(types[name]).removeprefix("torch.")]
         elif name.endswith("_ptr"):
             raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
         else:
