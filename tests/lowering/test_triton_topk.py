@@ -11,7 +11,7 @@ import torch
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
-from k31c.lowering.triton import topk
+from k31c.lowering.triton import indexer_topk, topk
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -146,7 +146,7 @@ def _check_fused(args, row_len, k):
     args = [a.to(DEVICE) for a in args]
     row_len = row_len.to(DEVICE)
     ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, k)
-    _same_sets(topk.lightning_indexer_topk(*args, row_len, k), ref)
+    _same_sets(indexer_topk.lightning_indexer_topk(*args, row_len, k), ref)
 
 
 @pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),

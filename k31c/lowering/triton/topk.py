@@ -1,4 +1,4 @@
-"""Triton top-k (`k31c::topk_select`) and fused indexer + top-k (`k31c::lightning_indexer_topk`).
+"""Triton radix top-k (`k31c::topk_select`): the select pipeline's kernels and its launcher.
 
 Selection (spec/model.md §6.7.4): row t keeps the k largest composites `key << 32 | position`
 over its positions < row_len[t], where key is the score's order-preserving uint32 image (-0.0 ties
@@ -24,24 +24,21 @@ Fixed launch sequence (no host sync; grids from static shapes; CUDA-graph safe):
    remaining k; after 4 digits the k-th key is exact, every program writes its keys above it and
    the row's last program takes the remaining ties from the top of the row down.
 
-The fused op runs the same pipeline on scores computed in-kernel from the index cache (FP8 e4m3
-through the block table, or BF16/F32); the [N, L] score matrix is never written. The sample
-pass scores only the sampled positions, the filter pass scores each tile in registers (all rows
-of a request from one key load) and keeps only candidates, and fallback rows (rare) are rescored
-on each of their passes. The scoring is this module's own (not shared with triton/indexer.py).
+
+The fused indexer + top-k (indexer_topk.py) runs this same pipeline on scores computed in-kernel:
+its own sample and filter kernels feed the plan, refine and fallback kernels here, whose key
+loads switch on FUSED (topk_keys.py). Split so that this module holds the selection and
+indexer_topk.py the scoring passes and the fused launcher.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.cache_write import index_row_bytes, is_fp8_index_cache
-from k31c.graph.ops.indexer import _check_indexer, _check_topk
+from k31c.graph.ops.indexer import _check_topk
 from k31c.lowering.registry import register
-from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+from k31c.lowering.triton.topk_keys import _order_key, _row_keys
 
 CAP = 12288            # candidate buffer per row (k <= 2048 → ~2.5k expected, 6k safe margin)
 TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
@@ -59,16 +56,7 @@ _KREM = tl.constexpr(5)     # fallback: how many of the keys matching PREFIX are
 _PREFIX = tl.constexpr(6)   # fallback: digits of the k-th key found so far
 _RS = tl.constexpr(ROW_STATE)
 
-# ---- keys and selection helpers ---------------------------------------------------------------
-
-@triton.jit
-def _order_key(x):
-    """fp32 → uint32 whose unsigned order is the float order (torch.sort's, NaN above +inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
-    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
-
+# ---- selection helpers ------------------------------------------------------------------------
 
 @triton.jit
 def _append(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
@@ -123,75 +111,6 @@ def _radix_select(key_ptr, pos_ptr, count, krem, tie_key, POS_PHASE: tl.constexp
 def _sample_pos(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
     """Position of sample i of a row of n > SAMPLES keys: runs of RUN spread evenly."""
     return ((i // RUN).to(tl.int64) * n // (SAMPLES // RUN) + i % RUN).to(tl.int32)
-
-
-# ---- in-kernel indexer scores (fused op) ------------------------------------------------------
-
-@triton.jit
-def _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, ok, H, D, G: tl.constexpr, HP: tl.constexpr,
-            DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """q of G rows as one transposed MMA operand [DP, G*HP] and their head weights [G*HP] (0
-    where masked). For an FP8 dot q is quantised per (row, head) as the keys are (scale folded
-    into w), exactly as the Triton indexer does, so fused and unfused scores agree."""
-    gh = tl.arange(0, G * HP)
-    sel = (gh // HP)[:, None] == tl.arange(0, G)[None, :]
-    row = tl.sum(tl.where(sel, rows[None, :], 0), 1)
-    h = gh % HP
-    use = (tl.sum(tl.where(sel, ok[None, :].to(tl.int32), 0), 1) > 0) & (h < H)
-    d = tl.arange(0, DP)
-    q = tl.load(q_ptr + row.to(tl.int64)[:, None] * sq_t + h[:, None] * sq_h + d[None, :],
-                mask=use[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + row.to(tl.int64) * sw_t + h, mask=use, other=0.0)
-    if DOT_DTYPE == tl.float8e4nv:
-        q_scale = e4m3_scale(tl.max(tl.abs(q), 1))
-        q = quantize_e4m3(q, q_scale[:, None])
-        w = w * q_scale                     # ReLU(s·x) = s·ReLU(x) for s > 0
-    return tl.trans(q.to(DOT_DTYPE)), w
-
-
-@triton.jit
-def _score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, req, pos, pos_ok, D,
-                BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """[G, BS] scores Σ_h w[g,h]·ReLU(q[g,h]·key[pos]) of request req's keys at positions pos."""
-    blk = tl.load(bt_ptr + req.to(tl.int64) * sbt + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-    off = pos % BLOCK_SIZE
-    d = tl.arange(0, DP)
-    kmask = pos_ok[:, None] & (d < D)[None, :]
-    if FP8:
-        base = blk * (BLOCK_SIZE * (D + 4))
-        keys = tl.load(cache_ptr + (base + off * D)[:, None] + d[None, :], mask=kmask, other=0.0)
-        if cache_ptr.dtype.element_ty == tl.uint8:      # the interpreter gets the raw bytes
-            keys = keys.to(tl.float8e4nv, bitcast=True)
-        scale = tl.load(scale_ptr + (base + BLOCK_SIZE * D) // 4 + off, mask=pos_ok, other=0.0)
-    else:
-        keys = tl.load(cache_ptr + ((blk * BLOCK_SIZE + off) * D)[:, None] + d[None, :], mask=kmask,
-                       other=0.0)
-    if DOT_DTYPE == tl.float32:
-        s = tl.dot(keys.to(tl.float32), q_t, input_precision="ieee")      # [BS, G*HP]
-    else:
-        s = tl.dot(keys.to(DOT_DTYPE), q_t)
-    s = tl.sum(tl.reshape(tl.maximum(s, 0.0) * w[None, :], [pos.shape[0], G, HP]), 2)
-    if FP8:
-        s = s * scale[:, None]            # the key's scale > 0 factors out of ReLU and the head sum
-    return tl.trans(s)
-
-
-@triton.jit
-def _row_keys(row, pos, pos_ok, src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr,
-              scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, FUSED: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr,
-              DOT_DTYPE: tl.constexpr):
-    """Keys of one row at positions pos: read from the scores, or scored from the cache."""
-    if FUSED:
-        rows = row + tl.zeros([1], tl.int32)
-        q_t, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, rows >= 0, H, D, 1, HP, DP, DOT_DTYPE)
-        s = _score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, tl.load(row_req_ptr + row), pos,
-                        pos_ok, D, BLOCK_SIZE, 1, HP, DP, FP8, DOT_DTYPE)
-        key = _order_key(tl.reshape(s, [pos.shape[0]]))
-    else:
-        key = _order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=pos_ok, other=0.0))
-    return key
 
 
 @triton.jit
@@ -278,59 +197,6 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
                     key, pos[None, :], live & (key > thresh[:, None]), cap)
         tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
-
-
-@triton.jit
-def _fused_sample_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr,
-                         H, D, row_len_ptr, sample_ptr, cap, SAMPLES: tl.constexpr, RUN: tl.constexpr,
-                         BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
-                         DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Order keys of the sampled positions of each long row (the plan pass reads them)."""
-    row = tl.program_id(0)
-    n = tl.load(row_len_ptr + row)
-    if n > cap:
-        i = tl.program_id(1) * BS + tl.arange(0, BS)
-        pos = _sample_pos(i, n, SAMPLES, RUN)
-        key = _row_keys(row, pos, pos < n, q_ptr, 0, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr,
-                        scale_ptr, bt_ptr, sbt, row_req_ptr, H, D, True, BLOCK_SIZE, HP, DP, FP8, DOT_DTYPE)
-        tl.store(sample_ptr + row.to(tl.int64) * SAMPLES + i, key.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _fused_filter_kernel(q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr, sbt, row_req_ptr,
-                         H, D, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, n_rows, cap, chunk,
-                         G: tl.constexpr, BS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HP: tl.constexpr,
-                         DP: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
-    """Score G consecutive rows over one chunk of positions, keeping the candidates. Rows of one
-    request share each key load (one MMA with G*HP query columns); a group spanning several
-    requests makes one pass per request."""
-    r = tl.arange(0, G)
-    rows = tl.program_id(0) * G + r
-    valid = rows < n_rows
-    reqs = tl.load(row_req_ptr + rows, mask=valid, other=-1)
-    lens = tl.load(row_len_ptr + rows, mask=valid, other=0)
-    st_rows = state_ptr + rows * _RS
-    active = valid & (tl.load(st_rows + _MODE, mask=valid, other=1) == 0)
-    thresh = tl.load(st_rows + _THRESH, mask=valid, other=0).to(tl.uint32, bitcast=True)
-    lo = tl.program_id(1) * chunk
-    ties = tl.zeros([G], tl.int32)
-    for j in range(G):
-        lead = tl.sum(tl.where(r == j, reqs, 0), 0)
-        first = tl.sum(tl.where((r < j) & active & (reqs == lead), 1, 0), 0) == 0
-        if first & (tl.sum(tl.where(r == j, active.to(tl.int32), 0), 0) > 0):
-            mine = active & (reqs == lead)
-            hi = tl.minimum(lo + chunk, tl.max(tl.where(mine, lens, 0), 0))
-            q_t, w = _load_q(q_ptr, sq_t, sq_h, w_ptr, sw_t, rows, mine, H, D, G, HP, DP, DOT_DTYPE)
-            for start in tl.range(lo, hi, BS, num_stages=NUM_STAGES):
-                pos = start + tl.arange(0, BS)
-                key = _order_key(_score_tile(q_t, w, cache_ptr, scale_ptr, bt_ptr, sbt, lead, pos, pos < hi,
-                                             D, BLOCK_SIZE, G, HP, DP, FP8, DOT_DTYPE))
-                live = mine[:, None] & (pos[None, :] < lens[:, None])
-                ties += tl.sum((live & (key == thresh[:, None])).to(tl.int32), 1)
-                _append(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
-                        key, pos[None, :], live & (key > thresh[:, None]), cap)
-    tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), ties, mask=active)
 
 
 @triton.jit
@@ -467,14 +333,8 @@ def _fb_emit_kernel(src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_p
                            src_ptr, src_stride, q_ptr, sq_t, sq_h, w_ptr, sw_t, cache_ptr, scale_ptr, bt_ptr,
                            sbt, row_req_ptr, H, D, FUSED, BLOCK_SIZE, HP, DP, FP8, DOT_DTYPE, TILE)
 
-# ---- launchers --------------------------------------------------------------------------------
-
 
 # ---- launchers --------------------------------------------------------------------------------
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
@@ -489,10 +349,6 @@ def _workspace(n_rows: int, width: int, k: int, n_chunks: int, device) -> tuple[
              "hist": n_rows * 256}
     flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
     return cap, dict(zip(sizes, flat.split(list(sizes.values()))))
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _chunking(width: int, groups: int, tile: int, programs: int) -> tuple[int, int]:
@@ -547,91 +403,26 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     return out
 
 
-def _dot_dtype(q: torch.Tensor, cache: torch.Tensor, fp8: bool):
-    """MMA input type, as the Triton indexer picks it: FP8 (q quantised like the keys) for an FP8
-    cache on the GPU; a 16-bit dot where q and the keys are exact in it; fp32 otherwise and under
-    the interpreter (its 16-bit and fp8 dots are not trusted)."""
-    if _interpreting() or q.device.type != "cuda":
-        return tl.float32
-    if fp8:
-        return tl.float8e4nv
-    for torch_t, tl_t in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16)):
-        if q.dtype == torch_t and cache.dtype == torch_t:
-            return tl_t
-    return tl.float32
+_AOT_WORKSPACE = dict(state_ptr=torch.int32, fb_ptr=torch.int32, ckey_ptr=torch.int32, cpos_ptr=torch.int32,
+                      ties_ptr=torch.int32, hist_ptr=torch.int32, sample_ptr=torch.int32,
+                      out_ptr=torch.int32, row_len_ptr=torch.int32)
 
 
-_FUSED_TILE = 128      # positions per scoring tile
-
-
-@register("k31c::lightning_indexer_topk", ("h200", "mi350x"))
-def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
-                           block_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor,
-                           k: int) -> torch.Tensor:
-    """topk_select(lightning_indexer(...), row_len, k) without writing the scores out."""
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
-    if not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
-    n_rows, heads, d = q.shape
-    if d > 128:
-        raise ValueError(f"q: index_head_dim {d} > 128 (one FP8 scale group) is not supported by the "
-                         "fused kernel")
-    if not index_cache.is_contiguous():
-        raise ValueError("index_cache: the fused kernel needs a contiguous cache tensor")
-    fp8 = is_fp8_index_cache(index_cache)
-    if fp8 and (block_size * d) % 4:
-        raise ValueError(f"index_cache: block_size*d = {block_size * d} is not a multiple of 4 "
-                         "(unaligned fp32 scales)")
-    width = block_table.shape[1] * block_size
-    out = torch.empty((n_rows, k), dtype=torch.int32, device=q.device)
-    if n_rows == 0:
-        return out
-    groups = min(4, 1 << (max(1, n_rows // block_table.shape[0]).bit_length() - 1))  # rows per request
-    n_groups = triton.cdiv(n_rows, groups)
-    chunk, n_chunks = _chunking(max(width, 1), n_groups, _FUSED_TILE, programs=2 * _sm_count(q.device))
-    cap, ws = _workspace(n_rows, max(width, 1), k, n_chunks, q.device)
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    dot = _dot_dtype(q, index_cache, fp8)
-    scale_view = index_cache.view(torch.float32) if fp8 else index_cache
-    if dot == tl.float8e4nv:   # e4m3 loads feed the tensor cores directly (no byte bitcast)
-        index_cache = index_cache.view(torch.float8_e4m3fn)
-    hp1 = max(_pow2(heads), 16)
-    dp = max(32 if dot == tl.float8e4nv else 16, _pow2(d))     # an fp8 MMA needs K >= 32 (zero-padded)
-    shape = dict(BLOCK_SIZE=block_size, DP=dp, FP8=fp8, DOT_DTYPE=dot)
-    src = (q, q.stride(0), q.stride(1), weights, weights.stride(0), index_cache, scale_view, block_table,
-           block_table.stride(0), row_req, heads, d)
-    if width > cap:
-        _fused_sample_kernel[(n_rows, SAMPLES // 64)](*src, row_len, ws["samples"], cap, SAMPLES=SAMPLES,
-                                                      RUN=RUN, BS=64, HP=hp1, **shape, num_warps=4)
-    _plan_kernel[(n_rows,)](q, 0, row_len, out, out.stride(0), ws["state"], ws["fb"], ws["samples"],
-                            ws["hist"], k, cap, TARGET_NUM * k // TARGET_DEN, PRESAMPLED=True,
-                            SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE, num_warps=8)
-    if width == 0:
-        return out
-    _fused_filter_kernel[(n_groups, n_chunks)](
-        *src, row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"], n_rows, cap, chunk, G=groups,
-        BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups), **shape, NUM_STAGES=3, num_warps=8)
-    _finish((weights, 0, *src), row_len, out, ws, k, cap, chunk, n_chunks, False,
-            dict(TILE=64, FUSED=True, HP=hp1, **shape, num_warps=4))
-    return out
+def _aot_spec(kernel, op, variant, consts, types, **opts):
+    """kernel_spec with the workspace pointers typed, keeping only the kernel's own arguments."""
+    from k31c.lowering.aot import kernel_spec
+    names = set(kernel.arg_names)
+    return kernel_spec(kernel, op, variant, consts,
+                       {n: t for n, t in ({**_AOT_WORKSPACE, **types}).items() if n in names}, **opts)
 
 
 def aot_specs(shapes) -> list:
-    """The launches of both launchers on the GPU at `shapes` (lowering.aot.AotShapes), for the
-    ahead-of-time build: `topk_select` over batch x R rows of `context` fp32 scores, and the fused
-    op over FP8 (e4m3 view) and BF16 index caches; constexprs as the launchers derive them."""
-    from k31c.lowering.aot import kernel_spec
-    cfg, width = shapes.cfg, shapes.context
-    i32, f32 = torch.int32, torch.float32
-    ws = dict(state_ptr=i32, fb_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, ties_ptr=i32, hist_ptr=i32,
-              sample_ptr=i32, out_ptr=i32, row_len_ptr=i32)
-
-    def spec(kernel, op, variant, consts, types, **opts):
-        names = set(kernel.arg_names)
-        return kernel_spec(kernel, op, variant, consts,
-                           {n: t for n, t in ({**ws, **types}).items() if n in names}, **opts)
-
+    """The launches of `topk_select` on the GPU at `shapes` (lowering.aot.AotShapes), for the
+    ahead-of-time build: batch x R rows of `context` fp32 scores; constexprs as the launcher
+    derives them. The fused op's launches are indexer_topk.aot_specs."""
+    width = shapes.context
+    f32 = torch.float32
+    spec = _aot_spec
     specs = []
     # topk_select: scores [N, width] fp32; the src tuple fills every scoring pointer with scores
     op = "k31c::topk_select"
@@ -650,40 +441,4 @@ def aot_specs(shapes) -> list:
         specs.append(spec(_fb_digit_kernel, op, f"scores,LEVEL={level}",
                           dict(LEVEL=level, NP=FB_PROGRAMS, **fb), scores, num_warps=8))
     specs.append(spec(_fb_emit_kernel, op, "scores", dict(NP=FB_PROGRAMS, **fb), scores, num_warps=8))
-
-    # lightning_indexer_topk: scores computed from the index cache
-    op = "k31c::lightning_indexer_topk"
-    heads, d = cfg.index_n_heads, cfg.index_head_dim
-    hp1 = max(_pow2(heads), 16)
-    for fp8 in (True, False):
-        cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-        dot = tl.float8e4nv if fp8 else tl.bfloat16
-        dp = max(32 if dot == tl.float8e4nv else 16, _pow2(d))
-        shape = dict(BLOCK_SIZE=shapes.block_size, DP=dp, FP8=fp8, DOT_DTYPE=dot)
-        src = dict(q_ptr=cfg.torch_dtype, w_ptr=f32, cache_ptr=cache_dt,
-                   scale_ptr=f32 if fp8 else cache_dt, bt_ptr=i32, row_req_ptr=i32)
-        tag = "fp8" if fp8 else "bf16"
-        specs.append(spec(_fused_sample_kernel, op, tag,
-                          dict(SAMPLES=SAMPLES, RUN=RUN, BS=64, HP=hp1, **shape), src, num_warps=4))
-        specs.append(spec(_plan_kernel, op, "presampled",
-                          dict(PRESAMPLED=True, SAMPLES=SAMPLES, RUN=RUN, TILE=_REFINE_TILE),
-                          dict(src_ptr=cfg.torch_dtype), num_warps=8))
-        for r in shapes.rows_per_request:
-            n_rows = shapes.batch * r
-            groups = min(4, 1 << (max(1, n_rows // shapes.batch).bit_length() - 1))
-            chunk, n_chunks = _chunking(width, triton.cdiv(n_rows, groups), _FUSED_TILE,
-                                        programs=2 * shapes.sms)
-            specs.append(spec(_fused_filter_kernel, op, f"{tag},G={groups}",
-                              dict(G=groups, BS=_FUSED_TILE, HP=max(_pow2(heads), 16 // groups),
-                                   **shape, NUM_STAGES=3), src, num_warps=8))
-            specs.append(spec(_refine_kernel, op, f"fused,CP={_pow2(n_chunks)}",
-                              dict(SCAN_TIES=False, CP=_pow2(n_chunks), TILE=_REFINE_TILE,
-                                   STILE=_REFINE_TILE), dict(src_ptr=f32), num_warps=8))
-        fb = dict(TILE=64, FUSED=True, HP=hp1, **shape)
-        fb_src = dict(src_ptr=f32, **src)
-        for level in range(4):
-            specs.append(spec(_fb_digit_kernel, op, f"{tag},LEVEL={level}",
-                              dict(LEVEL=level, NP=FB_PROGRAMS, **fb), fb_src, num_warps=4))
-        specs.append(spec(_fb_emit_kernel, op, tag, dict(NP=FB_PROGRAMS, **fb), fb_src, num_warps=4))
     return specs
-
