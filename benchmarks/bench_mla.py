@@ -96,7 +96,7 @@ def _try_time(fn, **kw) -> float | None:
 
 def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
-    from k31c.lowering.triton import mla
+    from k31c.lowering.triton import mla, mla_two_pass as two_pass
 
     rows: list[Row] = []
     pool = Pool(max(contexts))
@@ -108,13 +108,14 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         table, row_len, idx = pool.context(ctx)
         tag = f"B{B}xR{R} H{HEADS} L={ctx >> 10}K"
 
-        # sparse over 2048 selected rows
+        # sparse over 2048 selected rows: the registered (two-pass) kernel, the one-pass as a peer
         args = (q, cache, table, rr, idx, SM_SCALE, DV)
-        ms = time_ms(lambda: mla.sparse_mla(*args))
+        ms = time_ms(lambda: two_pass.sparse_mla(*args))
         sparse_ms[ctx] = ms
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
-        for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
+        for name, fn in (("one-pass kernel", lambda: mla.sparse_mla(*args)),
+                         ("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
                          ("torch.compile", lambda: compiled_sparse(*args))):
             t = _try_time(fn, warmup=2, reps=10)
             if t is not None:
@@ -146,24 +147,34 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
     table, _, idx = pool.context(ctx)
     cache8 = cache.to(torch.float8_e4m3fn)
-    ms = time_ms(lambda: mla.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
+    ms = time_ms(lambda: two_pass.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
+    one = _try_time(lambda: mla.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
     flops, nbytes = _flops(TOPK), N * TOPK * WIDTH
     rows.append(Row("sparse_mla fp8 cache", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
-                    flops_floor_ms(flops, machine.bf16_tflops), "flops", {},
+                    flops_floor_ms(flops, machine.bf16_tflops), "flops",
+                    {} if one is None else {"one-pass kernel": one},
                     _rate_note(ms, flops, nbytes, machine)))
     return rows
 
 
-SWEEP = [dict(bn=32, num_stages=3, splits=s) for s in (1, 2, 4)] + [
-    dict(bn=32, num_stages=4, splits=1),
-    dict(contiguous=True, bn=32, num_stages=3, splits=1),    # each row's last 2048 positions
-    dict(dense=True, bn=32, num_stages=3),
-    dict(dense=True, bn=32, num_stages=4)]
+SWEEP = [dict(bn=32, num_stages=3, splits=s) for s in (1, 2)] + [
+    dict(dense=True, bn=32, num_stages=3)] + [
+    dict(two_pass=True, **c) for c in (
+        {}, {"bk": 64}, {"dvc": 64}, {"dvc": 256, "warps_values": 8}, {"warps_scores": 8},
+        {"bd": 32}, {"bd": 128, "stages_scores": 2}, {"stages_scores": 4, "stages_values": 4},
+        {"bk2": 128, "stages_values": 2}, {"bk2": 128, "stages_values": 3},
+        {"dvc": 512, "warps_values": 8}, {"stages_scores": 3})]
+# the first pass alone (its output is not the result: timed, not compared)
+SCORES_ONLY = [dict(two_pass=True, scores_only=True, **c) for c in ({}, {"bd": 128}, {"bk": 64})]
 
 
 def _sweep_call(mla, pool, table, row_len, idx, cfg, stats=None):
     cfg = dict(cfg)
     q = pool.q[:, : cfg.pop("heads", HEADS)]
+    if cfg.pop("two_pass", False):
+        from k31c.lowering.triton import mla_two_pass
+        return mla_two_pass.launch(q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV,
+                                   config=cfg)
     if cfg.pop("contiguous", False):
         idx = (row_len[:, None] - TOPK + torch.arange(TOPK, device="cuda")).to(torch.int32)
     if cfg.pop("dense", False):
@@ -180,12 +191,20 @@ def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
     pool = Pool(ctx)
     table, row_len, idx = pool.context(ctx)
     rows = []
-    for cfg in SWEEP:
+    want = {}                  # the first config's output per kernel kind: every other must match
+    for cfg in SWEEP + SCORES_ONLY:
         flops = _flops(ctx if cfg.get("dense") else TOPK) * cfg.get("heads", HEADS) / HEADS
         floor = flops_floor_ms(flops, machine.bf16_tflops)
         stats = {}
         try:
-            _sweep_call(mla, pool, table, row_len, idx, cfg, stats)
+            out, lse = _sweep_call(mla, pool, table, row_len, idx, cfg, stats)
+            ref = want.setdefault(bool(cfg.get("dense")), (out.float(), lse))
+            diff = 0.0 if cfg.get("scores_only") else (out.float() - ref[0]).abs().max().item()
+            if not cfg.get("scores_only") and not (diff <= 2e-2 * ref[0].abs().max().item()
+                    and torch.allclose(lse, ref[1], atol=2e-3, rtol=2e-3)):
+                print(f"# {cfg}: MISMATCH with the first config: max |out diff| {diff:.3g}",
+                      flush=True)
+                continue
             ms = time_ms(lambda: _sweep_call(mla, pool, table, row_len, idx, cfg))
         except Exception as e:  # noqa: BLE001  (out of shared memory / registers: report and go on)
             print(f"# {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -193,7 +212,7 @@ def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
         row = Row("dense_mla cfg" if cfg.get("dense") else "sparse_mla cfg", str(cfg), ms, floor,
                   "flops", note=f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s; regs "
                   f"{stats.get('regs')} spills {stats.get('spills')} smem {stats.get('shared')} "
-                  f"splits {stats.get('splits')}")
+                  f"splits {stats.get('splits')}; max |out diff| {diff:.2g}")
         print(f"{row.kernel} {cfg}: {ms * 1e3:.1f} us ({row.ratio:.2f}x floor) {row.note}", flush=True)
         rows.append(row)
     return rows
@@ -202,7 +221,7 @@ def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
 def compile_only(which: int) -> None:
     """Build (and run once, small) sweep config `which`, or with -1 the default launchers, so that
     several processes can fill the Triton cache in parallel before timing."""
-    from k31c.lowering.triton import mla
+    from k31c.lowering.triton import mla, mla_two_pass as two_pass
 
     pool = Pool(8 << 10)
     table, row_len, idx = pool.context(8 << 10)
@@ -210,6 +229,7 @@ def compile_only(which: int) -> None:
         _sweep_call(mla, pool, table, row_len, idx, SWEEP[which])
     else:
         mla.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
+        two_pass.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
         mla.sparse_mla(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx,
                        SM_SCALE, DV)
         mla.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)

@@ -119,17 +119,17 @@ def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         def pair():
             return topk.topk_select(indexer.lightning_indexer(*args), row_len, K)
 
-        got = indexer_topk.lightning_indexer_topk(*args, K)
+        got = indexer_topk.lightning_indexer_topk_fused(*args, K)
         agree = same_sets(got, pair())           # same FP8 scoring as the Triton scan
         ref = torch.ops.k31c.lightning_indexer_topk(*args, K)   # fp32 q: FP8 q moves a few picks
         overlap = torch.isin(got + (torch.arange(N, device="cuda") * (ctx + 1))[:, None],
                              ref + (torch.arange(N, device="cuda") * (ctx + 1))[:, None]).float().mean()
-        peers = {"k31c eager": time_ms(lambda: indexer_topk.lightning_indexer_topk(*args, K)),
+        peers = {"k31c eager": time_ms(lambda: indexer_topk.lightning_indexer_topk_fused(*args, K)),
                  "unfused pair (triton)": time_ms(graphed(pair)),
                  "scan only (triton)": time_ms(graphed(lambda: indexer.lightning_indexer(*args))),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
-        ms = time_ms(graphed(lambda: indexer_topk.lightning_indexer_topk(*args, K)))
+        ms = time_ms(graphed(lambda: indexer_topk.lightning_indexer_topk_fused(*args, K)))
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
                 f"sets {'==' if agree else '!='} triton indexer + topk_select; "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")

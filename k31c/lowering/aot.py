@@ -69,6 +69,7 @@ class AotSpec(NamedTuple):
     num_stages: Optional[int]              # None: the backend's default (the launcher passes none)
     variant: str                           # what distinguishes this launch ("fp8,R=4")
     ops: tuple[str, ...]                   # the k31c ops whose launchers make it
+    family: str = ""                       # the kernel module whose aot_specs() lists it
 
 
 def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
@@ -155,7 +156,7 @@ def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
             raise ValueError(f"no kernel family {sorted(wanted - known)} registered for {target_name}; "
                              f"families: {', '.join(sorted(known))}")
         modules = {n: m for n, m in modules.items() if n.rsplit(".", 1)[-1] in wanted}
-    specs, seen = [], set()
+    specs, seen = [], {}
     for name in sorted(modules):
         module_specs = modules[name].aot_specs(shapes)
         missing = {op for op, src in registered.items() if src == name} - \
@@ -163,18 +164,23 @@ def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
         if missing:
             raise ValueError(f"{name}.aot_specs() lists no launch of {sorted(missing)}")
         for spec in module_specs:
-            if not set(spec.ops) & set(registered):
+            ops = tuple(op for op in spec.ops if op in registered)
+            if not ops:
                 continue
             key = (spec.kernel.__name__, json.dumps(spec.signature, sort_keys=True),
                    repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
-            if key not in seen:
-                seen.add(key)
-                specs.append(spec)
+            if key in seen:    # one build; it lists every op whose launchers make it
+                i = seen[key]
+                specs[i] = specs[i]._replace(ops=tuple(dict.fromkeys((*specs[i].ops, *ops))))
+            else:
+                seen[key] = len(specs)
+                specs.append(spec._replace(ops=ops, family=name.rsplit(".", 1)[-1]))
     return specs
 
 
 def spec_name(spec: AotSpec) -> str:
-    family = spec.kernel.fn.__module__.rsplit(".", 1)[-1]
+    # the listing module, not where the kernel is defined: a family may launch a shared kernel
+    family = spec.family or spec.kernel.fn.__module__.rsplit(".", 1)[-1]
     return f"{family}/{spec.kernel.__name__}[{spec.variant}]"
 
 

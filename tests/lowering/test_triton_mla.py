@@ -8,6 +8,7 @@ import torch
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
+from k31c.lowering.triton import mla_two_pass as two_pass
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]      # no GPU: the Triton interpreter (tests/conftest.py)
@@ -107,7 +108,10 @@ def test_dense_matches_reference_small(device, splits):
 
 def test_public_launchers_and_registry():
     c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=11)
-    assert lookup("k31c::sparse_mla", "h200").fn is kernels.sparse_mla
+    assert_close(two_pass.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.float32)
+    assert lookup("k31c::sparse_mla", "h200").fn is two_pass.sparse_mla
+    assert lookup("k31c::sparse_mla", "mi350x").fn is two_pass.sparse_mla
     assert lookup("k31c::dense_mla", "h200").fn is kernels.dense_mla
     assert_close(kernels.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
                  torch.float32)
@@ -167,3 +171,34 @@ def test_sparse_k31_shapes_fp8_cache():
     fp8 = (c["latent_cache"] * 0.5).to(torch.float8_e4m3fn)
     want = torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": fp8.to(torch.bfloat16)}))
     assert_close(kernels.sparse_mla(*sparse_args({**c, "latent_cache": fp8})), want, torch.bfloat16)
+
+
+# ---- the two-pass sparse kernel (mla_two_pass.py) --------------------------------------------
+
+@pytest.mark.parametrize("heads", [8, 5, 40])
+@pytest.mark.parametrize("cfg", [None, {"bk": 32, "bk2": 16, "dvc": 64}])
+def test_two_pass_matches_reference_small(heads, cfg):
+    """Several key blocks per row (statistics merged across blocks), head tiles of 16 and a rest
+    tile, an empty row and -1 holes, against the reference op."""
+    c = make_case(**{**SMALL, "heads": heads}, device=DEV, dtype=torch.float32, seed=heads + 31)
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    got = two_pass.launch(*sparse_args(c), config=cfg)
+    assert torch.isinf(want[1][1]).all()
+    assert_close(got, want, torch.float32)
+
+
+def test_two_pass_rejects_bad_config():
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=5)
+    with pytest.raises(ValueError, match="bk2"):
+        two_pass.launch(*sparse_args(c), config={"bk": 32, "bk2": 24})
+
+
+@cuda_only
+def test_two_pass_k31_shapes():
+    c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=24)
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert_close(two_pass.sparse_mla(*sparse_args(c)), want, torch.bfloat16)
+    fp8 = (c["latent_cache"] * 0.5).to(torch.float8_e4m3fn)
+    want = torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": fp8.to(torch.bfloat16)}))
+    assert_close(two_pass.sparse_mla(*sparse_args({**c, "latent_cache": fp8})), want,
+                 torch.bfloat16)

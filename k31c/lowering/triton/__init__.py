@@ -5,7 +5,7 @@ exact signature, registered with lowering.registry. Importing this package regis
 """
 import importlib
 
-_MODULES = ("cache_write", "indexer", "topk", "indexer_topk", "mla", "kda_decode", "kda_prefill")
+_MODULES = ("cache_write", "indexer", "topk", "indexer_topk", "mla", "mla_two_pass", "kda_decode", "kda_prefill")
 
 for _m in _MODULES:
     importlib.import_module(f"{__name__}.{_m}")

@@ -21,6 +21,11 @@ latency behind, and Triton's pipeliner issues each gather after the previous blo
 (`python benchmarks/bench_mla.py --sweep` prints registers, spills and shared memory per launch
 config). A warp-specialised producer/consumer kernel is the next step.
 
+Tried and measured on the H200 (sweep at 128K, 2026-11-29, default 307 us): value columns split
+over two programs (half the accumulator each: 357-483 us), slot loads left to Triton's pipeliner
+(387 us), 32-head tiles with 4 warps (496-576 us), 64-key blocks (346 us). None beat the default;
+the limit is the serial QK -> softmax -> PV chain of one program per SM, not registers.
+
 Everything the kernels read about lengths, slots and indices is a device tensor and the grid is a
 function of static shapes only, so the launchers are CUDA-graph safe (no host sync).
 """
@@ -344,10 +349,12 @@ def _check(q, latent_cache, block_table, row_req, dv, keys, keys_name) -> None:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
-@register("k31c::sparse_mla", ("h200", "mi350x"))
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-pass sparse kernel. Not registered: the two-pass kernel (mla_two_pass.py) measured
+    faster on the H200 and is `k31c::sparse_mla` for h200 and mi350x; this one stays as the
+    benchmark's comparison and the dense kernel's sparse twin."""
     _check(q, latent_cache, block_table, row_req, dv, indices, "indices")
     if indices.dim() != 2:
         raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
@@ -365,9 +372,9 @@ def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
 
 
 def aot_specs(shapes) -> list:
-    """The launches of both launchers on the GPU at `shapes` (lowering.aot.AotShapes), for the
-    ahead-of-time build: sparse (top-k indices) and dense, each with one split (FINAL: output
-    written directly) and with several (partials + merge); tiles from `_plan`'s GPU defaults."""
+    """The launches of the dense launcher on the GPU at `shapes` (lowering.aot.AotShapes), for the
+    ahead-of-time build, with one split (FINAL: output written directly) and with several
+    (partials + merge); tiles from `_plan`'s GPU defaults. (Sparse: mla_two_pass.aot_specs.)"""
     from types import SimpleNamespace
 
     from k31c.lowering.aot import kernel_spec
@@ -377,23 +384,21 @@ def aot_specs(shapes) -> list:
     n = shapes.batch * max(shapes.rows_per_request)
     q = SimpleNamespace(device=torch.device("cuda"), shape=(n, heads, width))   # a GPU q, for _plan
     block_v = max(16, triton.next_power_of_2(dv))
-    specs = [kernel_spec(_slots_kernel, "k31c::sparse_mla", "slots",
-                         dict(BLOCK_SIZE=shapes.block_size, BLOCK=256),
-                         dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32))]
-    for dense, op in ((False, "k31c::sparse_mla"), (True, "k31c::dense_mla")):
-        for splits in (1, 2):
-            cfg_ = _plan(q, 0, dense, {"splits": splits})
-            final = splits == 1
-            specs.append(kernel_spec(
-                _mla_kernel, op, f"{'dense' if dense else 'sparse'},{'final' if final else 'split'}",
-                dict(DV=dv, DR=width - dv, BLOCK_V=block_v,
-                     BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=shapes.block_size,
-                     BIG_HT=cfg_["big"], N_BIG=cfg_["n_big"], SMALL_HT=cfg_["small"], BN=cfg_["bn"],
-                     DENSE=dense, FINAL=final,
-                     PRECISION=dot_precision(dt != torch.float32, shapes.backend)),
-                dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
-                     out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
-                num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
-        specs.append(kernel_spec(_merge_splits_kernel, op, "merge", dict(DV=dv, BLOCK_V=block_v, HB=8),
-                                 dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
+    specs = []
+    op = "k31c::dense_mla"
+    for splits in (1, 2):
+        cfg_ = _plan(q, 0, True, {"splits": splits})
+        final = splits == 1
+        specs.append(kernel_spec(
+            _mla_kernel, op, f"dense,{'final' if final else 'split'}",
+            dict(DV=dv, DR=width - dv, BLOCK_V=block_v,
+                 BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=shapes.block_size,
+                 BIG_HT=cfg_["big"], N_BIG=cfg_["n_big"], SMALL_HT=cfg_["small"], BN=cfg_["bn"],
+                 DENSE=True, FINAL=final,
+                 PRECISION=dot_precision(dt != torch.float32, shapes.backend)),
+            dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
+                 out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
+            num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
+    specs.append(kernel_spec(_merge_splits_kernel, op, "merge", dict(DV=dv, BLOCK_V=block_v, HB=8),
+                             dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
     return specs

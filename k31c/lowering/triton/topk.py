@@ -377,9 +377,20 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
 _SCORE_TILE, _REFINE_TILE = 2048, 2048
 
 
+# "pipeline": this module's launches; "fast": topk_fast.py's streaming pipeline (not yet the
+# default: the lead picks it from H200 measurements, benchmarks/try_topk.py).
+DEFAULT_PATH = "pipeline"
+
+
 @register("k31c::topk_select", ("h200", "mi350x"))
-def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
+def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int, path: str | None = None) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
+    path = DEFAULT_PATH if path is None else path
+    if path == "fast":
+        from k31c.lowering.triton.topk_fast import topk_select_fast   # imports this module
+        return topk_select_fast(scores, row_len, k)
+    if path != "pipeline":
+        raise ValueError(f"path: expected 'pipeline' or 'fast', got {path!r}")
     _check_topk(scores, row_len, k)
     n_rows, width = scores.shape
     out = torch.empty((n_rows, k), dtype=torch.int32, device=scores.device)

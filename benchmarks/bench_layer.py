@@ -1,0 +1,222 @@
+"""Benchmark of the attention side of one sparse MLA decode layer as k31c runs it (spec/performance.md
+§6 (b), goals G5 and G6 of §8, peer of Appendix B).
+
+The layer: the h200 lowering of k31c::lightning_indexer_topk (registry lookup: indexer.py's FP8 scan
+then topk.py's select, k = 2048) feeding k31c::sparse_mla (mla.py: 96 heads, 576-wide bf16 latent
+rows, dv 512), captured together as ONE CUDA graph and replayed. B = 16 requests x R = 4 rows, FP8
+index cache (132 B/token, 32 heads x 128), block 64, one block table for both cache planes.
+
+Floors (machine rates measured in the same run):
+  fused    = B·L·132 / copy bandwidth  +  2·B·R·96·2048·(576 + 512) / bf16 matmul rate
+  unfused  = fused + 2·B·R·L·4 / copy bandwidth   (the fp32 scores written and read back)
+G5: t / fused floor <= 1.3 at 128K and t(1M) / t(16K) <= 1.2 x (543 / 36) (§6's floor ratio).
+G6: the dense control (k31c dense_mla over all L rows, one CUDA graph) >= 10x the layer at 128K,
+>= 15x at 1M. Peers: the plain-PyTorch layer of Appendix B (einsum indexer, torch.topk, gather,
+softmax attention), eager and torch.compile; either is skipped with a note where it does not fit.
+Every row's note splits the time: indexer scan, top-k and sparse MLA, each replayed alone.
+
+Memory: the pools are built per context and freed after it (1M: 19.3 GB latent + 2.2 GB index).
+
+    PYTHONPATH=. python benchmarks/bench_layer.py [--no-compile] [--contexts 16,128,1024]   # K
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+
+import torch
+
+try:
+    from benchmarks import bench_indexer as bi, bench_mla as bm
+    from benchmarks.bench_topk import graphed, same_sets
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, \
+        measure_machine, time_ms
+except ImportError:  # run as a script from benchmarks/
+    import bench_indexer as bi
+    import bench_mla as bm
+    from bench_topk import graphed, same_sets
+    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, measure_machine, \
+        time_ms
+
+B, R, N = bm.B, bm.R, bm.N
+K, HEADS, WIDTH, DV, BLOCK = bm.TOPK, bm.HEADS, bm.WIDTH, bm.DV, bm.BLOCK
+IDX_ROW_BYTES = bi.ROW_BYTES                       # 132 B per token
+CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
+G5_RATIO, G5_SCALING = 1.3, 1.2 * 543 / 36         # §8 G5 (543 / 36 us: §6's fused floors)
+G6_TARGET = {128 << 10: 10.0, 1 << 20: 15.0}
+TARGET = "h200"
+
+assert (B, R) == (bi.B, bi.R) and BLOCK == bi.BLOCK
+
+
+# ---- floors (pure arithmetic) -----------------------------------------------------------------
+
+def index_bytes(ctx: int) -> float:
+    return B * ctx * IDX_ROW_BYTES
+
+
+def logits_bytes(ctx: int) -> float:
+    return 2 * N * ctx * 4
+
+
+def sparse_flops() -> float:
+    return 2.0 * N * HEADS * K * (WIDTH + DV)
+
+
+def dense_flops(ctx: int) -> float:
+    return 2.0 * N * HEADS * ctx * (WIDTH + DV)
+
+
+def layer_floor_ms(ctx: int, m: Machine, logits: bool = False) -> float:
+    """§6 (b) fused floor (with logits=True: plus the fp32 scores round trip)."""
+    nbytes = index_bytes(ctx) + (logits_bytes(ctx) if logits else 0)
+    return bytes_floor_ms(nbytes, m) + flops_floor_ms(sparse_flops(), m.bf16_tflops)
+
+
+def scaling_note(ms_by_ctx: dict) -> str:
+    """G5's second criterion, t(1M) / t(16K), where both were timed."""
+    lo, hi = 16 << 10, 1 << 20
+    if lo not in ms_by_ctx or hi not in ms_by_ctx:
+        return ""
+    ratio = ms_by_ctx[hi] / ms_by_ctx[lo]
+    verdict = "meets" if ratio <= G5_SCALING else "misses"
+    return f"G5 t(1M)/t(16K) = {ratio:.2f} ({verdict} <= {G5_SCALING:.2f} = 1.2 x 543/36)"
+
+
+# ---- the layer --------------------------------------------------------------------------------
+
+def plain_layer(iq, iw, icache, table, row_req, row_len, q, cache):
+    """Appendix B's peer: einsum indexer + ReLU + head-weighted sum, torch.topk, gather, softmax."""
+    scores = bi.plain_indexer(iq, iw, icache, table, row_len, BLOCK)
+    idx = torch.topk(scores, K, dim=1, sorted=False).indices.to(torch.int32)
+    return bm.plain_sparse_mla(q, cache, table, row_req, idx, bm.SM_SCALE, DV)
+
+
+def _kernels():
+    from k31c.lowering.registry import lookup
+    from k31c.passes.lower import kernel_name
+    ks = {op: lookup(f"k31c::{op}", TARGET) for op in ("lightning_indexer_topk", "sparse_mla", "dense_mla")}
+    missing = [op for op, k in ks.items() if k is None]
+    if missing:
+        raise RuntimeError(f"no {TARGET} kernel registered for {missing}")
+    return {op: k.fn for op, k in ks.items()}, kernel_name(ks["lightning_indexer_topk"])
+
+
+def _try_ms(what: str, fn, **kw):
+    """(ms, None) or (None, reason): a peer that does not fit or compile is reported, not fatal."""
+    try:
+        return time_ms(fn, **kw), None
+    except torch.cuda.OutOfMemoryError:
+        reason = "out of memory"
+    except Exception as e:  # noqa: BLE001
+        reason = f"{type(e).__name__}: {str(e)[:120]}"
+    print(f"# {what} skipped: {reason}", file=sys.stderr, flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return None, reason
+
+
+def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> tuple[Row, float]:
+    from k31c.lowering.triton import indexer as tix, topk as tk
+
+    lat = bm.Pool(ctx)                                  # latent pool, q, row_req, block table
+    idx_pool = bi.Pool(ctx)                             # FP8 index cache, indexer q and weights
+    table = lat.block_table[:, : ctx // BLOCK]          # one table for both planes (same block count)
+    row_len = (ctx - R + 1 + torch.arange(R, device="cuda", dtype=torch.int32)).repeat(B)
+    rr = lat.row_req
+    iargs = (idx_pool.q, idx_pool.weights, idx_pool.cache, table, rr, row_len)
+    margs = (lat.q, lat.cache, table, rr)
+    select, sparse, dense = fns["lightning_indexer_topk"], fns["sparse_mla"], fns["dense_mla"]
+
+    def layer():
+        return sparse(*margs, select(*iargs, K), bm.SM_SCALE, DV)
+
+    ms = time_ms(graphed(layer))
+    # the split, each piece replayed alone on the layer's own intermediates
+    scores = tix.lightning_indexer(*iargs)
+    idx = tk.topk_select(scores, row_len, K)
+    split = {"indexer": time_ms(graphed(lambda: tix.lightning_indexer(*iargs))),
+             "top-k": time_ms(graphed(lambda: tk.topk_select(scores, row_len, K))),
+             "MLA": time_ms(graphed(lambda: sparse(*margs, idx, bm.SM_SCALE, DV)))}
+    agree = same_sets(select(*iargs, K), idx)
+    out = sparse(*margs, idx, bm.SM_SCALE, DV)[0].float()
+    ref = bm.plain_sparse_mla(*margs, idx, bm.SM_SCALE, DV)[0].float()
+    mla_err = float((out - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+    del scores, out, ref
+
+    long_ctx = ctx >= (256 << 10)
+    dense_ms = time_ms(graphed(lambda: dense(*margs, row_len, bm.SM_SCALE, DV)),
+                       warmup=1 if long_ctx else 3, reps=3 if ctx >= (1 << 20) else 10)
+    peers = {"dense_mla (graph)": dense_ms, **{f"{k} alone": v for k, v in split.items()}}
+    notes = []
+    plain_args = (*iargs[:3], table, rr, row_len, lat.q, lat.cache)
+    t, why = _try_ms("plain eager", lambda: plain_layer(*plain_args), warmup=1,
+                     reps=3 if long_ctx else 10)
+    if t is not None:
+        peers["plain torch eager"] = t
+    else:
+        notes.append(f"plain eager skipped ({why})")
+    if compiled is not None:
+        t, why = _try_ms("plain torch.compile", lambda: compiled(*plain_args), warmup=2,
+                         reps=3 if long_ctx else 10)
+        if t is not None:
+            peers["plain torch.compile"] = t
+        else:
+            notes.append(f"plain torch.compile skipped ({why})")
+
+    floor = layer_floor_ms(ctx, m)
+    unfused = layer_floor_ms(ctx, m, logits=True)
+    ratio = dense_ms / ms
+    g6 = G6_TARGET.get(ctx)
+    split_txt = " / ".join(f"{k} {v * 1e3:.1f}" for k, v in split.items())
+    notes = [f"split us: {split_txt} (sum {sum(split.values()) * 1e3:.1f}, layer graph {ms * 1e3:.1f})",
+             f"floor us: fused {floor * 1e3:.1f} = idx bytes {bytes_floor_ms(index_bytes(ctx), m) * 1e3:.1f}"
+             f" + MLA flops {flops_floor_ms(sparse_flops(), m.bf16_tflops) * 1e3:.1f}; with fp32 logits "
+             f"round trip {unfused * 1e3:.1f} ({ms / unfused:.2f}x)",
+             f"G6 dense/sparse = {ratio:.1f}x" + (f" (target >= {g6:.0f}x)" if g6 else ""),
+             f"dense {dense_ms / flops_floor_ms(dense_flops(ctx), m.bf16_tflops):.2f}x its bf16 floor",
+             f"idx+top-k op -> {pair_name.removeprefix('triton:k31c.lowering.triton.')} "
+             f"({'sets ==' if agree else 'sets !='} indexer then topk_select)",
+             f"MLA vs plain on same picks: max rel err {mla_err:.1e}"] + notes
+    if ctx == 128 << 10:
+        notes.insert(1, f"G5 {ms / floor:.2f}x fused floor (target <= {G5_RATIO})")
+    row = Row("sparse MLA layer (idx+topk+mla, 1 graph)", f"B{B}xR{R} L={ctx >> 10}K k={K}", ms, floor,
+              "bytes+flops", peers, "; ".join(notes))
+    return row, ms
+
+
+def run(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
+    from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
+
+    fns, pair_name = _kernels()
+    compiled = torch.compile(plain_layer, dynamic=True) if compile_peer else None   # one compile
+    rows, ms_by_ctx = [], {}
+    for ctx in contexts:
+        t0 = time.time()
+        row, ms = _context_row(machine, ctx, fns, pair_name, compiled)
+        rows.append(row)
+        ms_by_ctx[ctx] = ms
+        gc.collect()                       # the pools and graphs of this context go before the next
+        torch.cuda.empty_cache()
+        print(f"# layer L={ctx >> 10}K: {ms * 1e3:.1f} us ({time.time() - t0:.1f} s)", file=sys.stderr,
+              flush=True)
+    note = scaling_note(ms_by_ctx)
+    if note:
+        print(f"# {note}", flush=True)
+        rows[-1].note += "; " + note
+    return rows
+
+
+def _contexts_arg(argv) -> tuple:
+    if "--contexts" not in argv:
+        return CONTEXTS
+    return tuple(int(c) << 10 for c in argv[argv.index("--contexts") + 1].split(","))
+
+
+if __name__ == "__main__":
+    m = measure_machine()
+    start = time.time()
+    table = markdown(run(m, _contexts_arg(sys.argv), compile_peer="--no-compile" not in sys.argv), m)
+    print(table, flush=True)
+    print(f"# bench_layer: {time.time() - start:.0f} s", flush=True)

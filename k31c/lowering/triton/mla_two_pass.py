@@ -1,0 +1,259 @@
+"""Two-pass Triton kernel for `k31c::sparse_mla` (absorbed-form sparse MLA decode, spec §5.4).
+
+The one-pass kernel in mla.py keeps a [heads, 512] fp32 accumulator per program, one program
+per SM, and Triton runs its QK -> softmax -> PV chain serially. Here the work is two GEMM-shaped
+passes instead, each with a small accumulator and many programs in flight:
+
+1. scores: one program per (row, block of BK selected keys, head tile) computes
+   S^T = K_blk @ Q^T over the full 576-wide rows (keys as the MMA's M, so the 32-head tile
+   still gets 64-row wgmma), then writes p = exp2(S - m_blk) in the activation dtype and the
+   block's per-head max m_blk and sum l_blk.
+2. values: one program per (row, chunk of DVC value columns, head tile) merges the block
+   statistics into the row's max m and sum l, and accumulates O^T = V^T @ (p * 2^(m_blk - m))
+   over the row's keys, then writes O / l and the LSE.
+
+Only the selected rows are read (twice: as keys, then as values); p is BF16 like the P of a
+flash-attention kernel, so the result matches the one-pass kernel to bf16 rounding. Empty slots
+(-1) get probability 0; a row without any key gives out = 0 and lse = +inf (the reference's rule).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..registry import register
+from .dot_precision import dot_precision
+from .mla import _check, _head_tiles, _interpreted, _slots_kernel
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb, head0, n_heads, n_keys,
+                scale_log2, stride_qn, stride_qh, stride_cb, stride_cs, stride_sn,
+                stride_pn, stride_pk, stride_mn, stride_mk,
+                WIDTH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr):
+    offs_k = kb * BK + tl.arange(0, BK)
+    k_mask = offs_k < n_keys
+    slot = tl.load(slots_ptr + t.to(tl.int64) * stride_sn + offs_k, mask=k_mask, other=-1)
+    valid = slot >= 0
+    rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+            + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
+    offs_h = head0 + tl.arange(0, HT)
+    h_mask = offs_h < n_heads
+    q_cols = q_ptr + t.to(tl.int64) * stride_qn + offs_h[None, :] * stride_qh
+    dt = q_ptr.dtype.element_ty
+    acc = tl.zeros([BK, HT], tl.float32)
+    for d0 in range(0, WIDTH, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        d_mask = offs_d < WIDTH
+        k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
+                    other=0.0).to(dt)
+        q_t = tl.load(q_cols + offs_d[:, None], mask=d_mask[:, None] & h_mask[None, :], other=0.0)
+        acc = tl.dot(k, q_t, acc, input_precision=PRECISION)
+    s = tl.where(valid[:, None], acc * scale_log2, float("-inf"))
+    m = tl.max(s, 0)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[None, :])   # empty slots -> 0
+    tl.store(p_ptr + t.to(tl.int64) * stride_pn + offs_k[:, None] * stride_pk + offs_h[None, :],
+             p.to(p_ptr.dtype.element_ty), mask=k_mask[:, None] & h_mask[None, :])
+    stat = t.to(tl.int64) * stride_mn + kb * stride_mk + offs_h
+    tl.store(m_ptr + stat, m, mask=h_mask)
+    tl.store(l_ptr + stat, tl.sum(p, 0), mask=h_mask)
+
+
+@triton.jit
+def _scores_kernel(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, n_heads, n_keys, scale_log2,
+                   stride_qn, stride_qh, stride_cb, stride_cs, stride_sn,
+                   stride_pn, stride_pk, stride_mn, stride_mk,
+                   WIDTH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
+                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr):
+    # grid (head tiles, key blocks, rows): the tiles that gather the same rows run side by side
+    tile = tl.program_id(0)
+    kb = tl.program_id(1)
+    t = tl.program_id(2)
+    if tile < N_BIG:
+        _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb, tile * BIG_HT,
+                    n_heads, n_keys, scale_log2, stride_qn, stride_qh, stride_cb, stride_cs,
+                    stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
+                    WIDTH, BD, BK, BLOCK_SIZE, BIG_HT, PRECISION)
+    else:
+        _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb,
+                    N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT,
+                    n_heads, n_keys, scale_log2, stride_qn, stride_qh, stride_cb, stride_cs,
+                    stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
+                    WIDTH, BD, BK, BLOCK_SIZE, SMALL_HT, PRECISION)
+
+
+@triton.jit
+def _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c, head0,
+                n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn, stride_pn, stride_pk,
+                stride_mn, stride_mk, stride_on, stride_oh,
+                DV: tl.constexpr, DVC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr):
+    offs_h = head0 + tl.arange(0, HT)
+    h_mask = offs_h < n_heads
+    stat_row = t.to(tl.int64) * stride_mn + offs_h
+    # the row's softmax max and sum from the per-block statistics
+    m = tl.full([HT], float("-inf"), tl.float32)
+    for kb in range(0, n_blocks):
+        m = tl.maximum(m, tl.load(m_ptr + stat_row + kb * stride_mk, mask=h_mask,
+                                  other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([HT], tl.float32)
+    for kb in range(0, n_blocks):
+        m_blk = tl.load(m_ptr + stat_row + kb * stride_mk, mask=h_mask, other=float("-inf"))
+        den += tl.load(l_ptr + stat_row + kb * stride_mk, mask=h_mask, other=0.0) \
+            * tl.exp2(m_blk - m_use)
+
+    offs_c = c * DVC + tl.arange(0, DVC)
+    c_mask = offs_c < DV
+    dt = p_ptr.dtype.element_ty
+    acc = tl.zeros([DVC, HT], tl.float32)
+    for j in range(0, n_keys, BK2):
+        offs_k = j + tl.arange(0, BK2)
+        k_mask = offs_k < n_keys
+        slot = tl.load(slots_ptr + t.to(tl.int64) * stride_sn + offs_k, mask=k_mask, other=-1)
+        valid = slot >= 0
+        rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
+        v = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & c_mask[None, :],
+                    other=0.0).to(dt)
+        p = tl.load(p_ptr + t.to(tl.int64) * stride_pn + offs_k[:, None] * stride_pk
+                    + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :], other=0.0)
+        m_blk = tl.load(m_ptr + stat_row + (j // BK) * stride_mk, mask=h_mask,
+                        other=float("-inf"))
+        p = (p.to(tl.float32) * tl.exp2(m_blk - m_use)[None, :]).to(dt)
+        acc = tl.dot(tl.trans(v), p, acc, input_precision=PRECISION)
+    has_key = den > 0.0
+    out = acc / tl.where(has_key, den, 1.0)[None, :]
+    tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[None, :] * stride_oh + offs_c[:, None],
+             out.to(out_ptr.dtype.element_ty), mask=c_mask[:, None] & h_mask[None, :])
+    lse = tl.where(has_key, (m_use + tl.log2(tl.where(has_key, den, 1.0))) / 1.4426950408889634,
+                   float("inf"))
+    tl.store(lse_ptr + t.to(tl.int64) * n_heads + offs_h, lse, mask=h_mask & (c == 0))
+
+
+@triton.jit
+def _values_kernel(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_heads, n_keys,
+                   n_blocks, stride_cb, stride_cs, stride_sn, stride_pn, stride_pk,
+                   stride_mn, stride_mk, stride_on, stride_oh,
+                   DV: tl.constexpr, DVC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
+                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.program_id(2)
+    if tile < N_BIG:
+        _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
+                    tile * BIG_HT, n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn,
+                    stride_pn, stride_pk, stride_mn, stride_mk, stride_on, stride_oh,
+                    DV, DVC, BK, BK2, BLOCK_SIZE, BIG_HT, PRECISION)
+    else:
+        _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
+                    N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT, n_heads, n_keys, n_blocks,
+                    stride_cb, stride_cs, stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
+                    stride_on, stride_oh, DV, DVC, BK, BK2, BLOCK_SIZE, SMALL_HT, PRECISION)
+
+
+def _plan(config: dict | None, small: bool | None = None) -> dict:
+    """Launch plan: GPU tiles, or small ones under the interpreter (`small` None: by the env)."""
+    cfg = dict(config or {})
+    small = _interpreted() if small is None else small
+    cfg.setdefault("big_ht", 16 if small else 64)
+    cfg.setdefault("min_tile", 1 if small else 16)      # tl.dot needs >= 16 on the GPU
+    cfg.setdefault("bk", 16 if small else 128)           # keys per scores program
+    cfg.setdefault("bd", 16 if small else 64)            # row columns per scores step
+    cfg.setdefault("bk2", 8 if small else 64)            # keys per values step (divides bk)
+    cfg.setdefault("dvc", 32 if small else 256)          # value columns per values program
+    cfg.setdefault("warps_scores", 4)
+    cfg.setdefault("warps_values", 4 if small else 8)
+    cfg.setdefault("stages_scores", 1 if small else 4)
+    cfg.setdefault("stages_values", 1 if small else 3)
+    if cfg["bk"] % cfg["bk2"]:
+        raise ValueError(f"config: bk2={cfg['bk2']} must divide bk={cfg['bk']}")
+    return cfg
+
+
+@register("k31c::sparse_mla", ("h200", "mi350x"))
+def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+               row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return launch(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
+
+
+def launch(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+           row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float, dv: int,
+           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k31c::sparse_mla`; `config` overrides the launch plan (tuning, tests)."""
+    _check(q, latent_cache, block_table, row_req, dv, indices, "indices")
+    if indices.dim() != 2:
+        raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
+    n, n_heads, width = q.shape
+    n_keys = indices.shape[1]
+    out = q.new_empty((n, n_heads, dv))
+    lse = q.new_empty((n, n_heads), dtype=torch.float32)
+    if n == 0 or n_heads == 0:
+        return out, lse
+    if n_keys == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    cfg = _plan(config)
+    big, n_big, small = _head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
+    n_tiles = n_big + (1 if n_heads > n_big * big else 0)
+    bs = latent_cache.shape[1]
+    slots = torch.empty_like(indices)
+    _slots_kernel[(n, triton.cdiv(n_keys, 256))](
+        indices, block_table, row_req, slots, n_keys, indices.stride(0), block_table.stride(0),
+        slots.stride(0), BLOCK_SIZE=bs, BLOCK=256, num_warps=4)
+    n_blocks = triton.cdiv(n_keys, cfg["bk"])
+    p = q.new_empty((n, n_keys, n_heads))                       # exp2(s - m_blk), [row, key, head]
+    m_blk = q.new_empty((n, n_blocks, n_heads), dtype=torch.float32)
+    l_blk = torch.empty_like(m_blk)
+    precision = dot_precision(fast=q.dtype != torch.float32)
+    _scores_kernel[(n_tiles, n_blocks, n)](
+        q, latent_cache, slots, p, m_blk, l_blk, n_heads, n_keys, float(sm_scale) * _LOG2E,
+        q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), slots.stride(0),
+        p.stride(0), p.stride(1), m_blk.stride(0), m_blk.stride(1),
+        WIDTH=width, BD=cfg["bd"], BK=cfg["bk"], BLOCK_SIZE=bs, BIG_HT=big, N_BIG=n_big,
+        SMALL_HT=small, PRECISION=precision,
+        num_warps=cfg["warps_scores"], num_stages=cfg["stages_scores"])
+    if cfg.get("scores_only"):      # benchmarks: time the first pass alone
+        return out, lse
+    _values_kernel[(n_tiles, triton.cdiv(dv, cfg["dvc"]), n)](
+        latent_cache, slots, p, m_blk, l_blk, out, lse, n_heads, n_keys, n_blocks,
+        latent_cache.stride(0), latent_cache.stride(1), slots.stride(0), p.stride(0), p.stride(1),
+        m_blk.stride(0), m_blk.stride(1), out.stride(0), out.stride(1),
+        DV=dv, DVC=cfg["dvc"], BK=cfg["bk"], BK2=cfg["bk2"], BLOCK_SIZE=bs, BIG_HT=big,
+        N_BIG=n_big, SMALL_HT=small, PRECISION=precision,
+        num_warps=cfg["warps_values"], num_stages=cfg["stages_values"])
+    return out, lse
+
+
+def aot_specs(shapes) -> list:
+    """The three launches (slots, scores, values) at `shapes` (lowering.aot.AotShapes) with the GPU
+    defaults of `_plan`, for the ahead-of-time build."""
+    from k31c.lowering.aot import kernel_spec
+    cfg = shapes.cfg
+    dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
+    i32, f32 = torch.int32, torch.float32
+    plan = _plan(None, small=False)
+    big, n_big, small = _head_tiles(heads, plan["big_ht"], plan["min_tile"])
+    op = "k31c::sparse_mla"
+    tiles = dict(BLOCK_SIZE=shapes.block_size, BIG_HT=big, N_BIG=n_big, SMALL_HT=small,
+                 PRECISION=dot_precision(dt != torch.float32, shapes.backend))
+    return [
+        kernel_spec(_slots_kernel, op, "slots", dict(BLOCK_SIZE=shapes.block_size, BLOCK=256),
+                    dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32)),
+        kernel_spec(_scores_kernel, op, "scores",
+                    dict(WIDTH=width, BD=plan["bd"], BK=plan["bk"], **tiles),
+                    dict(q_ptr=dt, cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
+                         scale_log2="fp32"),
+                    num_warps=plan["warps_scores"], num_stages=plan["stages_scores"]),
+        kernel_spec(_values_kernel, op, "values",
+                    dict(DV=dv, DVC=plan["dvc"], BK=plan["bk"], BK2=plan["bk2"], **tiles),
+                    dict(cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt,
+                         lse_ptr=f32),
+                    num_warps=plan["warps_values"], num_stages=plan["stages_values"]),
+    ]
