@@ -5,17 +5,13 @@ constants are shrunk (candidate buffer 96, 64 samples, 4 fallback programs) so a
 positions already exercise every path: the direct refine (row_len <= buffer), the sampled
 threshold, and the exact radix fallback (sample misjudged, or masses of ties at the threshold).
 On CUDA the real constants run at the real shapes (64 rows, k = 2048, L up to 1M).
-
-topk_select runs both paths: "pipeline" (topk.py) and topk_fast.py's streaming pipeline in launch
-configs that reach its register refine (buffer <= RT), its buffer-reading refine (RT small), the
-refine fused into the stream kernel, 11-bit digits and several tiles per program.
 """
 import pytest
 import torch
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
-from k31c.lowering.triton import indexer_topk, topk, topk_fast
+from k31c.lowering.triton import indexer_topk, topk
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -36,38 +32,22 @@ def _same_sets(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert not bad, f"rows {bad[:8]} select a different set"
 
 
-# small CPU tiles (candidate buffer 96 at k = 16): RT 128 holds it, RT 32 never does
-FAST = {"regs": dict(tile=256, rt=128), "loop": dict(tile=128, iters=2, rt=32),
-        "fused-regs-11bit": dict(tile=256, rt=128, fuse_refine=True, bits=11),
-        "fused-loop": dict(tile=64, iters=3, rt=32, fuse_refine=True)} if not CUDA else {
-        "regs": {}, "fused": dict(fuse_refine=True)}
-IMPLS = ["pipeline", *FAST]
-
-
-def _run(impl, scores, row_len, k):
-    if impl == "pipeline":
-        return topk.topk_select(scores, row_len, k)
-    return topk_fast.topk_select_fast(scores, row_len, k, **FAST[impl])
-
-
-def _check_topk(scores, row_len, k, impl="pipeline"):
+def _check_topk(scores, row_len, k):
     ref = torch.ops.k31c.topk_select(scores, row_len, k)
-    _same_sets(_run(impl, scores, row_len, k), ref)
+    _same_sets(topk.topk_select(scores, row_len, k), ref)
 
 
 # ---- topk_select --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_topk_random_rows_and_lengths(impl):
+def test_topk_random_rows_and_lengths():
     gen = torch.Generator().manual_seed(0)
     k, width = 16, 1500
     lengths = [0, 1, k - 1, k, k + 1, 95, 97, 700, width, width]   # around k and the buffer (96)
     scores = torch.randn(len(lengths), width, generator=gen) * 3
-    _check_topk(scores.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k, impl)
+    _check_topk(scores.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_topk_many_rows_fresh_inputs(impl):
+def test_topk_many_rows_fresh_inputs():
     """Random widths, lengths and values drawn from a few levels (ties near the k-th) or not."""
     gen = torch.Generator().manual_seed(7)
     k, width = 16, 777
@@ -75,12 +55,11 @@ def test_topk_many_rows_fresh_inputs(impl):
     scores[::3] = torch.randint(-4, 5, (8, width), generator=gen).float() / 2
     row_len = torch.randint(0, width + 1, (24,), generator=gen).int()
     row_len[:4] = width
-    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k, impl)
+    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("path", ["sampled", "fallback"])
-def test_topk_tie_heavy_rows(path, impl, monkeypatch):
+def test_topk_tie_heavy_rows(path, monkeypatch):
     if path == "fallback":   # a zero sample target puts T above every key: all long rows fall back
         monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(1)
@@ -95,11 +74,10 @@ def test_topk_tie_heavy_rows(path, impl, monkeypatch):
     ]
     scores = torch.stack(rows)
     row_len = torch.tensor([width, width, 1234, width, 600, width], dtype=torch.int32)
-    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k, impl)
+    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_topk_sample_misjudged(impl):
+def test_topk_sample_misjudged():
     """Large scores only where the sample never looks (too many candidates) or only where it does
     (too few): both rows must still come out exact."""
     gen = torch.Generator().manual_seed(2)
@@ -112,21 +90,7 @@ def test_topk_sample_misjudged(impl):
     scores[0, ~sampled] += 10.0
     scores[1, sampled] += 10.0
     row_len = torch.full((2,), width, dtype=torch.int32)
-    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k, impl)
-
-
-def test_topk_path_argument():
-    """The registered launcher dispatches on path; both paths agree with the reference."""
-    gen = torch.Generator().manual_seed(8)
-    scores = torch.randn(3, 500, generator=gen).to(DEVICE)
-    row_len = torch.tensor([500, 200, 9], dtype=torch.int32, device=DEVICE)
-    ref = torch.ops.k31c.topk_select(scores, row_len, 16)
-    for path in ("pipeline", "fast"):
-        _same_sets(topk.topk_select(scores, row_len, 16, path=path), ref)
-    with pytest.raises(ValueError, match="path"):
-        topk.topk_select(scores, row_len, 16, path="bogus")
-    with pytest.raises(ValueError, match="config"):
-        topk_fast.topk_select_fast(scores, row_len, 16, tiles=4)
+    _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
 
 
 def test_topk_rejects_bad_arguments():
@@ -135,14 +99,11 @@ def test_topk_rejects_bad_arguments():
         topk.topk_select(scores, torch.tensor([3, 4], device=DEVICE), 8)
     with pytest.raises(ValueError, match="scores"):
         topk.topk_select(scores.half(), torch.tensor([3, 4], dtype=torch.int32, device=DEVICE), 8)
-    with pytest.raises(ValueError, match="row_len"):
-        topk_fast.topk_select_fast(scores, torch.tensor([3, 4], device=DEVICE), 8)
 
 
 @gpu_only
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("width", [131072, 1048576])
-def test_topk_real_shapes(width, impl):
+def test_topk_real_shapes(width):
     """64 rows (16 requests x 4 verification rows), k = 2048: random, ReLU-zero-heavy and
     integer-tied rows, full and partial lengths."""
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -155,7 +116,7 @@ def test_topk_real_shapes(width, impl):
     row_len[1::4] = torch.randint(1, width, (16,), device="cuda", generator=gen).int()
     row_len[2] = k
     row_len[3] = k - 7
-    _check_topk(scores, row_len, k, impl)
+    _check_topk(scores, row_len, k)
 
 
 # ---- lightning_indexer_topk ---------------------------------------------------------------------

@@ -29,6 +29,13 @@ The fused indexer + top-k (indexer_topk.py) runs this same pipeline on scores co
 its own sample and filter kernels feed the plan, refine and fallback kernels here, whose key
 loads switch on FUSED (topk_keys.py). Split so that this module holds the selection and
 indexer_topk.py the scoring passes and the fused launcher.
+
+Where it stands (H200, 64 rows, k = 2048, CUDA-graph replay, 2026-11-29): 0.130 ms at 128K and
+0.42 ms at 1M, 1.1x / 2.0x faster than torch.topk (goals 4x / 8x). Per kernel at 128K: plan 25 us,
+filter 55 us, refine 29 us: the single-program plan and refine are latency bound and the filter
+streams at ~0.6 TB/s. A variant with a register-resident plan sample, shorter stream programs
+and an in-register refine (commit 036f262, topk_fast.py) measured slower everywhere (0.14 ms at
+128K, 0.51-0.76 ms at 1M: its stream kernel ran at half the filter's rate) and was removed.
 """
 from __future__ import annotations
 
@@ -377,20 +384,9 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
 _SCORE_TILE, _REFINE_TILE = 2048, 2048
 
 
-# "pipeline": this module's launches; "fast": topk_fast.py's streaming pipeline (not yet the
-# default: the lead picks it from H200 measurements, benchmarks/try_topk.py).
-DEFAULT_PATH = "pipeline"
-
-
 @register("k31c::topk_select", ("h200", "mi350x"))
-def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int, path: str | None = None) -> torch.Tensor:
+def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
-    path = DEFAULT_PATH if path is None else path
-    if path == "fast":
-        from k31c.lowering.triton.topk_fast import topk_select_fast   # imports this module
-        return topk_select_fast(scores, row_len, k)
-    if path != "pipeline":
-        raise ValueError(f"path: expected 'pipeline' or 'fast', got {path!r}")
     _check_topk(scores, row_len, k)
     n_rows, width = scores.shape
     out = torch.empty((n_rows, k), dtype=torch.int32, device=scores.device)
