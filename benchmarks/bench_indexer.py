@@ -3,8 +3,11 @@ spec/performance.md §6 (b), goal G1 of §8).
 
 Shapes: B = 16 requests x R = 4 verify rows, 32 indexer heads x 128, FP8 index cache (132 B/token:
 128 e4m3 + one fp32 scale), block size 64, blocks scattered through the pool, contexts 16K..1M.
-Peers in the same run: the eager reference op and torch.compile of a plain-torch formulation
-(gather → dequantise → einsum → ReLU → head-weighted sum → mask).
+The kernel timed is the registered launcher's default (indexer_tma's kernel on CUDA). Peers in
+the same run: "gather kernel" (indexer.py's own kernel, `launch_indexer(variant="gather")`, timed
+as CUDA-graph replay like the note's replay of the default), the eager reference op and
+torch.compile of a plain-torch formulation (gather → dequantise → einsum → ReLU → head-weighted
+sum → mask).
 
 Floor of the scan (bytes over the copy bandwidth measured now), counting exactly:
   index keys read once per request  B·L·132      (e4m3 values + fp32 scales)
@@ -88,9 +91,9 @@ def scan_bytes(ctx: int) -> float:
             + N * ctx * 4)
 
 
-def _try_time(fn, **kw) -> float | None:
+def _try_time(fn, timer=None, **kw) -> float | None:
     try:
-        return time_ms(fn, **kw)
+        return (timer or time_ms)(fn, **kw)
     except Exception as e:  # noqa: BLE001  (a peer that fails to run or compile is reported absent)
         print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         torch.cuda.empty_cache()
@@ -133,7 +136,11 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         keys_only = bytes_floor_ms(B * ctx * ROW_BYTES, machine)
         replay = graph_ms(lambda: tix.lightning_indexer(*args))
-        note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor; "
+        t = _try_time(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
+        if t is not None:
+            peers["gather kernel"] = t
+        note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor"
+                + (f" (gather kernel {t / floor:.2f}x)" if t is not None else "") + "; "
                 f"{ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)")
         if ctx > COMPILE_MAX:
             note += "; torch.compile peer skipped (its [B,R,H,L] fp32 logits do not fit)"
@@ -187,8 +194,10 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
 
 
 def sweep(contexts=(128 << 10, 1 << 20)) -> None:
-    """Kernel-only (CUDA-graph) times of launch configurations: head sum x stages x splits."""
+    """Kernel-only (CUDA-graph) times of launch configurations of the default kernel: head sum x
+    stages x splits."""
     from k31c.lowering.triton import indexer as tix
+    from k31c.lowering.triton import indexer_tma
 
     pool = Pool(max(contexts))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -203,9 +212,11 @@ def sweep(contexts=(128 << 10, 1 << 20)) -> None:
                 print(f"L={ctx >> 10}K {cfg}: {t * 1e3:.1f} us (graph replay)")
             except Exception as e:  # noqa: BLE001
                 print(f"L={ctx >> 10}K {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
-    for cache in tix._indexer_kernel.device_caches.values():   # Triton 3.6/3.7 cache layout
-        for k in cache[0].values():
-            print(f"# kernel n_regs={k.n_regs} n_spills={k.n_spills} shared={k.metadata.shared}")
+    for kern in (tix._indexer_kernel, indexer_tma._indexer_tma_kernel):
+        for cache in kern.device_caches.values():   # Triton 3.6/3.7 cache layout
+            for k in cache[0].values():
+                print(f"# {kern.__name__} n_regs={k.n_regs} n_spills={k.n_spills} "
+                      f"shared={k.metadata.shared}")
 
 
 if __name__ == "__main__":

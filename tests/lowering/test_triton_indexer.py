@@ -2,7 +2,8 @@
 
 Inputs are random paged caches (blocks scattered through the pool, unused table entries -1),
 decode/verify layouts (B x R rows with increasing lengths) and prefill-like layouts (uneven runs
-of rows per request, tiles spanning requests). The -inf pattern must match exactly.
+of rows per request, tiles spanning requests). The -inf pattern must match exactly. Both kernels
+run: "gather" (indexer.py) and "tma" (indexer_tma.py, one cache block per step).
 """
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes, quantize_index_fp8, dequantize_index_fp8
 from k31c.lowering.triton import indexer as tix
+from k31c.lowering.triton import indexer_tma
+
+VARIANTS = ["gather", "tma"]
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -92,22 +96,41 @@ def _assert_scores(got: torch.Tensor, ref: torch.Tensor, rtol: float, atol: floa
                              f"rows {rows[:20]}, first bad columns {bad.any(0).nonzero()[:5].flatten().tolist()}")
 
 
-@pytest.mark.parametrize("kind", ["float32", "fp8"])
+@pytest.fixture
+def tma_launches(monkeypatch):
+    """Counts the launches that really took the TMA kernel (the launcher may fall back)."""
+    calls = []
+    real = indexer_tma.launch_indexer_tma
+
+    def counting(*args, **kw):
+        calls.append(kw["block_size"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(indexer_tma, "launch_indexer_tma", counting)
+    return calls
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("kind", ["float32", "fp8", "bfloat16"])
 @pytest.mark.parametrize("splits, head_dot", [(None, False), (3, False), (None, True)])
-def test_decode_verify_rows(kind, splits, head_dot):
+def test_decode_verify_rows(kind, splits, head_dot, variant, tma_launches):
     gen = torch.Generator().manual_seed(10)
     row_req, row_len = _decode_rows([70, 3, 128, 41], r=4)       # one request shorter than R
     args = _problem(kind, heads=4, d=32, block_size=16, max_blocks=9, row_req=row_req,
                     row_len=row_len, gen=gen)
     ref = _reference(kind, *args)
-    got = tix.launch_indexer(*args, splits=splits, head_dot=head_dot)
+    got = tix.launch_indexer(*args, splits=splits, head_dot=head_dot, variant=variant)
+    assert tma_launches == ([16] if variant == "tma" else [])
     tol = (HEAD_DOT_TOL if head_dot else FP8_TOL) if kind == "fp8" else 1e-5
+    if kind == "bfloat16":    # keys rounded to bf16 in the cache (the reference reads the same),
+        tol = 1e-5 if not CUDA else 1e-2      # q to bf16 for the GPU's 16-bit dot
     _assert_scores(got, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", ["float32", "fp8"])
 @pytest.mark.parametrize("head_dot", [False, True])
-def test_prefill_rows_spanning_tiles(kind, head_dot):
+def test_prefill_rows_spanning_tiles(kind, head_dot, variant, tma_launches):
     """Uneven runs (5, 1, 6, 2 rows): tiles hold rows of two requests; one request sees 0 keys."""
     gen = torch.Generator().manual_seed(11)
     counts, starts = [5, 1, 6, 2], [40, 0, 90, 7]
@@ -118,7 +141,55 @@ def test_prefill_rows_spanning_tiles(kind, head_dot):
                     row_len=row_len, gen=gen)
     ref = _reference(kind, *args)
     tol = (HEAD_DOT_TOL if head_dot else FP8_TOL) if kind == "fp8" else 1e-5
-    _assert_scores(tix.launch_indexer(*args, head_dot=head_dot), ref, rtol=tol, atol=tol)
+    _assert_scores(tix.launch_indexer(*args, head_dot=head_dot, variant=variant), ref, rtol=tol, atol=tol)
+    assert tma_launches == ([8] if variant == "tma" else [])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp8_mixed_lengths_large_blocks(variant, tma_launches):
+    """Block size 64 (the model's), d = 128, 8 heads x R = 2: a tile's M = 16 query rows; request
+    lengths from 0 to the full capacity, 5 splits (some programs get no block), -inf tails."""
+    gen = torch.Generator().manual_seed(16)
+    row_req, row_len = _decode_rows([1, 200, 64, 0, 255, 129], r=2)
+    args = _problem("fp8", heads=8, d=128, block_size=64, max_blocks=5, row_req=row_req,
+                    row_len=row_len, gen=gen)
+    ref = _reference("fp8", *args)
+    got = tix.launch_indexer(*args, splits=5, variant=variant)
+    assert tma_launches == ([64] if variant == "tma" else [])
+    _assert_scores(got, ref, rtol=FP8_TOL, atol=FP8_TOL)
+
+
+def test_tma_falls_back_where_the_layout_does_not_fit(tma_launches):
+    """d = 24 (not a power of two): variant="tma" runs the gather kernel."""
+    gen = torch.Generator().manual_seed(17)
+    row_req, row_len = _decode_rows([9, 30], r=2)
+    args = _problem("float32", heads=3, d=24, block_size=4, max_blocks=8, row_req=row_req,
+                    row_len=row_len, gen=gen)
+    ref = torch.ops.k31c.lightning_indexer(*args)
+    _assert_scores(tix.launch_indexer(*args, variant="tma"), ref, rtol=1e-5, atol=1e-5)
+    assert tma_launches == []
+    with pytest.raises(ValueError, match="variant"):
+        tix.launch_indexer(*args, variant="tmaa")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bfloat16"])
+def test_registered_launcher_runs_the_tma_kernel(kind, tma_launches, monkeypatch):
+    """The registered launcher takes the tma kernel (as on CUDA and ROCm); variant="gather" still
+    runs the gather kernel; both agree with the reference."""
+    gen = torch.Generator().manual_seed(18)
+    row_req, row_len = _decode_rows([45, 100, 7], r=2)
+    args = _problem(kind, heads=4, d=32, block_size=16, max_blocks=8, row_req=row_req,
+                    row_len=row_len, gen=gen)
+    ref = _reference(kind, *args)
+    tol = FP8_TOL if kind == "fp8" else (1e-5 if not CUDA else 1e-2)
+    _assert_scores(tix.lightning_indexer(*args), ref, rtol=tol, atol=tol)
+    assert tma_launches == [16]
+    _assert_scores(tix.launch_indexer(*args, variant="gather"), ref, rtol=tol, atol=tol)
+    assert tma_launches == [16]
+    monkeypatch.setitem(tix._DEFAULT_VARIANT, "cuda", "gather")   # the per-backend switch
+    monkeypatch.setitem(tix._DEFAULT_VARIANT, "hip", "gather")
+    _assert_scores(tix.lightning_indexer(*args), ref, rtol=tol, atol=tol)
+    assert tma_launches == [16]
 
 
 def test_fp16_queries_and_odd_sizes():
@@ -131,14 +202,15 @@ def test_fp16_queries_and_odd_sizes():
     _assert_scores(tix.lightning_indexer(*args), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_quantised_q_path():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_quantised_q_path(variant):
     """The GPU's FP8-q path (run here with an fp32 dot) equals the reference on dequantised q."""
     gen = torch.Generator().manual_seed(13)
     row_req, row_len = _decode_rows([50, 77], r=2)
     q, w, cache, table, rr, rl = _problem("fp8", heads=8, d=32, block_size=16, max_blocks=5,
                                           row_req=row_req, row_len=row_len, gen=gen)
     ref = torch.ops.k31c.lightning_indexer(_dequantised_q(q), w, cache, table, rr, rl)
-    got = tix.launch_indexer(q, w, cache, table, rr, rl, quant_q=True)
+    got = tix.launch_indexer(q, w, cache, table, rr, rl, quant_q=True, variant=variant, hw_quant=True)
     _assert_scores(got, ref, rtol=FP8_TOL, atol=FP8_TOL)
 
 
@@ -154,9 +226,10 @@ def test_bad_arguments_raise():
 
 
 @gpu_only
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", ["fp8", "bfloat16"])
 @pytest.mark.parametrize("head_dot", [False, True])
-def test_real_shape(kind, head_dot):
+def test_real_shape(kind, head_dot, variant):
     """K3.1 Pro indexer: 32 heads x 128, block 64, B = 16 x R = 4 verify rows at ~8K context."""
     gen = torch.Generator().manual_seed(15)
     lengths = torch.randint(1000, 8192, (16,), generator=gen).tolist()
@@ -165,12 +238,13 @@ def test_real_shape(kind, head_dot):
     q, w, cache, table, rr, rl = _problem(kind, heads=32, d=128, block_size=64, max_blocks=130,
                                           row_req=row_req, row_len=row_len, gen=gen,
                                           q_dtype=torch.bfloat16, device="cuda")
-    got = tix.launch_indexer(q, w, cache, table, rr, rl, head_dot=head_dot)
+    got = tix.launch_indexer(q, w, cache, table, rr, rl, head_dot=head_dot, variant=variant)
     # FP8 path: the reference on the q the tensor cores see; bf16 path: q is already bf16
     q_ref = _dequantised_q(q) if kind == "fp8" else q
     ref = torch.ops.k31c.lightning_indexer(q_ref, w, cache, table, rr, rl)
     if kind == "fp8":   # quantisation and paging alone, with an exact dot: tight
-        exact = tix.launch_indexer(q, w, cache, table, rr, rl, exact_dot=True, quant_q=True)
+        exact = tix.launch_indexer(q, w, cache, table, rr, rl, exact_dot=True, quant_q=True,
+                                   variant=variant, hw_quant=True)
         _assert_scores(exact, ref, rtol=1e-4, atol=1e-4)
     # FP8 accumulation (~14 bits, truncated) over 128 products of magnitude ~160^2 and bf16
     # rounding in head_dot: errors of ~1e-3 of the score scale; a wrong key/row/scale is O(1).

@@ -9,7 +9,7 @@ import torch
 import k31c.graph.ops.kda  # noqa: F401  (registers torch.ops.k31c.kda_*)
 from functools import partial
 
-from k31c.lowering.triton.kda_decode import kda_decode, launch_kda_decode
+from k31c.lowering.triton.kda_decode import decode_tile, kda_decode, launch_kda_decode
 from k31c.lowering.triton.kda_prefill import kda_prefill, launch_kda_prefill
 
 CUDA = torch.cuda.is_available()
@@ -76,30 +76,87 @@ def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad
             close(name, g, w, dtype)
 
 
+# the registered launcher (split variant by default) and the fused variant
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("lb", [-5.0, None])
-def test_decode_small(rows, lb):
+@pytest.mark.parametrize("variant", ["default", "fused"])
+def test_decode_small(rows, lb, variant):
+    fn = kda_decode if variant == "default" else partial(launch_kda_decode, variant=variant)
     check_decode(H=2, K=16, B=3, rows=rows, lb=lb, snaps=rows > 1, dtype=torch.float32,
-                 device=DEV, seed=rows + (lb is None))
+                 device=DEV, seed=rows + (lb is None), fn=fn)
 
 
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_decode_value_tiles(lb):
-    # 4 programs per head meet in the gated norm; the last to arrive writes the head's tail
+    # fused: 4 programs per head meet in the gated norm; the last to arrive writes the head's tail
     check_decode(H=2, K=32, B=3, rows=3, lb=lb, snaps=True, dtype=torch.float32, device=DEV,
-                 seed=12, fn=partial(launch_kda_decode, block_v=8))
+                 seed=12, fn=partial(launch_kda_decode, variant="fused", block_v=8))
 
 
 def test_decode_k32_snapshots_fp16():
     check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=11, fn=partial(launch_kda_decode, block_v=16))
+                 seed=11, fn=partial(launch_kda_decode, variant="fused", block_v=16))
+
+
+def test_decode_tile_defaults():
+    # per-R defaults measured on the H200 (kda_decode docstring); explicit knobs win
+    assert decode_tile(1, 128) == (64, 4) and decode_tile(4, 128) == (32, 2)
+    assert decode_tile(1, 128, "fused") == (32, 4) and decode_tile(4, 128, "fused") == (64, 4)
+    assert decode_tile(4, 128, block_v=16) == (16, 2)
+    assert decode_tile(1, 128, num_warps=8) == (64, 8)
+    assert decode_tile(1, 32) == (32, 4)                       # capped at K
+    with pytest.raises(ValueError, match="block_v"):
+        decode_tile(1, 128, block_v=48)
+    with pytest.raises(ValueError, match="num_warps"):
+        decode_tile(1, 128, num_warps=3)
+
+
+@pytest.mark.parametrize("rows,tile", [(1, (64, 4)), (4, (32, 2))])
+def test_registered_launcher_runs_split_default(rows, tile, monkeypatch):
+    # the registered `k31c::kda_decode` launcher takes the split variant at the per-R tile
+    import k31c.lowering.triton.kda_decode_split as split
+    seen = {}
+
+    def fake(*a, block_v, num_warps, **kw):
+        seen.update(tile=(block_v, num_warps), knobs=kw)
+        return a[0]
+    monkeypatch.setattr(split, "launch_split", fake)
+    gen = torch.Generator().manual_seed(3)
+    params, conv, state = make_layer(1, 128, 2, torch.float32, "cpu", gen)
+    tok = make_tokens(2 * rows, 1, 128, torch.float32, "cpu", gen)
+    kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
+               torch.tensor([0, 1]), rows, -5.0, EPS, None, None)
+    assert seen == dict(tile=tile, knobs={})
+
+
+# split variant: prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
+@pytest.mark.parametrize("rows,snaps", [(1, False), (1, True), (4, False), (4, True)])
+@pytest.mark.parametrize("block_v", [8, 32])
+def test_decode_split(rows, snaps, block_v):
+    check_decode(H=2, K=32, B=3, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.float32, device=DEV,
+                 seed=20 + rows + block_v, num_slots=5,
+                 fn=partial(launch_kda_decode, variant="split", block_v=block_v))
+
+
+def test_decode_split_softplus_fp16_rolled():
+    check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
+                 seed=31, fn=partial(launch_kda_decode, variant="split", block_v=8, norm_rows=4,
+                                     unroll_rows=False))
+
+
+def test_decode_rejects_bad_variant():
+    with pytest.raises(ValueError, match="variant"):
+        check_decode(H=2, K=16, B=2, rows=1, lb=-5.0, snaps=False, dtype=torch.float32,
+                     device=DEV, seed=0, fn=partial(launch_kda_decode, variant="fast"))
 
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
 @pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
-def test_decode_k3_shapes_cuda(rows, snaps):
+@pytest.mark.parametrize("variant", ["fused", "split"])
+def test_decode_k3_shapes_cuda(rows, snaps, variant):
     check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=rows, num_slots=20)
+                 device="cuda", seed=rows, num_slots=20,
+                 fn=partial(launch_kda_decode, variant=variant))
 
 
 def test_decode_rejects_bad_layout():

@@ -15,6 +15,22 @@ Work split:
   of one request still gets 4·SMs programs to fill the GPU. Lengths, requests and blocks are read
   on the device; the grid depends only on static shapes (CUDA-graph safe).
 
+The registered launcher runs the second kernel, indexer_tma.py (`variant="tma"`: one cache block
+a step through a TMA tensor descriptor, q quantised by the hardware conversion with a true
+division, q_rcp=False), and this module's gather kernel where the cache layout does not fit a
+descriptor (`indexer_tma.tma_supported`); `variant="gather"` still runs it. Measured 2026-11-29
+on the H200 (`PYTHONPATH=. python benchmarks/try_indexer.py`: CUDA-graph replay, B16 x R4,
+32 x 128 FP8 index cache; floor = bytes over the measured copy bandwidth):
+
+    context   gather            tma (q_rcp)   tma div_rn (default)   tma q_rcp stages=7
+    16K        30.5 us           31.9          27.4                   31.3
+    128K      137.3 (1.82x)     115.5         109.0 (1.45x)          114.1
+    1M        831.0 (1.38x)     799.2         779.4 (1.30x)          756.5 (1.26x)
+
+(128K also, with q_rcp: 8 warps 191, stages=4 160.5.) Every variant's scores equalled the gather
+kernel's (max rel diff 0) and the reference op's to 3.1e-4. On ROCm (mi350x) the tma kernel
+AOT-compiles for gfx950 and is the default there too (`_DEFAULT_VARIANT`), not yet timed.
+
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
 (row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
 DeepGEMM's fp8_mqa_logits does; the scores then differ from the reference (which keeps q in full
@@ -30,6 +46,7 @@ import triton.language as tl
 from k31c.graph.ops.indexer import _check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+from k31c.lowering.triton.indexer_tma import e4m3_hw
 
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
@@ -37,6 +54,8 @@ _CPU_KEYS_PER_STEP = 32
 _MIN_STEPS_PER_PROGRAM = 8  # fewer steps and the per-program q load/quantisation stops paying
 _PROGRAMS_PER_SM = 4        # grid ≈ 2 rounds of the 2 resident programs per SM (measured best
                             # on the H200 at 128K and 1M; a lone request gets them all)
+_TMA_PROGRAMS_PER_SM = 3    # tma grid target (the measured default; with q_rcp=False sm_90a
+                            # gives 255 registers at R=4, so 2 are resident: 1.5 rounds)
 
 
 @triton.jit
@@ -47,8 +66,11 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     KEYS: tl.constexpr, TAIL: tl.constexpr, FP8_CACHE: tl.constexpr,
                     QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr,
-                    HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
+                    HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    HW_CVT: tl.constexpr):
+    """HW_CVT: quantise q with the hardware e4m3 conversion (GPU only) rather than the bit-exact
+    fp32 emulation (same values: both round x / scale to nearest-even).
+    HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
     W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r (OUT >= 16 columns, rows past
     ROWS unused); else ReLU, x w and a sum over a [KEYS, ROWS_PAD, H_PAD] view (OUT = ROWS_PAD)."""
     M: tl.constexpr = ROWS_PAD * H_PAD
@@ -68,9 +90,13 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
     w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
     if QUANT_Q:
         q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
-        q = quantize_e4m3(q, q_scale[:, None])
+        if HW_CVT:
+            q_t = tl.trans(e4m3_hw(q, q_scale, False).to(DOT_DTYPE))
+        else:
+            q_t = tl.trans(quantize_e4m3(q, q_scale[:, None]).to(DOT_DTYPE))
         w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
-    q_t = tl.trans(q.to(DOT_DTYPE))           # [D_PAD, M]
+    else:
+        q_t = tl.trans(q.to(DOT_DTYPE))       # [D_PAD, M]
     if HEAD_DOT:
         out_col = tl.arange(0, OUT)
         w_mat = tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
@@ -152,14 +178,39 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# The kernel the registered launcher takes, per Triton backend. The tma kernel AOT-compiles for
+# gfx950 too (Triton 3.7.1: its descriptor loads become masked pointer loads there, as gfx950 has
+# no TMA unit); not yet timed on the MI350X: "gather" here is the switch if it loses.
+_DEFAULT_VARIANT = {"cuda": "tma", "hip": "tma"}
+
+
+def _default_variant(backend: str | None = None) -> str:
+    """`_DEFAULT_VARIANT` of the backend (None: this torch's, "hip" when torch.version.hip)."""
+    if backend is None:
+        backend = "hip" if torch.version.hip is not None else "cuda"
+    return _DEFAULT_VARIANT[backend]
+
+
 def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
                    splits=None, quant_q=None, exact_dot=False, head_dot=False, num_warps=None,
-                   num_stages=5) -> torch.Tensor:
+                   num_stages=5, variant=None, hw_quant=False,
+                   programs_per_sm=None, q_rcp=False, maxnreg=None) -> torch.Tensor:
     """The lightning_indexer launcher with its tuning knobs exposed (benchmarks and tests).
 
     quant_q: quantise q to e4m3 (default: FP8 cache on the GPU); exact_dot: force the fp32 dot
     (separates the FP8 tensor cores' accumulation error from the quantisation in tests);
-    head_dot: sum the heads with a second (bf16 on the GPU) tl.dot instead of on the ALUs."""
+    head_dot: sum the heads with a second (bf16 on the GPU) tl.dot instead of on the ALUs.
+    variant: "gather" (this module's kernel, KEYS keys a step through pointer loads) or "tma"
+    (indexer_tma: one cache block a step through a tensor descriptor; falls back to "gather" where
+    the layout does not allow it); keys_per_step is then the block size. None: `_default_variant`. hw_quant: the gather
+    kernel quantises q with the hardware conversion (the tma kernel always does on the GPU).
+    programs_per_sm: the grid target when splits is None. q_rcp, maxnreg: tma only (see
+    indexer_tma.launch_indexer_tma; q_rcp=False, a true division per element, was measured the
+    faster)."""
+    if variant is None:
+        variant = _default_variant()
+    if variant not in ("gather", "tma"):
+        raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
     block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     if not index_cache.is_contiguous():
         raise ValueError("index_cache: the Triton indexer needs a contiguous cache tensor")
@@ -188,11 +239,24 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
         dot_dtype = tl.float32            # unquantised q must keep its precision against e4m3 keys
     h_pad = triton.next_power_of_2(heads)
     rows, rows_pad = _tile_rows(n, block_table.shape[0], h_pad)
-    keys = keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP)
+    if variant == "tma":
+        from k31c.lowering.triton import indexer_tma
+        if not indexer_tma.tma_supported(index_cache, d, block_size):
+            variant = "gather"
+    keys = block_size if variant == "tma" else (
+        keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP))
     tiles = triton.cdiv(n, rows)
     if splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
-        splits = max(1, min(triton.cdiv(_PROGRAMS_PER_SM * _sm_count(q.device), tiles),
-                            triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
+        if variant == "tma":   # no rounding up: 3 x SMs programs (168 registers with q_rcp: one round)
+            target = (programs_per_sm or _TMA_PROGRAMS_PER_SM) * _sm_count(q.device) // tiles
+        else:
+            target = triton.cdiv((programs_per_sm or _PROGRAMS_PER_SM) * _sm_count(q.device), tiles)
+        splits = max(1, min(target, triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
+    if variant == "tma":
+        return indexer_tma.launch_indexer_tma(
+            q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
+            rows=rows, rows_pad=rows_pad, splits=splits, quant_q=quant_q, dot_dtype=dot_dtype,
+            head_dot=head_dot, num_warps=num_warps, num_stages=num_stages, q_rcp=q_rcp, maxnreg=maxnreg)
     if num_warps is None:
         num_warps = 8 if rows_pad * h_pad > 128 else 4
     out = max(16, rows_pad) if head_dot else rows_pad
@@ -208,7 +272,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
         ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_SIZE=block_size, KEYS=keys, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
         QUANT_Q=quant_q, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot, HEAD_DTYPE=head_dtype, OUT=out,
-        NUM_STAGES=num_stages, num_warps=num_warps)
+        NUM_STAGES=num_stages, HW_CVT=bool(hw_quant and quant_q and on_gpu), num_warps=num_warps)
     return scores
 
 
@@ -222,27 +286,42 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch
 def aot_specs(shapes) -> list:
     """The launches of `lightning_indexer` on the GPU at `shapes` (lowering.aot.AotShapes), for
     the ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
-    R rows per request; the constexprs as `launch_indexer` derives them with its defaults."""
+    R rows per request; the constexprs as `launch_indexer` derives them with its defaults: the
+    tma kernel where `_default_variant` picks it (shapes.backend), else the gather kernel."""
     from k31c.lowering.aot import kernel_spec
+    from k31c.lowering.triton import indexer_tma
     cfg = shapes.cfg
     heads, d = cfg.index_n_heads, cfg.index_head_dim
     h_pad = triton.next_power_of_2(heads)
+    tma = _default_variant(shapes.backend) == "tma"
     specs = []
     for fp8 in (True, False):
         cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
         dot_dtype = tl.float8e4nv if fp8 else tl.bfloat16
+        ptrs = dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32,
+                    cache_f32_ptr=torch.float32 if fp8 else cache_dt, table_ptr=torch.int32,
+                    row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32)
+        tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
             rows, rows_pad = _tile_rows(shapes.batch * r, shapes.batch, h_pad)
             out = rows_pad                                           # head_dot off
-            specs.append(kernel_spec(
-                _indexer_kernel, "k31c::lightning_indexer", f"{'fp8' if fp8 else 'bf16'},R={r}",
-                dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d,
-                     D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=shapes.block_size,
-                     KEYS=_GPU_KEYS_PER_STEP, TAIL=4096 // out, FP8_CACHE=fp8, QUANT_Q=fp8,
-                     DOT_DTYPE=dot_dtype, HEAD_DOT=False, HEAD_DTYPE=tl.bfloat16, OUT=out,
-                     NUM_STAGES=5),
-                dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, cache_ptr=cache_dt,
-                     cache_f32_ptr=torch.float32 if fp8 else cache_dt, table_ptr=torch.int32,
-                     row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32),
-                num_warps=8 if rows_pad * h_pad > 128 else 4))
+            warps = 8 if rows_pad * h_pad > 128 else 4
+            common = dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d,
+                          BLOCK_SIZE=shapes.block_size, TAIL=4096 // out, FP8_CACHE=fp8, QUANT_Q=fp8,
+                          DOT_DTYPE=dot_dtype, HEAD_DOT=False, HEAD_DTYPE=tl.bfloat16, OUT=out,
+                          NUM_STAGES=5)
+            if tma:      # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
+                # the [blocks, block_stride] cache viewed as [rows, D]; one box = one block's keys
+                stride = shapes.block_size * (d + 4 if fp8 else d)
+                desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{shapes.block_size},{d}]>"
+                specs.append(kernel_spec(
+                    indexer_tma._indexer_tma_kernel, "k31c::lightning_indexer", f"{tag},R={r}",
+                    dict(common, ROWS_PER_BLOCK=stride // d, HW_CVT=True, Q_RCP=False),
+                    dict(ptrs, k_desc=desc), num_warps=warps))
+            else:
+                specs.append(kernel_spec(
+                    _indexer_kernel, "k31c::lightning_indexer", f"{tag},R={r}",
+                    dict(common, D_PAD=max(16, triton.next_power_of_2(d)), KEYS=_GPU_KEYS_PER_STEP,
+                         HW_CVT=False),
+                    dict(ptrs, cache_ptr=cache_dt), num_warps=warps))
     return specs

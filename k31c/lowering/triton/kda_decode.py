@@ -1,4 +1,13 @@
-"""Triton kernel for `k31c::kda_decode` (spec/model.md §4.2-4.7): decode and multi-row verification.
+"""Triton kernel for `k31c::kda_decode` (spec/model.md §4.2-4.7): the fused one-launch variant.
+
+Not the default: `launch_kda_decode` (the registered launcher) runs the split variant
+(kda_decode_split.py: prep launch, lean state pass, norm launch) unless asked for
+variant="fused"; this kernel stays for benchmarks and as the split one's cross-check.
+Measured 2026-11-29 on the H200 with `PYTHONPATH=.:/tmp/vend python benchmarks/try_kda.py`
+(CUDA-graph replay, B=16, H=96, K=V=128, bf16 activations, fp32 state), best tile of each:
+  R=1: fused 110.6 us, split 65.4 us (BV=64, 4 warps), fla fused_recurrent_kda 66 us;
+  R=4: fused 213.0 us, split 82.4 us (BV=32, 2 warps), fla 150.2 us;
+  R=4 with snapshots: fused 322.0 us, split 201.5 us.
 
 One launch does the whole layer tail. A program owns one (request, head, tile of BV value
 channels): it loads its [K, BV] slice of the fp32 state once, runs the request's R rows one
@@ -205,17 +214,29 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
 
 def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                       conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv, snap_state,
-                      block_v: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """The launch itself, with the tuning knobs exposed for benchmarks. Default tile: the best
-    measured on the H200 at B=16, H=96 (BV=32 for one row, BV=64 for verify rows)."""
+                      block_v: int | None = None, num_warps: int | None = None,
+                      variant: str = "split", **split_knobs) -> torch.Tensor:
+    """The launch itself, with the tuning knobs exposed for benchmarks.
+    variant: "split" (the default: kda_decode_split's prep, lean state pass, norm; split_knobs go
+    to its launcher) or "fused" (this module's one-kernel launch). block_v / num_warps default
+    to the variant's best tile measured on the H200 at B=16, H=96 (`decode_tile`)."""
     N, H, K, W = _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, rows, snap_conv, snap_state)
     check_kda_layout(q, K, conv_state, recurrent)
     if snap_conv is not None and not (snap_conv.is_contiguous() and snap_state.is_contiguous()):
         raise ValueError("snap_conv, snap_state: expected contiguous buffers (written in place)")
-    B = slots.shape[0]
-    BV = min(block_v or (32 if rows == 1 else 64), K)
+    if variant != "split" and (variant != "fused" or split_knobs):
+        raise ValueError(f"variant: expected 'split' or 'fused' (knobs {sorted(split_knobs)} "
+                         f"only with 'split'), got {variant!r}")
+    BV, num_warps = decode_tile(rows, K, variant, block_v, num_warps)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
+    if variant == "split":
+        from .kda_decode_split import launch_split
+        return launch_split(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                            conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv,
+                            snap_state, N, H, K, W, block_v=BV, num_warps=num_warps,
+                            **split_knobs)
+    B = slots.shape[0]
     out = torch.empty_like(q)
     o_raw = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     arrivals = torch.zeros(B * H, device=q.device, dtype=torch.int32)
@@ -232,6 +253,24 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     return out
 
 
+def decode_tile(rows: int, K: int, variant: str = "split", block_v: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int]:
+    """(BV, num_warps) a launch uses: the explicit ones, else the variant's best measured on the
+    H200 (module docstring): split (64, 4) for one row and (32, 2) for verify rows; fused
+    (32, 4) / (64, 4). BV is capped at K."""
+    if variant == "split":
+        bv, nw = (64, 4) if rows == 1 else (32, 2)
+    else:
+        bv, nw = (32 if rows == 1 else 64), 4
+    BV = min(block_v or bv, K)
+    if BV < 1 or K % BV or BV & (BV - 1):
+        raise ValueError(f"block_v: expected a power of two dividing K={K}, got {block_v}")
+    nw = num_warps or nw
+    if nw < 1 or nw & (nw - 1):
+        raise ValueError(f"num_warps: expected a power of two, got {num_warps}")
+    return BV, nw
+
+
 def check_kda_layout(q: torch.Tensor, K: int, conv_state: torch.Tensor,
                      recurrent: torch.Tensor) -> None:
     """What the KDA kernels need beyond the op's own checks (shared with kda_prefill)."""
@@ -246,9 +285,13 @@ def check_kda_layout(q: torch.Tensor, K: int, conv_state: torch.Tensor,
 
 def aot_specs(shapes) -> list:
     """The launches of `kda_decode` at `shapes` (lowering.aot.AotShapes), for the ahead-of-time
-    build: one row per request (plain decode) and R rows with per-row snapshots (verification),
-    with `launch_kda_decode`'s default tile; dtypes as the KDA block passes them."""
+    build, at `launch_kda_decode`'s default tiles; dtypes as the KDA block passes them. Split
+    (the default variant; kda_decode_split.split_specs): every rows-per-request count with and
+    without per-row snapshots. Fused (variant="fused", benchmarks): one row per request (plain
+    decode) and R rows with snapshots (verification)."""
     from k31c.lowering.aot import kernel_spec
+
+    from .kda_decode_split import split_specs
     cfg = shapes.cfg
     dt, f32 = cfg.torch_dtype, torch.float32
     K, W = cfg.kda_head_dim, cfg.short_conv_kernel_size
@@ -256,13 +299,14 @@ def aot_specs(shapes) -> list:
                  o_raw_ptr=f32, count_ptr=torch.int32, conv_w_ptr=f32, a_log_ptr=f32,
                  dt_bias_ptr=f32, norm_w_ptr=dt, conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64,
                  snap_conv_ptr=dt, snap_state_ptr=f32, lower_bound="fp32", eps="fp32", scale="fp32")
-    specs = []
+    specs = split_specs(shapes)
     for rows in shapes.rows_per_request:
         snap = rows > 1                       # verification rows write snapshots
+        BV, num_warps = decode_tile(rows, K, "fused")
         specs.append(kernel_spec(
-            _kda_decode_kernel, "k31c::kda_decode", f"R={rows}{',snap' if snap else ''}",
-            dict(ROWS=rows, RB=max(triton.next_power_of_2(rows), 2), K=K,
-                 BV=min(32 if rows == 1 else 64, K), W=W, WB=triton.next_power_of_2(max(W - 1, 1)),
+            _kda_decode_kernel, "k31c::kda_decode", f"fused,R={rows}{',snap' if snap else ''}",
+            dict(ROWS=rows, RB=max(triton.next_power_of_2(rows), 2), K=K, BV=BV, W=W,
+                 WB=triton.next_power_of_2(max(W - 1, 1)),
                  HAS_LOWER_BOUND=cfg.gate_lower_bound is not None, HAS_SNAP=snap),
-            types, num_warps=4))
+            types, num_warps=num_warps))
     return specs

@@ -1,0 +1,218 @@
+"""Lightning indexer scan, TMA variant: one cache block per step, loaded by a tensor descriptor.
+
+Same op and work split as `indexer.py` (a program owns a tile of ROWS rows — one request in the
+decode layout — and one of `splits` slices of each request's key range), but the inner step is
+one paged-cache block (BLOCK_SIZE keys, 64 on K3.1 Pro) instead of a gather of KEYS keys:
+
+- the block's keys are one TMA box: the cache is viewed as a [num_blocks · block_stride / D, D]
+  matrix (an FP8 block of 64 · 132 B is 66 rows of 128 B: 64 key rows, then 2 rows of scales),
+  so block b's keys are rows [b · ROWS_PER_BLOCK, + BLOCK_SIZE). The copy engine computes the
+  addresses and zero-fills a -1 (unused) block, where the gather spent ~150 integer instructions
+  per 128 keys on 64-bit addresses, block lookups and masks;
+- one m64 wgmma per step (keys as M, ROWS·heads = 128 query rows as N): a [64, 128] fp32
+  accumulator is 64 registers a thread with 4 warps (the 128-key gather step holds 128);
+- q is quantised to e4m3 with the hardware conversion (HW_CVT, `e4m3_hw`) instead of the
+  bit-exact fp32 emulation the interpreter needs: both round x / scale to nearest-even, so the
+  values agree; the emulation and a division per element made the gather kernel's prologue
+  ~6000 SASS instructions a thread (this one: ~2600), paid by every program.
+
+Estimate (H200, per 64-key block per SM, at ~17 B/cycle/SM of HBM): bytes 64·132 + 4 rows·64·4
+= 9.5 KB ≈ 550 cycles; FP8 MMA 64·128·128 MACs ≈ 256 cycles at 4096 MAC/cycle; issue 323 SASS
+instructions x 4 warps over 4 schedulers ≈ 323 cycles (the gather kernel: 745 per 128 keys at
+253 registers, 2 programs per SM; this one 168 registers, 3 programs per SM). Compiled for sm_90
+with Triton 3.7 on the CPU (SASS counted from cuobjdump); the H200 timings are below.
+
+Epilogue as in the gather kernel: ReLU, × w (q's scale folded in), sum over heads (or a second
+tl.dot, HEAD_DOT), × the key's fp32 scale (after the head sum: ReLU(s·x) = s·ReLU(x), s > 0),
+-inf past each row's length.
+
+Needs: D a power of two with D · elem_bytes a multiple of 16, BLOCK_SIZE a power of two <= 256,
+block_stride a multiple of D (the launcher falls back to the gather kernel otherwise).
+Status: the default of the registered `k31c::lightning_indexer` (indexer.py), with q_rcp=False.
+Measured 2026-11-29 on the H200 (`PYTHONPATH=. python benchmarks/try_indexer.py`, CUDA-graph
+replay, B16 x R4, 32 x 128 FP8 cache; floor = bytes over the measured copy bandwidth), us:
+
+    context   gather kernel    tma q_rcp   tma div_rn (q_rcp=False)   tma q_rcp stages=7
+    16K        30.5             31.9        27.4                       31.3
+    128K      137.3 (1.82x)    115.5       109.0 (1.45x)              114.1
+    1M        831.0 (1.38x)    799.2       779.4 (1.30x)              756.5 (1.26x)
+
+(128K also, with q_rcp: 8 warps 191, stages=4 160.5.) The stages columns ran with q_rcp: stages=7
+beats div_rn at 1M only, so the default stays 5 stages; div_rn with 7 stages is not yet timed.
+Without RCP the launcher sets no register cap: the sm_90a AOT build (fp8, R=4) then uses 255
+registers and 104 B of stack, so 2 programs fit an SM. Scores equalled the gather kernel's
+(max rel diff 0) and the reference op's to 3.1e-4. AOT: compiles for sm_90a and gfx950.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+
+
+@triton.jit
+def e4m3_hw(x, scale, RCP: tl.constexpr):
+    """x / scale (scale [M], one per row of x) clamped to ±448, to e4m3 by the hardware
+    conversion (cvt.rn.satfinite, nearest-even), as the reference quantises.
+
+    RCP: the quotient as y0 = x · (1/scale) plus one FMA correction, y0 + (x - y0·scale)/scale,
+    instead of a division per element (each a branchy div.rn sequence: ~1000 instructions and
+    no overlap across a [128, 128] tile); it equalled x / scale on all of 0.5M random values
+    checked on the CPU. ptxas then wants 255 registers for the prologue, so the launcher caps
+    them (maxnreg 168: 3 programs per SM; a few hundred one-time spills in the prologue)."""
+    if RCP:
+        inv = tl.div_rn(1.0, scale)[:, None]
+        y0 = x * inv
+        y = tl.fma(tl.fma(-y0, scale[:, None], x), inv, y0)
+    else:
+        y = tl.div_rn(x, scale[:, None])
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
+                        k_desc, cache_f32_ptr, block_stride, table_ptr, table_stride,
+                        row_req_ptr, row_len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
+                        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
+                        D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr,
+                        TAIL: tl.constexpr, FP8_CACHE: tl.constexpr, QUANT_Q: tl.constexpr,
+                        HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr,
+                        NUM_STAGES: tl.constexpr):
+    M: tl.constexpr = ROWS_PAD * H_PAD
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    first_row = tile * ROWS
+
+    m = tl.arange(0, M)
+    m_row = first_row + m // H_PAD
+    m_head = m % H_PAD
+    m_ok = (m // H_PAD < ROWS) & (m_row < n_rows) & (m_head < H)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + m_row.to(tl.int64)[:, None] * q_row_stride + m_head[:, None] * q_head_stride
+                + cols[None, :] * q_col_stride, mask=m_ok[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
+    if QUANT_Q:
+        q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
+        w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
+        if HW_CVT:
+            q_t = tl.trans(e4m3_hw(q, q_scale, Q_RCP).to(DOT_DTYPE))
+        else:
+            q_t = tl.trans(quantize_e4m3(q, q_scale[:, None]).to(DOT_DTYPE))
+    else:
+        q_t = tl.trans(q.to(DOT_DTYPE))       # [D, M]
+    if HEAD_DOT:
+        out_col = tl.arange(0, OUT)
+        w_mat = tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
+
+    r = tl.arange(0, OUT)
+    rows = first_row + r
+    row_ok = (r < ROWS) & (rows < n_rows)
+    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
+    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
+    out_row = out_ptr + rows.to(tl.int64) * capacity
+    minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
+    offs = tl.arange(0, BLOCK_SIZE)
+
+    for j in range(ROWS):
+        row = first_row + j
+        if row < n_rows:
+            req = tl.load(row_req_ptr + row)
+            prev_req = tl.load(row_req_ptr + row - 1, mask=j > 0, other=-1)
+            if (j == 0) | (req != prev_req):             # first row of a run of one request
+                sel = row_ok & (req_of_row == req)
+                req_ok = (req >= 0) & (req < n_req)
+                lens = tl.where(sel & req_ok, len_of_row, 0)
+                length = tl.max(lens, axis=0)
+                n_steps = tl.cdiv(length, BLOCK_SIZE)
+                table_row = table_ptr + req.to(tl.int64) * table_stride
+                for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
+                                     num_stages=NUM_STAGES):
+                    block = tl.load(table_row + step)
+                    # a -1 block: negative rows, outside the descriptor, read as zeros
+                    k = k_desc.load([block * ROWS_PER_BLOCK, 0])          # [BLOCK_SIZE, D]
+                    pos = step * BLOCK_SIZE + offs
+                    if FP8_CACHE:
+                        if k.dtype == tl.uint8:                          # interpreter: bytes
+                            k = k.to(tl.float8e4nv, bitcast=True)
+                        k_scale = tl.load(cache_f32_ptr + (block.to(tl.int64) * block_stride
+                                                           + BLOCK_SIZE * D) // 4 + offs,
+                                          mask=(block >= 0) & (offs >= 0), other=0.0)
+                    if DOT_DTYPE == tl.float32:
+                        logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+                    else:
+                        logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [BLOCK_SIZE, M]
+                    if HEAD_DOT:
+                        relu = tl.maximum(logits, 0.0).to(HEAD_DTYPE)
+                        if HEAD_DTYPE == tl.float32:
+                            scores = tl.dot(relu, w_mat, input_precision="ieee")
+                        else:
+                            scores = tl.dot(relu, w_mat)
+                    else:
+                        logits = tl.maximum(logits, 0.0) * w[None, :]
+                        scores = tl.sum(tl.reshape(logits, (BLOCK_SIZE, ROWS_PAD, H_PAD)), axis=2)
+                    if FP8_CACHE:
+                        scores = scores * k_scale[:, None]
+                    scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
+                    tl.store(out_row[None, :] + pos[:, None], scores,
+                             mask=sel[None, :] & (pos < capacity)[:, None])
+                tail_start = n_steps * BLOCK_SIZE
+                n_tail = tl.cdiv(capacity - tail_start, TAIL)
+                for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
+                    pos = tail_start + chunk * TAIL + tl.arange(0, TAIL)
+                    tl.store(out_row[:, None] + pos[None, :], minus_inf,
+                             mask=sel[:, None] & (pos < capacity)[None, :])
+
+
+def tma_supported(index_cache: torch.Tensor, d: int, block_size: int) -> bool:
+    """Whether the cache can be read as [rows, D] boxes of one block (see the module docstring)."""
+    if d & (d - 1) or d < 16 or block_size & (block_size - 1) or block_size > 256:
+        return False
+    return ((d * index_cache.element_size()) % 16 == 0 and index_cache.stride(0) % d == 0
+            and index_cache.data_ptr() % 16 == 0)
+
+
+def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, scores, *, block_size: int,
+                       rows: int, rows_pad: int, splits: int, quant_q: bool, dot_dtype, head_dot: bool,
+                       num_warps: int | None, num_stages: int, q_rcp: bool = False,
+                       maxnreg: int | None = None) -> torch.Tensor:
+    """Launch on checked arguments (`indexer.launch_indexer(..., variant="tma")` derives them).
+    q_rcp: see `e4m3_hw`; maxnreg: register cap (default on the GPU: 168 with q_rcp, 4 warps and
+    at most 128 query rows a tile, so 3 programs fit an SM; 0: none)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, heads, d = q.shape
+    on_gpu = q.device.type == "cuda"
+    fp8 = index_cache.dtype == torch.uint8
+    capacity = scores.shape[1]
+    h_pad = triton.next_power_of_2(heads)
+    if fp8:
+        base = index_cache.view(torch.float8_e4m3fn) if on_gpu else index_cache
+        rows_per_block = index_cache.stride(0) // d
+    else:
+        base = index_cache
+        rows_per_block = index_cache.stride(0) // d          # = block_size for [blocks, bs, d]
+    total_rows = index_cache.shape[0] * rows_per_block
+    k_desc = TensorDescriptor(base, [total_rows, d], [d, 1], [block_size, d])
+    out = max(16, rows_pad) if head_dot else rows_pad
+    head_dtype = tl.float32 if dot_dtype == tl.float32 else tl.bfloat16
+    cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
+    m = rows_pad * h_pad
+    if num_warps is None:
+        num_warps = 8 if m > 128 else 4        # [BLOCK_SIZE, m] fp32 accumulator in registers
+    extra = {}
+    if maxnreg is None:
+        maxnreg = 168 if (q_rcp and quant_q and num_warps == 4 and m <= 128) else 0
+    if on_gpu and maxnreg:
+        extra["maxnreg"] = maxnreg
+    _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
+        q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
+        k_desc, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
+        row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
+        ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, BLOCK_SIZE=block_size,
+        ROWS_PER_BLOCK=rows_per_block, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
+        QUANT_Q=quant_q, HW_CVT=on_gpu, Q_RCP=q_rcp, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot,
+        HEAD_DTYPE=head_dtype, OUT=out, NUM_STAGES=num_stages, num_warps=num_warps, **extra)
+    return scores
