@@ -232,7 +232,8 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     if not on_gpu or exact_dot or index_cache.dtype == torch.float32:
         dot_dtype = tl.float32            # the interpreter's 16-bit and fp8 dots are not trusted
     elif fp8:
-        dot_dtype = tl.float8e4nv if quant_q else tl.bfloat16
+        # an FP8 tl.dot needs an inner size >= 32; below it, bf16 holds e4m3 values exactly
+        dot_dtype = tl.float8e4nv if quant_q and q.shape[2] >= 32 else tl.bfloat16
     else:
         dot_dtype = tl.bfloat16 if index_cache.dtype == torch.bfloat16 else tl.float16
     if fp8 and not quant_q and dot_dtype == tl.bfloat16:

@@ -170,6 +170,8 @@ def tma_supported(index_cache: torch.Tensor, d: int, block_size: int) -> bool:
     """Whether the cache can be read as [rows, D] boxes of one block (see the module docstring)."""
     if d & (d - 1) or d < 16 or block_size & (block_size - 1) or block_size > 256:
         return False
+    if index_cache.dtype == torch.uint8 and d < 32 and index_cache.device.type == "cuda":
+        return False            # an FP8 tl.dot needs an inner size >= 32 on the GPU
     return ((d * index_cache.element_size()) % 16 == 0 and index_cache.stride(0) % d == 0
             and index_cache.data_ptr() % 16 == 0)
 
