@@ -100,10 +100,10 @@ def test_decode_k32_snapshots_fp16():
 
 def test_decode_tile_defaults():
     # per-R defaults measured on the H200 (kda_decode docstring); explicit knobs win
-    assert decode_tile(1, 128) == (64, 4) and decode_tile(4, 128) == (32, 2)
+    assert decode_tile(1, 128) == (32, 4) and decode_tile(4, 128) == (32, 2)
     assert decode_tile(1, 128, "fused") == (32, 4) and decode_tile(4, 128, "fused") == (64, 4)
     assert decode_tile(4, 128, block_v=16) == (16, 2)
-    assert decode_tile(1, 128, num_warps=8) == (64, 8)
+    assert decode_tile(1, 128, num_warps=8) == (32, 8)
     assert decode_tile(1, 32) == (32, 4)                       # capped at K
     with pytest.raises(ValueError, match="block_v"):
         decode_tile(1, 128, block_v=48)
@@ -111,7 +111,7 @@ def test_decode_tile_defaults():
         decode_tile(1, 128, num_warps=3)
 
 
-@pytest.mark.parametrize("rows,tile", [(1, (64, 4)), (4, (32, 2))])
+@pytest.mark.parametrize("rows,tile", [(1, (32, 4)), (4, (32, 2))])
 def test_registered_launcher_runs_split_default(rows, tile, monkeypatch):
     # the registered `k31c::kda_decode` launcher takes the split variant at the per-R tile
     import k31c.lowering.triton.kda_decode_split as split

@@ -256,10 +256,10 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
 def decode_tile(rows: int, K: int, variant: str = "split", block_v: int | None = None,
                 num_warps: int | None = None) -> tuple[int, int]:
     """(BV, num_warps) a launch uses: the explicit ones, else the variant's best measured on the
-    H200 (module docstring): split (64, 4) for one row and (32, 2) for verify rows; fused
-    (32, 4) / (64, 4). BV is capped at K."""
+    H200 (module docstring): split (32, 4) for one row (67.0 / 67.3 us in two runs; (64, 4) gave
+    65.4 / 70.6) and (32, 2) for verify rows; fused (32, 4) / (64, 4). BV is capped at K."""
     if variant == "split":
-        bv, nw = (64, 4) if rows == 1 else (32, 2)
+        bv, nw = (32, 4) if rows == 1 else (32, 2)
     else:
         bv, nw = (32 if rows == 1 else 64), 4
     BV = min(block_v or bv, K)
