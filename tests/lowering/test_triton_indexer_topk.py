@@ -18,12 +18,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 LAUNCHERS = {"pair": indexer_topk.lightning_indexer_topk, "fused": indexer_topk.lightning_indexer_topk_fused}
 
 
-@pytest.fixture(autouse=True)
-def small_constants(monkeypatch):
-    if not CUDA:
-        monkeypatch.setattr(topk, "CAP", 64)
-        monkeypatch.setattr(topk, "SAMPLES", 64)
-        monkeypatch.setattr(topk, "FB_PROGRAMS", 4)
+pytestmark = pytest.mark.usefixtures("small_topk_constants")   # tests/lowering/conftest.py
 
 
 def _run(launcher, args, row_len, k):

@@ -18,12 +18,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
 
 
-@pytest.fixture(autouse=True)
-def small_constants(monkeypatch):
-    if not CUDA:
-        monkeypatch.setattr(topk, "CAP", 64)
-        monkeypatch.setattr(topk, "SAMPLES", 64)
-        monkeypatch.setattr(topk, "FB_PROGRAMS", 4)
+pytestmark = pytest.mark.usefixtures("small_topk_constants")   # tests/lowering/conftest.py
 
 
 def _same_sets(got: torch.Tensor, ref: torch.Tensor) -> None:

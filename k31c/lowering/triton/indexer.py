@@ -45,8 +45,7 @@ import triton.language as tl
 
 from k31c.graph.ops.indexer import _check_indexer
 from k31c.lowering.registry import register
-from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
-from k31c.lowering.triton.indexer_tma import e4m3_hw
+from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
 
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
@@ -73,33 +72,19 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
     HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
     W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r (OUT >= 16 columns, rows past
     ROWS unused); else ReLU, x w and a sum over a [KEYS, ROWS_PAD, H_PAD] view (OUT = ROWS_PAD)."""
-    M: tl.constexpr = ROWS_PAD * H_PAD
     tile = tl.program_id(0)
     split = tl.program_id(1)
     first_row = tile * ROWS
 
     # The tile's queries, one tl.dot operand row per (row, head), loaded (and quantised) once.
-    m = tl.arange(0, M)
-    m_row = first_row + m // H_PAD
-    m_head = m % H_PAD
-    m_ok = (m // H_PAD < ROWS) & (m_row < n_rows) & (m_head < H)
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
-    q = tl.load(q_ptr + m_row.to(tl.int64)[:, None] * q_row_stride + m_head[:, None] * q_head_stride
-                + cols[None, :] * q_col_stride, mask=m_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
-    if QUANT_Q:
-        q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
-        if HW_CVT:
-            q_t = tl.trans(e4m3_hw(q, q_scale, False).to(DOT_DTYPE))
-        else:
-            q_t = tl.trans(quantize_e4m3(q, q_scale[:, None]).to(DOT_DTYPE))
-        w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
-    else:
-        q_t = tl.trans(q.to(DOT_DTYPE))       # [D_PAD, M]
+    q_t, w = query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                        w_head_stride, first_row, n_rows, col_ok, ROWS, ROWS_PAD, H, H_PAD, D_PAD,
+                        QUANT_Q, HW_CVT, False, DOT_DTYPE)
+    w_mat = w
     if HEAD_DOT:
-        out_col = tl.arange(0, OUT)
-        w_mat = tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
+        w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
 
     r = tl.arange(0, OUT)
     rows = first_row + r
@@ -136,31 +121,11 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                             k = k.to(tl.float8e4nv, bitcast=True)
                         k_scale = tl.load(cache_f32_ptr + (block * block_stride + BLOCK_SIZE * D) // 4 + offset,
                                           mask=key_ok, other=0.0)
-                    if DOT_DTYPE == tl.float32:
-                        logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
                     else:
-                        logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [KEYS, M] fp32
-                    if HEAD_DOT:
-                        relu = tl.maximum(logits, 0.0).to(HEAD_DTYPE)
-                        if HEAD_DTYPE == tl.float32:
-                            scores = tl.dot(relu, w_mat, input_precision="ieee")   # [KEYS, OUT]
-                        else:
-                            scores = tl.dot(relu, w_mat)
-                    else:
-                        logits = tl.maximum(logits, 0.0) * w[None, :]
-                        scores = tl.sum(tl.reshape(logits, (KEYS, ROWS_PAD, H_PAD)), axis=2)
-                    if FP8_CACHE:
-                        scores = scores * k_scale[:, None]
-                    scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
-                    tl.store(out_row[None, :] + pos[:, None], scores,
-                             mask=sel[None, :] & (pos < capacity)[:, None])
-                # -inf over the rest of the rows, shared out over the same programs.
-                tail_start = n_steps * KEYS
-                n_tail = tl.cdiv(capacity - tail_start, TAIL)
-                for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
-                    pos = tail_start + chunk * TAIL + tl.arange(0, TAIL)
-                    tl.store(out_row[:, None] + pos[None, :], minus_inf,
-                             mask=sel[:, None] & (pos < capacity)[None, :])
+                        k_scale = offset                                 # unused without FP8
+                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, KEYS,
+                               ROWS_PAD, H_PAD, FP8_CACHE, DOT_DTYPE, HEAD_DOT, HEAD_DTYPE)
+                fill_tail(out_row, sel, capacity, n_steps * KEYS, split, n_splits, minus_inf, TAIL)
 
 
 def _tile_rows(n_rows: int, n_req: int, h_pad: int) -> tuple[int, int]:

@@ -49,26 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
-
-
-@triton.jit
-def e4m3_hw(x, scale, RCP: tl.constexpr):
-    """x / scale (scale [M], one per row of x) clamped to ±448, to e4m3 by the hardware
-    conversion (cvt.rn.satfinite, nearest-even), as the reference quantises.
-
-    RCP: the quotient as y0 = x · (1/scale) plus one FMA correction, y0 + (x - y0·scale)/scale,
-    instead of a division per element (each a branchy div.rn sequence: ~1000 instructions and
-    no overlap across a [128, 128] tile); it equalled x / scale on all of 0.5M random values
-    checked on the CPU. ptxas then wants 255 registers for the prologue, so the launcher caps
-    them (maxnreg 168: 3 programs per SM; a few hundred one-time spills in the prologue)."""
-    if RCP:
-        inv = tl.div_rn(1.0, scale)[:, None]
-        y0 = x * inv
-        y = tl.fma(tl.fma(-y0, scale[:, None], x), inv, y0)
-    else:
-        y = tl.div_rn(x, scale[:, None])
-    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
 
 
 @triton.jit
@@ -81,31 +62,17 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                         HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr,
                         NUM_STAGES: tl.constexpr):
-    M: tl.constexpr = ROWS_PAD * H_PAD
     tile = tl.program_id(0)
     split = tl.program_id(1)
     first_row = tile * ROWS
 
-    m = tl.arange(0, M)
-    m_row = first_row + m // H_PAD
-    m_head = m % H_PAD
-    m_ok = (m // H_PAD < ROWS) & (m_row < n_rows) & (m_head < H)
-    cols = tl.arange(0, D)
-    q = tl.load(q_ptr + m_row.to(tl.int64)[:, None] * q_row_stride + m_head[:, None] * q_head_stride
-                + cols[None, :] * q_col_stride, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
-    if QUANT_Q:
-        q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
-        w = w * q_scale                       # ReLU(s·x) = s·ReLU(x) for s > 0
-        if HW_CVT:
-            q_t = tl.trans(e4m3_hw(q, q_scale, Q_RCP).to(DOT_DTYPE))
-        else:
-            q_t = tl.trans(quantize_e4m3(q, q_scale[:, None]).to(DOT_DTYPE))
-    else:
-        q_t = tl.trans(q.to(DOT_DTYPE))       # [D, M]
+    all_cols = tl.full((D,), 1, tl.int1)                 # D is a power of two: no padding
+    q_t, w = query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                        w_head_stride, first_row, n_rows, all_cols, ROWS, ROWS_PAD, H, H_PAD, D,
+                        QUANT_Q, HW_CVT, Q_RCP, DOT_DTYPE)
+    w_mat = w
     if HEAD_DOT:
-        out_col = tl.arange(0, OUT)
-        w_mat = tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
+        w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
 
     r = tl.arange(0, OUT)
     rows = first_row + r
@@ -140,30 +107,13 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                         k_scale = tl.load(cache_f32_ptr + (block.to(tl.int64) * block_stride
                                                            + BLOCK_SIZE * D) // 4 + offs,
                                           mask=(block >= 0) & (offs >= 0), other=0.0)
-                    if DOT_DTYPE == tl.float32:
-                        logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
                     else:
-                        logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [BLOCK_SIZE, M]
-                    if HEAD_DOT:
-                        relu = tl.maximum(logits, 0.0).to(HEAD_DTYPE)
-                        if HEAD_DTYPE == tl.float32:
-                            scores = tl.dot(relu, w_mat, input_precision="ieee")
-                        else:
-                            scores = tl.dot(relu, w_mat)
-                    else:
-                        logits = tl.maximum(logits, 0.0) * w[None, :]
-                        scores = tl.sum(tl.reshape(logits, (BLOCK_SIZE, ROWS_PAD, H_PAD)), axis=2)
-                    if FP8_CACHE:
-                        scores = scores * k_scale[:, None]
-                    scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
-                    tl.store(out_row[None, :] + pos[:, None], scores,
-                             mask=sel[None, :] & (pos < capacity)[:, None])
-                tail_start = n_steps * BLOCK_SIZE
-                n_tail = tl.cdiv(capacity - tail_start, TAIL)
-                for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
-                    pos = tail_start + chunk * TAIL + tl.arange(0, TAIL)
-                    tl.store(out_row[:, None] + pos[None, :], minus_inf,
-                             mask=sel[:, None] & (pos < capacity)[None, :])
+                        k_scale = offs                                   # unused without FP8
+                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity,
+                               BLOCK_SIZE, ROWS_PAD, H_PAD, FP8_CACHE, DOT_DTYPE, HEAD_DOT,
+                               HEAD_DTYPE)
+                fill_tail(out_row, sel, capacity, n_steps * BLOCK_SIZE, split, n_splits, minus_inf,
+                          TAIL)
 
 
 def tma_supported(index_cache: torch.Tensor, d: int, block_size: int) -> bool:

@@ -92,6 +92,34 @@ def _copy_window(in_ptr, conv_row_ptr, dst_ptr, pos0, tok0, ch_in, ch_conv, live
 
 
 @triton.jit
+def update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
+                   P, HAS_SNAP: tl.constexpr, ROWS: tl.constexpr, W: tl.constexpr,
+                   WB: tl.constexpr):
+    """The conv windows of channels ch after the request's ROWS rows: per-row snapshots (when
+    HAS_SNAP) and the new window in place. The new window may still hold old window rows
+    (ROWS < W-1), so every thread reads the old window before any thread overwrites it."""
+    if HAS_SNAP:
+        for r in range(ROWS):
+            snap_conv = snap_conv_ptr + (row0_64 + r) * (W - 1) * 3 * P
+            tok = tok0 + r + 1
+            _copy_window(q_ptr, conv_row, snap_conv, r + 1, tok, ch, ch, live, P, W, WB)
+            _copy_window(k_ptr, conv_row, snap_conv, r + 1, tok, ch, P + ch, live, P, W, WB)
+            _copy_window(v_ptr, conv_row, snap_conv, r + 1, tok, ch, 2 * P + ch, live, P, W, WB)
+    i = tl.arange(0, WB)
+    wm = i < W - 1
+    tok = tok0 + ROWS
+    win_q = window_rows(q_ptr, conv_row, ROWS, tok, i, ch, ch, live, wm, P, W)
+    win_k = window_rows(k_ptr, conv_row, ROWS, tok, i, ch, P + ch, live, wm, P, W)
+    win_v = window_rows(v_ptr, conv_row, ROWS, tok, i, ch, 2 * P + ch, live, wm, P, W)
+    tl.debug_barrier()
+    win_mask = (wm & live)[:, None]
+    dst = conv_row + (i[:, None] * (3 * P) + ch[None, :])
+    tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+
+
+@triton.jit
 def row_of(x, rows, r):
     """Row r of a 2-D tile as a vector (rows = arange over dim 0)."""
     return tl.sum(tl.where(rows[:, None] == r, x, 0.0), axis=0)
@@ -174,28 +202,8 @@ def _kda_decode_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, out_ptr, 
             * tl.sigmoid(gate.to(tl.float32))
         tl.store(out_ptr + row0_64 * P + tile,
                  tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty), mask=m2)
-        if HAS_SNAP:
-            for r in range(ROWS):
-                snap_conv = snap_conv_ptr + (row0_64 + r) * (W - 1) * 3 * P
-                tok = tok0 + r + 1
-                _copy_window(q_ptr, conv_row, snap_conv, r + 1, tok, ch, ch, live, P, W, WB)
-                _copy_window(k_ptr, conv_row, snap_conv, r + 1, tok, ch, P + ch, live, P, W, WB)
-                _copy_window(v_ptr, conv_row, snap_conv, r + 1, tok, ch, 2 * P + ch, live, P,
-                             W, WB)
-        # The new window may still contain old window rows (ROWS < W-1): every thread must have
-        # read the old window before any thread overwrites it.
-        i = tl.arange(0, WB)
-        wm = i < W - 1
-        tok = tok0 + ROWS
-        win_q = window_rows(q_ptr, conv_row, ROWS, tok, i, ch, ch, live, wm, P, W)
-        win_k = window_rows(k_ptr, conv_row, ROWS, tok, i, ch, P + ch, live, wm, P, W)
-        win_v = window_rows(v_ptr, conv_row, ROWS, tok, i, ch, 2 * P + ch, live, wm, P, W)
-        tl.debug_barrier()
-        win_mask = (wm & live)[:, None]
-        dst = conv_row + (i[:, None] * (3 * P) + ch[None, :])
-        tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
-        tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
-        tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+        update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch,
+                       live, P, HAS_SNAP, ROWS, W, WB)
         tl.atomic_xchg(count_ptr + b * H + h, 0)                      # ready for the next call
 
 

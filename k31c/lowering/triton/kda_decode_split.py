@@ -40,8 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_decode import (_L2_EPS, _copy_window, conv_silu_rows, decode_tile, kda_gate_math,
-                         window_rows)
+from .kda_decode import _L2_EPS, conv_silu_rows, decode_tile, kda_gate_math, update_windows
 
 PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
 NORM_WARPS = 4
@@ -87,26 +86,8 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
     tl.store(vs_ptr + base, v, mask=m2)
     tl.store(ds_ptr + base, decay, mask=m2)
     tl.store(bs_ptr + row0_64 * H + (rr * H + h), beta, mask=rv)
-    if HAS_SNAP:
-        for r in range(ROWS):
-            snap_conv = snap_conv_ptr + (row0_64 + r) * (W - 1) * 3 * P
-            tok = tok0 + r + 1
-            _copy_window(q_ptr, conv_row, snap_conv, r + 1, tok, ch, ch, live, P, W, WB)
-            _copy_window(k_ptr, conv_row, snap_conv, r + 1, tok, ch, P + ch, live, P, W, WB)
-            _copy_window(v_ptr, conv_row, snap_conv, r + 1, tok, ch, 2 * P + ch, live, P, W, WB)
-    # the new window may still hold old window rows (ROWS < W-1): read it all before writing
-    i = tl.arange(0, WB)
-    wm = i < W - 1
-    tok = tok0 + ROWS
-    win_q = window_rows(q_ptr, conv_row, ROWS, tok, i, ch, ch, live, wm, P, W)
-    win_k = window_rows(k_ptr, conv_row, ROWS, tok, i, ch, P + ch, live, wm, P, W)
-    win_v = window_rows(v_ptr, conv_row, ROWS, tok, i, ch, 2 * P + ch, live, wm, P, W)
-    tl.debug_barrier()
-    win_mask = (wm & live)[:, None]
-    dst = conv_row + (i[:, None] * (3 * P) + ch[None, :])
-    tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
-    tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
+                   P, HAS_SNAP, ROWS, W, WB)
 
 
 @triton.jit

@@ -1,0 +1,105 @@
+"""What both lightning-indexer kernels share (indexer.py gathers keys row by row; indexer_tma.py
+bulk-copies whole cache blocks): the hardware e4m3 quantisation of q, the query tile loaded once
+per program, and the scoring of one block of keys against it (ReLU, head weights, key scale,
+row-length mask, store). Inlined into each kernel by Triton."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
+
+
+@triton.jit
+def e4m3_hw(x, scale, RCP: tl.constexpr):
+    """x / scale (scale [M], one per row of x) clamped to ±448, to e4m3 by the hardware
+    conversion (cvt.rn.satfinite, nearest-even), as the reference quantises.
+
+    RCP: the quotient as y0 = x · (1/scale) plus one FMA correction, y0 + (x - y0·scale)/scale,
+    instead of a division per element (each a branchy div.rn sequence: ~1000 instructions and
+    no overlap across a [128, 128] tile); it equalled x / scale on all of 0.5M random values
+    checked on the CPU. ptxas then wants 255 registers for the prologue, so the launcher caps
+    them (maxnreg 168: 3 programs per SM; a few hundred one-time spills in the prologue)."""
+    if RCP:
+        inv = tl.div_rn(1.0, scale)[:, None]
+        y0 = x * inv
+        y = tl.fma(tl.fma(-y0, scale[:, None], x), inv, y0)
+    else:
+        y = tl.div_rn(x, scale[:, None])
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
+               first_row, n_rows, q_mask_cols, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+               H: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANT_Q: tl.constexpr,
+               HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The tile's queries as one tl.dot operand, a column per (row, head): (q_t [D_PAD, M], w [M]),
+    q quantised to e4m3 per (row, head) when QUANT_Q, its scale folded into w (ReLU(s·x) =
+    s·ReLU(x) for s > 0). q_mask_cols: [D_PAD] columns that exist."""
+    M: tl.constexpr = ROWS_PAD * H_PAD
+    m = tl.arange(0, M)
+    m_row = first_row + m // H_PAD
+    m_head = m % H_PAD
+    m_ok = (m // H_PAD < ROWS) & (m_row < n_rows) & (m_head < H)
+    cols = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + m_row.to(tl.int64)[:, None] * q_row_stride + m_head[:, None] * q_head_stride
+                + cols[None, :] * q_col_stride, mask=m_ok[:, None] & q_mask_cols[None, :],
+                other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
+    if QUANT_Q:
+        q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
+        w = w * q_scale
+        if HW_CVT:
+            q_t = tl.trans(e4m3_hw(q, q_scale, Q_RCP).to(DOT_DTYPE))
+        else:
+            q_t = tl.trans(quantize_e4m3(q, q_scale[:, None]).to(DOT_DTYPE))
+    else:
+        q_t = tl.trans(q.to(DOT_DTYPE))
+    return q_t, w
+
+
+@triton.jit
+def head_weights(w, ROWS_PAD: tl.constexpr, H_PAD: tl.constexpr, OUT: tl.constexpr,
+                 HEAD_DTYPE: tl.constexpr):
+    """W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r: the weighted head sum as a
+    second tl.dot (HEAD_DOT)."""
+    m = tl.arange(0, ROWS_PAD * H_PAD)
+    out_col = tl.arange(0, OUT)
+    return tl.where((m // H_PAD)[:, None] == out_col[None, :], w[:, None], 0.0).to(HEAD_DTYPE)
+
+
+@triton.jit
+def score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, KEYS: tl.constexpr,
+               ROWS_PAD: tl.constexpr, H_PAD: tl.constexpr, FP8_CACHE: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr):
+    """Scores of KEYS keys (k [KEYS, D_PAD], positions pos) for the tile's rows: ReLU(k·q) times
+    the head weights summed per row, times the key's scale (FP8), -inf at or past each row's
+    length, stored to the selected rows (sel) of out_row."""
+    if DOT_DTYPE == tl.float32:
+        logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
+    else:
+        logits = tl.dot(k.to(DOT_DTYPE), q_t)                  # [KEYS, M] fp32
+    if HEAD_DOT:
+        relu = tl.maximum(logits, 0.0).to(HEAD_DTYPE)
+        if HEAD_DTYPE == tl.float32:
+            scores = tl.dot(relu, w_mat, input_precision="ieee")   # [KEYS, OUT]
+        else:
+            scores = tl.dot(relu, w_mat)
+    else:
+        logits = tl.maximum(logits, 0.0) * w[None, :]
+        scores = tl.sum(tl.reshape(logits, (KEYS, ROWS_PAD, H_PAD)), axis=2)
+    if FP8_CACHE:
+        scores = scores * k_scale[:, None]
+    scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
+    tl.store(out_row[None, :] + pos[:, None], scores, mask=sel[None, :] & (pos < capacity)[:, None])
+
+
+@triton.jit
+def fill_tail(out_row, sel, capacity, tail_start, split, n_splits, minus_inf, TAIL: tl.constexpr):
+    """-inf over the row positions past the scored blocks, shared out over the split programs."""
+    n_tail = tl.cdiv(capacity - tail_start, TAIL)
+    for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
+        pos = tail_start + chunk * TAIL + tl.arange(0, TAIL)
+        tl.store(out_row[:, None] + pos[None, :], minus_inf,
+                 mask=sel[:, None] & (pos < capacity)[None, :])
