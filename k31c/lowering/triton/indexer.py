@@ -18,17 +18,9 @@ Work split:
 The registered launcher runs the second kernel, indexer_tma.py (`variant="tma"`: one cache block
 a step through a TMA tensor descriptor, q quantised by the hardware conversion with a true
 division, q_rcp=False), and this module's gather kernel where the cache layout does not fit a
-descriptor (`indexer_tma.tma_supported`); `variant="gather"` still runs it. Measured 2026-11-29
-on the H200 (`PYTHONPATH=. python benchmarks/try_indexer.py`: CUDA-graph replay, B16 x R4,
-32 x 128 FP8 index cache; floor = bytes over the measured copy bandwidth):
-
-    context   gather            tma (q_rcp)   tma div_rn (default)   tma q_rcp stages=7
-    16K        30.5 us           31.9          27.4                   31.3
-    128K      137.3 (1.82x)     115.5         109.0 (1.45x)          114.1
-    1M        831.0 (1.38x)     799.2         779.4 (1.30x)          756.5 (1.26x)
-
-(128K also, with q_rcp: 8 warps 191, stages=4 160.5.) Every variant's scores equalled the gather
-kernel's (max rel diff 0) and the reference op's to 3.1e-4. On ROCm (mi350x) the tma kernel
+descriptor (`indexer_tma.tma_supported`); `variant="gather"` still runs it. On the H200 the TMA
+kernel took 109 us at 128K (1.45x the bytes floor) where this one took 137 us (1.82x); the table
+is in indexer_tma.py, the latest run in BENCHMARKS.md. On ROCm (mi350x) the TMA kernel
 AOT-compiles for gfx950 and is the default there too (`_DEFAULT_VARIANT`), not yet timed.
 
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per

@@ -15,6 +15,14 @@ passes instead, each with a small accumulator and many programs in flight:
 Only the selected rows are read (twice: as keys, then as values); p is BF16 like the P of a
 flash-attention kernel, so the result matches the one-pass kernel to bf16 rounding. Empty slots
 (-1) get probability 0; a row without any key gives out = 0 and lse = +inf (the reference's rule).
+
+Where it stands (H200, B16 x R4, 96 heads, k = 2048, 2026-11-29): 149-170 us under CUDA-graph
+replay from 16K to 1M (4.3-4.9x the bf16 compute floor of 34.7 us; BENCHMARKS.md, whole-layer
+table), 0.25-0.34 ms by direct call, where the one-pass kernel takes 0.30-0.42 ms. Launch-config
+sweep at 128K (`python benchmarks/bench_mla.py --sweep`, direct calls): 128 value columns a
+program 267 us, 256 columns with 8 warps 238 us, 4 scores stages 248 us, 64-key score blocks
+283 us, 32-head tiles 395 us. Both passes gather the selected rows from HBM (2 x 151 MB of
+random 1152-byte rows), which is what keeps it above the compute floor.
 """
 from __future__ import annotations
 
