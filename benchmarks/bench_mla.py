@@ -157,6 +157,8 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     return rows
 
 
+# launch configs: the one-pass kernel (mla.py: sparse with 1 or 2 key splits, dense), then the
+# two-pass sparse kernel (mla_two_pass.py) around its defaults
 SWEEP = [dict(bn=32, num_stages=3, splits=s) for s in (1, 2)] + [
     dict(dense=True, bn=32, num_stages=3)] + [
     dict(two_pass=True, **c) for c in (
