@@ -114,3 +114,25 @@ def test_real_shapes(launcher):
     row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
     row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
     _run(launcher, args, row_len, k)
+
+
+def test_strided_index_arguments_are_rejected():
+    """Lengths, request ids and block tables are read with unit stride: a strided view is refused
+    by name instead of being misread."""
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(4, 300, generator=gen).to(DEVICE)
+    lens = torch.tensor([300, 9, 120, 300, 0, 0, 0, 0], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="row_len"):
+        topk.topk_select(scores, lens[::2], 16)
+    q, w, cache, table, row_req = (a.to(DEVICE) for a in _indexer_inputs(
+        torch.Generator().manual_seed(5), 2, 2, 4, 16, 8, 12, torch.float32, "fp8"))
+    row_len = torch.tensor([30, 31, 90, 91], dtype=torch.int32, device=DEVICE)
+    indexer.launch_indexer(q, w, cache, table, row_req, row_len)          # the packed ones pass
+    with pytest.raises(ValueError, match="block_table"):
+        indexer.launch_indexer(q, w, cache, table.t().contiguous().t(), row_req, row_len)
+    with pytest.raises(ValueError, match="row_len"):
+        indexer.launch_indexer(q, w, cache, table, row_req, torch.stack([row_len, row_len], 1)[:, 0])
+    with pytest.raises(ValueError, match="row_req"):
+        indexer.launch_indexer(q, w, cache, table, torch.stack([row_req, row_req], 1)[:, 0], row_len)
+    with pytest.raises(ValueError, match="splits"):
+        indexer.launch_indexer(q, w, cache, table, row_req, row_len, splits=0)

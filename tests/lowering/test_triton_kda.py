@@ -86,6 +86,26 @@ def test_decode_small(rows, lb, variant):
                  device=DEV, seed=rows + (lb is None), fn=fn)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"variant": "split", "block_v": 8}, {"variant": "fused"}])
+def test_decode_padding_rows_with_garbage_inputs(knobs):
+    """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
+    output rows are 0 as in the reference, and the live requests are unaffected."""
+    H, K, B, rows = 2, 16, 3, 2
+    gen = torch.Generator().manual_seed(21)
+    params, conv, state = make_layer(H, K, 6, torch.float32, DEV, gen)
+    tok = make_tokens(B * rows, H, K, torch.float32, DEV, gen)
+    slots = torch.randperm(6, generator=gen)[:B].to(DEV)
+    slots[1] = -1
+    for t in tok.values():
+        t[rows:2 * rows] = float("nan")                        # the padding request's rows
+    fn = partial(launch_kda_decode, **knobs)
+    got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
+    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
+    assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
+    for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
+        close(name, g, w, torch.float32)
+
+
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_decode_value_tiles(lb):
     # fused: 4 programs per head meet in the gated norm; the last to arrive writes the head's tail
@@ -229,3 +249,12 @@ def test_prefill_rejects_bad_chunk():
     with pytest.raises(ValueError, match="chunk_size"):
         kda_prefill(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                     torch.tensor([0]), cu, -5.0, EPS, 24)
+
+
+def test_decode_rejects_strided_slots():
+    gen = torch.Generator().manual_seed(22)
+    params, conv, state = make_layer(2, 16, 6, torch.float32, DEV, gen)
+    tok = make_tokens(3, 2, 16, torch.float32, DEV, gen)
+    slots = torch.arange(6, device=DEV)[::2]                    # 3 requests, stride 2
+    with pytest.raises(ValueError, match="slots"):
+        run_decode(kda_decode, tok, params, conv, state, slots, 1, -5.0, False)

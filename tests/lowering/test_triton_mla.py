@@ -202,3 +202,15 @@ def test_two_pass_k31_shapes():
     want = torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": fp8.to(torch.bfloat16)}))
     assert_close(two_pass.sparse_mla(*sparse_args({**c, "latent_cache": fp8})), want,
                  torch.bfloat16)
+
+
+def test_two_pass_gpu_tile_plan_on_k31_widths():
+    """The GPU launch plan (64 + 32 head tiles, 128-key score blocks, 64-wide row steps, 256 value
+    columns a program) at K3.1 Pro widths, in fp32 (under the interpreter too: its bf16 dots are
+    not trusted), on a few rows: the tiling the H200 runs, checked on every machine."""
+    c = make_case(**{**K31, "k": 300, "requests": 1, "rows": 2, "max_blocks": 8}, device=DEV,
+                  dtype=torch.float32, seed=25)
+    gpu_plan = two_pass._plan(None, small=False)
+    assert (gpu_plan["big_ht"], gpu_plan["bk"], gpu_plan["dvc"]) == (64, 128, 256)
+    assert_close(two_pass.launch(*sparse_args(c), config=gpu_plan),
+                 torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)

@@ -11,8 +11,8 @@ Work split:
   tl.dot [keys, d] x [d, ROWS·heads], then ReLU, head weights and the sum over heads;
 - a tile that spans two requests (prefill, uneven R) makes one pass per request;
 - each pass divides [0, longest visible length of its rows) evenly over the `splits` programs of
-  the tile, so the work follows each request's real length; splits ≈ 4·SMs / tiles, so a batch
-  of one request still gets 4·SMs programs to fill the GPU. Lengths, requests and blocks are read
+  the tile, so the work follows each request's real length; splits ≈ 4·SMs / tiles (the TMA
+  kernel: 3·SMs / tiles), so a batch of one request still fills the GPU. Lengths, requests and blocks are read
   on the device; the grid depends only on static shapes (CUDA-graph safe).
 
 The registered launcher runs the second kernel, indexer_tma.py (`variant="tma"`: one cache block
@@ -38,6 +38,7 @@ import triton.language as tl
 from k31c.graph.ops.indexer import _check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
+from k31c.lowering.triton.unit_stride import require_unit_stride
 
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
@@ -169,6 +170,9 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     if variant not in ("gather", "tma"):
         raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
     block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    require_unit_stride(block_table=block_table, row_req=row_req, row_len=row_len)
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits: expected a positive integer or None, got {splits!r}")
     if not index_cache.is_contiguous():
         raise ValueError("index_cache: the Triton indexer needs a contiguous cache tensor")
     n, heads, d = q.shape

@@ -19,7 +19,8 @@ one paged-cache block (BLOCK_SIZE keys, 64 on K3.1 Pro) instead of a gather of K
 Estimate (H200, per 64-key block per SM, at ~17 B/cycle/SM of HBM): bytes 64·132 + 4 rows·64·4
 = 9.5 KB ≈ 550 cycles; FP8 MMA 64·128·128 MACs ≈ 256 cycles at 4096 MAC/cycle; issue 323 SASS
 instructions x 4 warps over 4 schedulers ≈ 323 cycles (the gather kernel: 745 per 128 keys at
-253 registers, 2 programs per SM; this one 168 registers, 3 programs per SM). Compiled for sm_90
+253 registers, 2 programs per SM; this one, built with q_rcp and its register cap, 168
+registers, 3 programs per SM; the q_rcp=False default takes 255, see below). Compiled for sm_90
 with Triton 3.7 on the CPU (SASS counted from cuobjdump); the H200 timings are below.
 
 Epilogue as in the gather kernel: ReLU, × w (q's scale folded in), sum over heads (or a second

@@ -3,7 +3,8 @@ single fused kernel (kept as `lightning_indexer_topk_fused`).
 
 Registered for h200/mi350x: `lightning_indexer_topk` = indexer.py's scan writes the [N, L] fp32
 scores to a workspace, topk.py's select reads them. Measured on the H200 (16 x 4 rows, FP8 keys,
-k = 2048, 128K): 0.279 ms for this pair vs 0.626 ms for the fused kernel, so the pair is the
+k = 2048, 128K, CUDA-graph replay): 0.241 ms for this pair vs 0.638 ms for the fused kernel
+(BENCHMARKS.md; 0.279 vs 0.626 with the earlier gather indexer), so the pair is the
 lowering; the fused kernel stays built (AOT) and benchmarked (bench_topk.py) as the alternative.
 
 The fused kernel: topk_select(lightning_indexer(...), row_len, k) without writing the [N, L] score

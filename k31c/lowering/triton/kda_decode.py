@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ...graph.ops.kda import L2_NORM_EPS, _check_decode
 from ..registry import register
+from .unit_stride import require_unit_stride
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _L2_EPS = tl.constexpr(L2_NORM_EPS)
@@ -231,6 +232,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     N, H, K, W = _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, rows, snap_conv, snap_state)
     check_kda_layout(q, K, conv_state, recurrent)
+    require_unit_stride(slots=slots)
     if snap_conv is not None and not (snap_conv.is_contiguous() and snap_state.is_contiguous()):
         raise ValueError("snap_conv, snap_state: expected contiguous buffers (written in place)")
     if variant != "split" and (variant != "fused" or split_knobs):
@@ -270,10 +272,10 @@ def decode_tile(rows: int, K: int, variant: str = "split", block_v: int | None =
         bv, nw = (32, 4) if rows == 1 else (32, 2)
     else:
         bv, nw = (32 if rows == 1 else 64), 4
-    BV = min(block_v or bv, K)
+    BV = min(bv if block_v is None else block_v, K)
     if BV < 1 or K % BV or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two dividing K={K}, got {block_v}")
-    nw = num_warps or nw
+    nw = nw if num_warps is None else num_warps
     if nw < 1 or nw & (nw - 1):
         raise ValueError(f"num_warps: expected a power of two, got {num_warps}")
     return BV, nw

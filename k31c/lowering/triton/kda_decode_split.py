@@ -109,6 +109,7 @@ def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_p
         gate = tl.load(gate_ptr + base + offs_v).to(tl.float32)
         norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)
         y = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * norm_w * tl.sigmoid(gate)
+        y = tl.where(live, y, 0.0)                 # a padding row's gate may hold anything
         tl.store(o_ptr + base + offs_v, y.to(o_ptr.dtype.element_ty))
     else:
         tl.store(o_ptr + base + offs_v, o)
@@ -153,17 +154,21 @@ def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, n
 
 
 @triton.jit
-def _kda_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, out_ptr, n_rows, eps,
-                     K: tl.constexpr, BR: tl.constexpr):
-    """Gated RMSNorm of raw o viewed as [N*H, K] rows (one head of one token per row)."""
+def _kda_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H, eps,
+                     ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr):
+    """Gated RMSNorm of raw o viewed as [N*H, K] rows (one head of one token per row); rows of a
+    padding request (slot -1) come out 0 whatever their gate holds."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     offs = tl.arange(0, K)
-    m = (rows < n_rows)[:, None]
+    in_range = rows < n_rows
+    m = in_range[:, None]
+    live = tl.load(slots_ptr + rows // H // ROWS, mask=in_range, other=-1) >= 0
     tile = rows.to(tl.int64)[:, None] * K + offs[None, :]
     o = tl.load(o_ptr + tile, mask=m, other=0.0)
     gate = tl.load(gate_ptr + tile, mask=m, other=0.0).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
     y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] * tl.sigmoid(gate)
+    y = tl.where(live[:, None], y, 0.0)
     tl.store(out_ptr + tile, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -176,7 +181,9 @@ def launch_split(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_wei
     tile of the state pass (default: decode_tile's per-R best; block_v = K: one program per
     head, gated norm fused, no norm launch). unroll_rows: unroll the row loop (all rows' vector
     loads early) or not (fewer registers). stages: which of prep / state / norm to launch
-    (benchmarks time them alone; anything but "psn" is wrong)."""
+    (benchmarks time them alone; anything but "psn" leaves the output unfinished)."""
+    if not stages or set(stages) - set("psn"):
+        raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
     B = slots.shape[0]
     P = H * K
     BV, num_warps = decode_tile(rows, K, "split", block_v, num_warps)
@@ -204,7 +211,8 @@ def launch_split(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_wei
             num_warps=num_warps)
     if "n" in stages and not fuse:
         _kda_norm_kernel[(triton.cdiv(N * H, norm_rows),)](
-            o_raw, gate, norm_w, out, N * H, float(eps), K=K, BR=norm_rows, num_warps=NORM_WARPS)
+            o_raw, gate, norm_w, slots, out, N * H, H, float(eps), ROWS=rows, K=K, BR=norm_rows,
+            num_warps=NORM_WARPS)
     return out
 
 
@@ -212,7 +220,7 @@ def split_specs(shapes) -> list:
     """The split variant's launches at `shapes` (lowering.aot.AotShapes) with `launch_split`'s
     defaults, for kda_decode.aot_specs (the module that registers the op lists them): for every
     rows-per-request count, prep and state with and without per-row snapshots, and the norm
-    (the same build for every R)."""
+    (one build per R: it maps rows to requests)."""
     from k31c.lowering.aot import kernel_spec
     cfg = shapes.cfg
     dt, f32, op = cfg.torch_dtype, torch.float32, "k31c::kda_decode"
@@ -242,7 +250,8 @@ def split_specs(shapes) -> list:
                 state_types, num_warps=num_warps))
         if not fuse:
             specs.append(kernel_spec(
-                _kda_norm_kernel, op, f"BR={NORM_ROWS}", dict(K=K, BR=NORM_ROWS),
-                dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, eps="fp32"),
+                _kda_norm_kernel, op, f"R={rows},BR={NORM_ROWS}", dict(ROWS=rows, K=K, BR=NORM_ROWS),
+                dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=torch.int64, out_ptr=dt,
+                     eps="fp32"),
                 num_warps=NORM_WARPS))
     return specs

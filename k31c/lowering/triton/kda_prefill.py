@@ -31,6 +31,7 @@ from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
 from ..registry import register
 from .dot_precision import dot_precision
 from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, row_of, window_rows
+from .unit_stride import require_unit_stride
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 _L2_EPS = tl.constexpr(L2_NORM_EPS)
@@ -305,6 +306,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                 conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
+    require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")

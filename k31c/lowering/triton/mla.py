@@ -1,5 +1,6 @@
-"""Triton kernels for `k31c::sparse_mla` and `k31c::dense_mla` (absorbed-form MLA decode, spec/model.md
-§5.4, §6.3).
+"""One-pass Triton kernels for `k31c::dense_mla` and `k31c::sparse_mla` (absorbed-form MLA decode,
+spec/model.md §5.4, §6.3). The dense launcher is registered for h200 and mi350x; the sparse one is
+not (the two-pass kernel, mla_two_pass.py, measured faster) and stays for comparison.
 
 One program owns (query row t, a tile of heads, a split of the keys). Per step it gathers BN latent
 rows of row t's request ONCE into shared memory and uses them for every head of its tile: as keys
