@@ -151,19 +151,16 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     peers = {"dense_mla (graph)": dense_ms, **{f"{k} alone": v for k, v in split.items()}}
     notes = []
     plain_args = (*iargs[:3], table, rr, row_len, lat.q, lat.cache)
-    t, why = _try_ms("plain eager", lambda: plain_layer(*plain_args), warmup=1,
-                     reps=3 if long_ctx else 10)
-    if t is not None:
-        peers["plain torch eager"] = t
-    else:
-        notes.append(f"plain eager skipped ({why})")
-    if compiled is not None:
-        t, why = _try_ms("plain torch.compile", lambda: compiled(*plain_args), warmup=2,
+    for name, fn, warmup in (("plain torch eager", plain_layer, 1),
+                             ("plain torch.compile", compiled, 2)):
+        if fn is None:
+            continue
+        t, why = _try_ms(name, lambda fn=fn: fn(*plain_args), warmup=warmup,
                          reps=3 if long_ctx else 10)
         if t is not None:
-            peers["plain torch.compile"] = t
+            peers[name] = t
         else:
-            notes.append(f"plain torch.compile skipped ({why})")
+            notes.append(f"{name} skipped ({why})")
 
     floor = layer_floor_ms(ctx, m)
     unfused = layer_floor_ms(ctx, m, logits=True)

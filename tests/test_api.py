@@ -10,46 +10,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
-from k31c.config import preset  # noqa: E402
-from k31c.graph.model import K31ForCausalLM  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
+from tiny_model import close, engine_scenario, make_model  # noqa: E402
 
 DECODE_STEPS = 32
-
-
-def make_model():
-    cfg = preset("tiny")
-    torch.manual_seed(0)
-    m = K31ForCausalLM(cfg)
-    m.reset_parameters(torch.Generator().manual_seed(0))
-    with torch.no_grad():                          # non-trivial residual mixing (as tests/graph do)
-        for name, p in m.named_parameters():
-            if "res_proj" in name:
-                p.normal_(0, 0.5)
-    return m.eval()
 
 
 def scenario(model, step_fn):
     """Prefill of index_topk + 8 tokens (and of 5 and 11 tokens for two more requests), then
     DECODE_STEPS decode steps alternating 1 and 3 requests, then a 3-row verification step."""
     topk = model.config.index_topk
-    toks = torch.randint(0, model.config.vocab_size, (400,), generator=torch.Generator().manual_seed(1)).tolist()
-    eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=step_fn)
-    a, b, c = (eng.add_request() for _ in range(3))
-    out = [eng.prefill([a, b, c], [toks[:topk + 8], toks[:5], toks[7:18]])]
-    pos = 100
-    for i in range(DECODE_STEPS):
-        rids = [a] if i % 2 == 0 else [a, b, c]
-        out.append(eng.decode(rids, toks[pos:pos + len(rids)]))
-        pos += len(rids)
-    logits, _ = eng.verify([a, c], [toks[pos:pos + 3], toks[pos + 3:pos + 6]])
-    out.append(logits)
-    return torch.cat(out)
-
-
-def close(a, b, tol=2e-4):
-    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-    assert err < tol, f"rel err {err:.3g}"
+    return engine_scenario(model, step_fn, [(0, topk + 8), (0, 5), (7, 18)], 100, (0, 2),
+                           DECODE_STEPS)
 
 
 @pytest.fixture(scope="module")

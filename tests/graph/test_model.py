@@ -4,36 +4,22 @@ rows equal sequential decoding, and rollback restores the KDA state exactly."""
 import pytest
 import torch
 
+import tiny_model
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine
+from tiny_model import close
 
 LENGTHS = [1, 7, 16, 17, 48, 100]
 
 
 def make_model(seed=0, **changes):
-    cfg = preset("tiny")
-    if changes:
-        cfg = cfg.replace(**changes)
-    torch.manual_seed(seed)
-    m = K31ForCausalLM(cfg)
-    m.reset_parameters(torch.Generator().manual_seed(seed))
-    # spec init sets the AttnRes projections to zero (uniform mixing); random values exercise the
-    # softmax for real, so the oracles below see non-trivial residual mixing.
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "res_proj" in name:
-                p.normal_(0, 0.05)
-    return m.eval()
+    # small AttnRes projections: non-trivial residual mixing for the oracles below
+    return tiny_model.make_model(seed, res_std=0.05, **changes)
 
 
 def tokens(n, seed=1, vocab=512):
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def close(a, b, tol=2e-4):
-    scale = b.abs().max().clamp_min(1e-6)
-    assert (a - b).abs().max() / scale < tol, f"rel err {(a - b).abs().max() / scale:.3g}"
 
 
 @pytest.fixture(scope="module")
