@@ -16,5 +16,7 @@ def attn_res(partial: torch.Tensor, bank: list[torch.Tensor], norm: torch.nn.Mod
     values = torch.stack([*bank, partial], dim=1).float()                  # [T, n+1, D]
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps)
     query = norm.weight.float() * proj.weight.float().reshape(-1)                     # [D]
-    alpha = torch.softmax(keys @ query, dim=1)                              # [T, n+1]
+    # a broadcast product, not `keys @ query`: torch 2.11's fake matmul of a 3-D tensor with
+    # a symbolic size by a vector calls numel() and fails in the graph's fake re-propagation
+    alpha = torch.softmax((keys * query).sum(-1), dim=1)                    # [T, n+1]
     return (alpha.unsqueeze(-1) * values).sum(1).to(partial.dtype)
