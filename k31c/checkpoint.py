@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import PRESETS, K31Config, preset
+from .errors import InputError
 from .paths import default_model_dir
 
 CONFIG_FILE = "config.json"
@@ -41,7 +42,7 @@ _ST_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be loaded (or written); the message lists every problem found."""
 
     def __init__(self, problems: list[str], source: Union[str, Path]):

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from .errors import InputError
 
-class ConfigError(ValueError):
+
+class ConfigError(InputError):
     """A config that cannot describe a K3.1-family model; the message lists every problem."""
 
     def __init__(self, problems: list[str], source: str = "config"):

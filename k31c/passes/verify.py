@@ -18,12 +18,11 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..errors import GraphVerificationError
 from .graph_utils import K31C, is_marker_node, mutated_args, region_of, stream_of
 from .manager import PassResult, register_pass
 
 
-class GraphVerificationError(ValueError):
-    pass
 
 
 def _same(a, b) -> bool:
