@@ -12,28 +12,49 @@ cover (another pool geometry, another input structure) is an error naming the in
 silent rebuild. `build(step, meta, caches)` builds without running (for inspection, goldens, and
 targets that cannot run here).
 
-On the CPU, dense regions run through Inductor (`executor="inductor"`, the default) and the k31c
-ops through their reference implementations; `executor="fx"` runs the rewritten graph op by op
-(no code generation: quick to build, for tests and debugging). IREE as a CPU executor belongs to
-lowering/iree and is loaded only when asked for.
+Executors (`options={"executor": ...}`):
+- `program` (the default on GPU targets): `passes/partition.py` splits the graph into dense pieces
+  between the k31c ops and stream markers, `lowering/build.py` compiles each distinct piece with
+  Inductor and binds every k31c op to its registered kernel, and `runtime/executor.py` runs the
+  result on real streams; decode and verification steps replay one device graph per batch bucket
+  (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
+  `buckets`, `streams`. On a machine without a GPU it runs a GPU target's program on CPU tensors
+  when `TRITON_INTERPRET=1` (the Triton kernels in the interpreter, no device graph).
+- `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
+  reference implementations (on the CPU those are its kernels).
+- `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
+- `iree`: lowering/iree, loaded only when asked for.
+The report counts the kernels each step calls from what the built program executes: a GPU-target
+step run through its references says so as fallbacks.
 
 `torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (registered below).
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import sympy
 import torch
 
+from .errors import UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
+from .graph.ops.streams import is_marker
+from .lowering.build import DENSE_CODEGENS, build_program
+from .lowering.program import Program as KernelProgram
 from .lowering.targets import Target, get_target
-from .passes.manager import PassContext, PassRecord, Pipeline, resolve, run_pipeline
+from .passes.manager import DEFAULT_PIPELINE, PassContext, PassRecord, Pipeline, get_pass, resolve, run_pipeline
+from .passes.partition import partition
+from .runtime.executor import Executor
+from .runtime.graphs import DEFAULT_BUCKETS, DecodeGraphs, StepInputs, check_buckets
 
-EXECUTORS = ("inductor", "fx", "iree")
-COMPILE_OPTIONS = {"executor": "inductor"}
+EXECUTORS = ("inductor", "fx", "iree", "program")
+COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
+                   "buckets": DEFAULT_BUCKETS, "streams": None}
 
 
 @dataclass
@@ -41,10 +62,11 @@ class StepReport:
     step: str
     capture_seconds: float
     passes: list[PassRecord]
-    kernels: dict = field(default_factory=dict)      # (op, kernel) -> count
-    fallbacks: dict = field(default_factory=dict)    # op -> reference fallbacks (GPU targets)
+    kernels: dict = field(default_factory=dict)      # (op, kernel) -> calls per step, from what runs
+    fallbacks: dict = field(default_factory=dict)    # op -> reference calls per step on a GPU target
     build_seconds: float = 0.0                       # passes + code generation
     executor: str = ""
+    program: str = ""                                # pieces, streams: what the program executor built
 
     def lines(self) -> list[str]:
         out = [f"step {self.step}: capture {self.capture_seconds:.1f}s, passes + {self.executor or 'no'} "
@@ -53,9 +75,13 @@ class StepReport:
             r = rec.result
             out.append(f"  {rec.name:24s} matches={r.matches:<5d} changed={str(r.changed):5s} "
                        f"{rec.seconds:6.2f}s  {'; '.join(r.notes)}")
-        if self.fallbacks:
-            out.append("  reference fallbacks: "
-                       + ", ".join(f"{op} x{n}" for op, n in sorted(self.fallbacks.items())))
+        if self.program:
+            out.append(f"  program: {self.program}")
+        if self.kernels:
+            out.append("  kernels: " + ", ".join(f"{op.split('::')[-1]}={k.split('.')[-1] if k != 'reference' else k} x{n}"
+                                                 for (op, k), n in sorted(self.kernels.items())))
+        out.append("  reference fallbacks: " + (", ".join(f"{op} x{n}" for op, n in sorted(self.fallbacks.items()))
+                                                 if self.fallbacks else "none"))
         return out
 
 
@@ -86,10 +112,14 @@ class Program:
     gm: torch.fx.GraphModule                 # the graph after the passes
     placeholders: list[torch.fx.Node]
     fn: Optional[Any]                        # callable(*weights, *step inputs) -> (logits,)
+    kernels: Optional[KernelProgram] = None  # the program executor's steps
+    executor: Optional[Executor] = None
+    graphs: Optional[DecodeGraphs] = None    # device graphs of a decode step kind
 
 
-def split_options(options: Optional[dict]) -> tuple[dict, dict]:
-    """Split `options` into compile options and per-pass options; unknown keys are errors."""
+def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
+    """Split `options` into compile options (defaults per target) and per-pass options; unknown
+    keys and bad values are errors naming them."""
     from .passes.manager import registered
     compile_opts, pass_opts = dict(COMPILE_OPTIONS), {}
     passes = registered()
@@ -99,22 +129,40 @@ def split_options(options: Optional[dict]) -> tuple[dict, dict]:
         elif key in passes:
             pass_opts[key] = value
         else:
-            raise ValueError(f"unknown option '{key}'; compile options: {', '.join(COMPILE_OPTIONS)}; "
+            raise UsageError(f"unknown option '{key}'; compile options: {', '.join(COMPILE_OPTIONS)}; "
                              f"pass options go under a pass name: {', '.join(passes)}")
+    if compile_opts["executor"] is None:
+        compile_opts["executor"] = "inductor" if target.device == "cpu" else "program"
     if compile_opts["executor"] not in EXECUTORS:
-        raise ValueError(f"option executor must be one of {EXECUTORS}, got {compile_opts['executor']!r}")
+        raise UsageError(f"option executor must be one of {EXECUTORS}, got {compile_opts['executor']!r}")
+    if compile_opts["dense_codegen"] not in DENSE_CODEGENS:
+        raise UsageError(f"option dense_codegen must be one of {DENSE_CODEGENS}, "
+                         f"got {compile_opts['dense_codegen']!r}")
+    if compile_opts["device_graphs"] is None:
+        compile_opts["device_graphs"] = target.device_graphs
+    if not isinstance(compile_opts["device_graphs"], bool):
+        raise UsageError(f"option device_graphs must be True or False, got {compile_opts['device_graphs']!r}")
+    try:
+        compile_opts["buckets"] = check_buckets(compile_opts["buckets"])
+    except ValueError as e:
+        raise UsageError(f"option {e}") from None
+    streams = compile_opts["streams"]
+    if streams is None:
+        compile_opts["streams"] = getattr(target, "graph_streams", 3)
+    elif isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise UsageError(f"option streams must be a positive integer (1: one stream), got {streams!r}")
     return compile_opts, pass_opts
 
 
 def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str, target: Target):
-    """A callable running `gm` (not modified) on real inputs."""
+    """A callable running `gm` (not modified) on real inputs (the whole-graph executors)."""
     if executor == "fx":
         return clone_graph(gm)
     if executor == "iree":
         try:
             from .lowering.iree import executor as iree_executor  # lazy: IREE is optional
         except ImportError as e:
-            raise ValueError("executor 'iree' needs k31c.lowering.iree.executor, which is not "
+            raise UsageError("executor 'iree' needs k31c.lowering.iree.executor, which is not "
                              f"available here ({e})") from None
         return iree_executor.build(gm, example_inputs, target)
     from torch._inductor.compile_fx import compile_fx
@@ -122,16 +170,40 @@ def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str,
         return compile_fx(clone_graph(gm), example_inputs)
 
 
+def interpreting() -> bool:
+    """Triton kernels run in the interpreter on CPU tensors (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _progress(message: str) -> None:
+    if sys.stderr.isatty():
+        print(f"\r\033[Kk31c: {message}", end="", file=sys.stderr, flush=True)
+
+
+def _reference_counts(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
+    """(op, "reference") per k31c op of a graph a whole-graph executor runs (no kernel bound)."""
+    counts: dict[tuple[str, str], int] = {}
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "k31c" \
+                and not is_marker(t):
+            key = (f"k31c::{t._schema.name.split('::')[-1]}", "reference")
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 class CompiledModel:
     def __init__(self, model, target: Target, pipeline: Pipeline, compile_opts: dict):
         self.model = model
         self.target = target
         self.pipeline = pipeline
+        self.options = compile_opts
         self.executor = compile_opts["executor"]
         self.report = CompileReport(target.name, pipeline.names,
                                     {**compile_opts, **{k: v for k, v in pipeline.options.items() if v}})
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
+        self._graph_pool = None
 
     # Engine(compiled) works like Engine(model): it reads these two.
     @property
@@ -146,37 +218,81 @@ class CompiledModel:
         """Step name -> the graph after the passes."""
         return {step.name: p.gm for step, p in self._programs.items()}
 
+    @property
+    def programs(self) -> dict[str, KernelProgram]:
+        """Step name -> the program executor's program (executor "program" only)."""
+        return {step.name: p.kernels for step, p in self._programs.items() if p.kernels is not None}
+
+    def graph_stats(self) -> dict[str, dict[str, int]]:
+        """Step name -> device-graph captures, replays and uncaptured calls."""
+        return {step.name: vars(p.graphs.stats) for step, p in self._programs.items() if p.graphs is not None}
+
     def build(self, step: StepKind, meta, caches, stop_after: Optional[str] = None,
               executable: bool = True) -> Program:
         """Capture (once per step kind) and run the passes; with `executable`, generate code."""
         if executable:
-            self._check_runnable()
+            self._check_runnable(meta)
         captured = capture_cached(self.model, step, meta, caches)
         start = time.perf_counter()
         gm = clone_graph(captured.gm)
         ctx = PassContext(target=self.target, step=step.name, dims=captured.dims)
         records = run_pipeline(gm, self.pipeline, ctx, stop_after=stop_after)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        fn = None
-        if executable:
-            fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
-        report = StepReport(step.name, captured.seconds, records, ctx.state.get("kernels", {}),
-                            ctx.state.get("fallbacks", {}), time.perf_counter() - start,
-                            self.executor if executable else "")
-        program = Program(captured, gm, placeholders, fn)
+        program = Program(captured, gm, placeholders, None)
+        report = StepReport(step.name, captured.seconds, records, executor=self.executor if executable else "")
+        if executable and self.executor == "program":
+            self._build_program(program, step, meta)
+            kp = program.kernels
+            report.kernels = kp.kernels()
+            report.program = (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, "
+                              f"{kp.dense_codegen}), {len(kp.steps)} steps, streams "
+                              f"{sorted(kp.streams) if program.executor.multi else [0]}, device graphs "
+                              f"{'on' if program.graphs is not None else 'off'}")
+        elif executable:
+            program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
+            report.kernels = _reference_counts(gm)
+        if self.target.device != "cpu":
+            report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
+        report.build_seconds = time.perf_counter() - start
         if stop_after is None:
             self._programs[step] = program
             self.compilations[step.name] = self.compilations.get(step.name, 0) + 1
             self.report.steps[step.name] = report
         return program
 
-    def _check_runnable(self) -> None:
+    def _build_program(self, program: Program, step: StepKind, meta) -> None:
+        split = partition(clone_graph(program.gm))
+        kp = build_program(split.gm, {n: p.key for n, p in split.pieces.items()}, self.target, step.name,
+                           self.options["dense_codegen"], progress=_progress)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        device = meta.slot_mapping.device
+        program.kernels = kp
+        program.executor = Executor(kp, device, self.options["streams"])
+        program.fn = lambda *flat: program.executor(list(flat))
+        if step.mode == "decode" and self.options["device_graphs"] and device.type == "cuda":
+            if kp.fallbacks():
+                raise UsageError(f"device graphs: the {step.name} step runs reference ops on "
+                                 f"{self.target.name} ({kp.fallbacks()}), which cannot be captured; "
+                                 "compile with options={'device_graphs': False}")
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            program.graphs = DecodeGraphs(program.executor, _step_inputs(program, step), self.options["buckets"],
+                                          self._graph_pool, meta.block_table.shape[1])
+
+    def _check_runnable(self, meta) -> None:
         t = self.target
         if not t.runnable_here:
-            raise ValueError(f"target '{t.name}' is compile-only here: its programs are built and "
+            raise UsageError(f"target '{t.name}' is compile-only here: its programs are built and "
                              "inspected, not run (use build(..., executable=False))")
-        if t.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"target '{t.name}' runs on a CUDA device and this machine has none")
+        if t.device == "cuda" and meta.slot_mapping.device.type != "cuda":
+            if self.executor == "program" and interpreting():
+                return
+            if not torch.cuda.is_available():
+                raise UsageError(f"target '{t.name}' runs on a CUDA device and this machine has none "
+                                 "(TRITON_INTERPRET=1 runs its program on CPU tensors)")
+            raise UsageError(f"target '{t.name}' runs on a CUDA device; the step's tensors are on "
+                             f"{meta.slot_mapping.device}")
 
     def __call__(self, input_ids, meta, caches, mode: str = "prefill", rows: int = 1):
         step = StepKind(mode, rows)
@@ -185,22 +301,56 @@ class CompiledModel:
             program = self.build(step, meta, caches)
         flat = flat_step_inputs(program.captured, program.placeholders, input_ids, meta, caches)
         with torch.no_grad():
+            if program.graphs is not None:
+                return program.graphs(flat, meta.block_table.shape[0])
             out = program.fn(*flat)
         return out[0]
 
 
-def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = None) -> CompiledModel:
+def _step_inputs(program: Program, step: StepKind) -> StepInputs:
+    """The per-step inputs of a decode program: token ids, metadata and snapshots."""
+    batch = next(sympy.Symbol(s, integer=True, positive=True) for s, label in program.captured.dims.items()
+                 if label == "B")
+    per_step, names, shapes, snaps = [], [], [], []
+    for i, (node, info) in enumerate(zip(program.placeholders, program.captured.inputs)):
+        if info.is_weight or not (info.name == "input_ids" or info.name.startswith("meta.")
+                                  or info.name.startswith("caches.kda_snapshots")):
+            continue
+        per_step.append(i)
+        names.append(info.name)
+        shape = []
+        for d in node.meta["val"].shape:
+            if isinstance(d, torch.SymInt):
+                expr = d.node.expr
+                sym = next(iter(expr.free_symbols))
+                shape.append(expr.xreplace({sym: batch}))
+            else:
+                shape.append(d)
+        shapes.append(tuple(shape))
+        if info.name.startswith("caches.kda_snapshots"):
+            snaps.append(i)
+    return StepInputs(per_step, names, shapes, snaps, batch, step.rows)
+
+
+def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = None,
+            disable=()) -> CompiledModel:
     """Compile a K3.1 model for `target` ("cpu", "h200", "mi350x").
 
-    passes:  None for the default pipeline, or the list of pass names to run, in order
-             (e.g. the default list without one pass).
-    options: {"executor": "inductor" | "fx" | "iree"} and per-pass options under the pass name,
+    passes:  None for the default pipeline, or the list of pass names to run, in order.
+    disable: pass names to switch off (the rest of `passes` runs in its order).
+    options: compile options (executor, dense_codegen, device_graphs, buckets, streams; see the
+             module docstring) and per-pass options under the pass name,
              e.g. {"quantize": {"mxfp8_indexer": True}}.
     Unknown models, targets, passes and options are errors naming them."""
     check_model(model)
     t = get_target(target) if isinstance(target, str) else target
-    compile_opts, pass_opts = split_options(options)
-    return CompiledModel(model, t, resolve(passes, pass_opts), compile_opts)
+    compile_opts, pass_opts = split_options(options, t)
+    if isinstance(disable, str):
+        disable = [disable]
+    for name in disable:
+        get_pass(name)
+    names = [p for p in (DEFAULT_PIPELINE if passes is None else passes) if p not in set(disable)]
+    return CompiledModel(model, t, resolve(names, pass_opts), compile_opts)
 
 
 # ---- torch.compile(backend="k31c") ---------------------------------------------------------------
@@ -212,7 +362,10 @@ def backend(target: str = "cpu", passes=None, options: Optional[dict] = None):
     """A Dynamo backend running the k31c passes: `torch.compile(m, backend=k31c.api.backend(...))`."""
     from .graph.capture import dynamo_to_aten
     t = get_target(target)
-    compile_opts, pass_opts = split_options(options)
+    compile_opts, pass_opts = split_options(options, t)
+    if compile_opts["executor"] == "program":
+        raise UsageError("the Dynamo backend runs whole graphs (executor inductor or fx); "
+                         "k31c.compile builds programs")
     pipeline = resolve(passes, pass_opts)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs):

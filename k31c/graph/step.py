@@ -71,3 +71,21 @@ class Caches:
 
 for _cls in (StepMeta, MLALayerCache, KDALayerState, KDASnapshots, Caches):
     pytree.register_dataclass(_cls)
+
+
+def padding_step(batch: int, rows: int, max_blocks: int, device) -> tuple[torch.Tensor, StepMeta]:
+    """Token ids and metadata of a decode step of `batch` padding requests x `rows` rows.
+
+    A padding request reads and writes nothing: its rows have no cache slot (-1) and see no keys
+    (row_len 0), its block table row is empty (-1) and its KDA slot is -1. Device graphs pad a
+    batch up to its bucket with these; row_req and cu_seqlens keep the request-major pattern, so a
+    real batch's values are a prefix of the padded ones."""
+    n = batch * rows
+    i32, i64 = torch.int32, torch.int64
+    meta = StepMeta(slot_mapping=torch.full((n,), -1, dtype=i64, device=device),
+                    block_table=torch.full((batch, max_blocks), -1, dtype=i32, device=device),
+                    row_req=torch.arange(n, dtype=i32, device=device) // rows,
+                    row_len=torch.zeros(n, dtype=i32, device=device),
+                    kda_slots=torch.full((batch,), -1, dtype=i64, device=device),
+                    cu_seqlens=torch.arange(batch + 1, dtype=i32, device=device) * rows)
+    return torch.zeros(n, dtype=i64, device=device), meta

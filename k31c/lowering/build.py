@@ -1,0 +1,229 @@
+"""Build a Program from a partitioned graph: compile each distinct dense piece, bind each k31c op
+to its registered kernel, turn stream markers into event steps (lowering/program.py).
+
+Input: the top-level graph `passes/partition.py` produces (placeholders, `call_module` pieces and
+their `getitem`s, k31c ops, markers, output) and each piece's key. The kernel of every k31c op is
+looked up in the registry here, whatever the `lower` pass annotated, so what the report counts is
+what the program calls. An op with no kernel for the target runs its reference implementation and
+is counted as a fallback.
+
+Dense pieces are compiled by Inductor's `compile_fx` with the graph's fake inputs, so the batch
+stays symbolic and one compiled piece serves every batch size (`standalone_compile(...,
+dynamic_shapes="from_graph")` loses the export shape environment's value ranges for these pieces
+on torch 2.13: "vr must not be None"). `dense_codegen="fx"` runs each piece op by op instead (no
+code generation; quick to build: tests and debugging). Equal pieces are compiled once.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..errors import CompilerError, KernelBindError
+from ..graph.ops.streams import is_marker
+from .program import Dense, Kernel, Program, Record, Ref, Wait
+from .registry import lookup
+from .targets import Target
+
+DENSE_CODEGENS = ("inductor", "fx")
+K31C = torch.ops.k31c
+
+
+def kernel_name(kernel) -> str:
+    return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
+
+
+def op_name(target) -> str:
+    return f"k31c::{target._schema.name.split('::')[-1]}"
+
+
+def _is_k31c(node: torch.fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "k31c"
+
+
+def bind(target_op, target: Target) -> tuple[str, Callable]:
+    """(kernel name, callable) for a k31c op on `target`: the registered kernel, else the reference
+    (on the CPU target the reference ops are the kernels)."""
+    kernel = lookup(op_name(target_op), target.name) if target.device != "cpu" else None
+    if kernel is not None:
+        return kernel_name(kernel), kernel.fn
+    return "reference", target_op
+
+
+def compile_piece(gm: torch.fx.GraphModule, codegen: str) -> Callable:
+    if codegen == "fx":
+        return gm
+    example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    from torch._inductor.compile_fx import compile_fx
+    try:
+        with torch.no_grad():
+            return compile_fx(gm, example)
+    except Exception as e:                      # Inductor's errors carry the failing op
+        raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _args(node: torch.fx.Node, slots: dict[torch.fx.Node, int]) -> tuple:
+    """The op's arguments in schema order, graph values as Ref(slot)."""
+    schema = node.target._schema
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            raise CompilerError(f"build: {node.name} has no value for argument '{arg.name}'")
+        if isinstance(value, torch.fx.Node):
+            value = Ref(slots[value])
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
+            raise CompilerError(f"build: {node.name}: argument '{arg.name}' is a list of graph values, "
+                                "which k31c ops do not take")
+        out.append(value)
+    return tuple(out)
+
+
+def _n_outputs(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return len(val)
+    return 0 if val is None else 1
+
+
+def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: Target, name: str,
+                  dense_codegen: str = "inductor", progress: Optional[Callable[[str], None]] = None) -> Program:
+    """The Program of a partitioned graph (see the module docstring)."""
+    if dense_codegen not in DENSE_CODEGENS:
+        raise CompilerError(f"build: dense_codegen must be one of {DENSE_CODEGENS}, got {dense_codegen!r}")
+    start = time.perf_counter()
+    slots: dict[torch.fx.Node, int] = {}
+    steps: list = []
+    step_of: dict[torch.fx.Node, Any] = {}          # piece call / k31c op -> its step
+    compiled: dict[str, int] = {}                     # piece key -> index into pieces
+    pieces: list[Callable] = []
+    piece_names: list[str] = []
+    outputs: tuple = ()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        slots[n] = i
+    n_slots = len(placeholders)
+
+    def new_slot(node):
+        nonlocal n_slots
+        slots[node] = n_slots
+        n_slots += 1
+        return slots[node]
+
+    n_pieces = len(piece_keys)
+    for node in gm.graph.nodes:
+        stream = (node.meta.get("k31c") or {}).get("stream", 0)
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outputs = tuple(slots[a] for a in node.args[0])
+            continue
+        if node.op == "call_module":
+            key = piece_keys[node.target]
+            if key not in compiled:
+                if progress is not None:
+                    progress(f"{name}: compiling dense piece {len(pieces) + 1} ({node.target}, "
+                             f"{len(piece_keys)} pieces, {n_pieces} to go at most)")
+                compiled[key] = len(pieces)
+                pieces.append(compile_piece(gm.get_submodule(node.target), dense_codegen))
+                piece_names.append(key)
+            n_pieces -= 1
+            step = Dense(compiled[key], stream, tuple(slots[a] for a in node.args), tuple())
+            step.outs = [None] * _n_outputs(node)
+            steps.append(step)
+            step_of[node] = step
+            continue
+        if node.op != "call_function":
+            raise CompilerError(f"build: unexpected {node.op} node {node.name} in a partitioned graph")
+        if node.target is operator.getitem and node.args[0] in step_of:
+            step_of[node.args[0]].outs[node.args[1]] = new_slot(node)
+            continue
+        if is_marker(node.target):
+            if node.target is K31C.event_record.default:
+                steps.append(Record(node.args[0], node.args[1]))
+            elif node.target is K31C.event_wait.default:
+                steps.append(Wait(node.args[0], node.args[1]))
+            continue                                  # region enter/exit: structure only
+        if not _is_k31c(node):
+            raise CompilerError(f"build: {node.name} ({node.target}) is neither in a dense piece nor a "
+                                "k31c op; partition should have placed it")
+        kernel, fn = bind(node.target, target)
+        n_out = _n_outputs(node)
+        step = Kernel(op_name(node.target), kernel, fn, stream, _args(node, slots), tuple())
+        if n_out == 1 and not isinstance(node.meta.get("val"), (tuple, list)):
+            step.outs = (new_slot(node),)
+        else:
+            step.outs = [None] * n_out
+            step_of[node] = step
+        steps.append(step)
+    for s in steps:
+        if isinstance(s, (Dense, Kernel)):
+            s.outs = tuple(s.outs)
+    steps = main_stream_first(steps)
+    _assign_frees(steps, len(placeholders), outputs)
+    return Program(name, target.name, steps, pieces, piece_names, len(placeholders), n_slots, outputs,
+                   dense_codegen, stats={"pieces": len(piece_keys), "compiled_pieces": len(pieces),
+                                         "build_seconds": time.perf_counter() - start})
+
+
+def _reads(step) -> list[int]:
+    if isinstance(step, Dense):
+        return list(step.args)
+    if isinstance(step, Kernel):
+        return [a.slot for a in step.args if isinstance(a, Ref)]
+    return []
+
+
+def main_stream_first(steps: list) -> list:
+    """Within each fork (a `Record` on stream 0 that side streams wait for), enqueue the main
+    stream's work before the side branches', up to the main stream's first join `Wait`.
+
+    Per-stream order is unchanged and every record still precedes its waits, so the program means
+    the same; the main stream (the critical path: the query GEMMs) is launched first."""
+    out, i = [], 0
+    waited = {s.event for s in steps if isinstance(s, Wait) and s.stream != 0}
+    while i < len(steps):
+        s = steps[i]
+        out.append(s)
+        i += 1
+        if not (isinstance(s, Record) and s.stream == 0 and s.event in waited):
+            continue
+        j = i
+        while j < len(steps) and not (isinstance(steps[j], Wait) and steps[j].stream == 0):
+            j += 1
+        segment = steps[i:j]
+        out += [t for t in segment if t.stream == 0] + [t for t in segment if t.stream != 0]
+        i = j
+    return out
+
+
+def _assign_frees(steps: list, n_inputs: int, outputs: tuple) -> None:
+    """Drop each intermediate value after its last reader, unless it crosses streams."""
+    made_on: dict[int, int] = {}
+    last: dict[int, int] = {}
+    crosses: set[int] = set()
+    for i, s in enumerate(steps):
+        for slot in _reads(s):
+            last[slot] = i
+            if made_on.get(slot, s.stream) != s.stream:
+                crosses.add(slot)
+        for slot in getattr(s, "outs", ()):
+            if slot is not None:
+                made_on[slot] = s.stream
+                last.setdefault(slot, i)
+    keep = set(outputs) | crosses
+    frees: dict[int, list[int]] = {}
+    for slot, i in last.items():
+        if slot >= n_inputs and slot not in keep:
+            frees.setdefault(i, []).append(slot)
+    for i, s in enumerate(steps):
+        s.free = tuple(sorted(frees.get(i, ())))

@@ -1,0 +1,108 @@
+"""Run a Program (lowering/program.py): dense pieces, bound kernels, fork/join events.
+
+Stream 0 is the stream current when the program is called (the capturing stream inside a device
+graph capture); streams 1.. are long-lived side streams, shared by every program on the device and
+created once. Each step runs wholly under its stream (Inductor launches a piece's kernels on the
+stream current when the piece starts, Triton launchers on the current stream), events are created
+once per program. With `streams=1` (AMD: dual-stream HIP-graph capture is unreliable there, and on
+the CPU) every step runs on stream 0 and the events are dropped; per-stream order already is a
+valid order of the whole program.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from ..errors import RuntimeFailure
+from ..lowering.program import Dense, Kernel, Program, Record, Ref, Wait
+
+_SIDE_STREAMS: dict[tuple[str, int], list] = {}
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    """`n` long-lived side streams of `device` (created on first use, then reused)."""
+    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    pool = _SIDE_STREAMS.setdefault(key, [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device=key[1]))
+    return pool[:n]
+
+
+class Executor:
+    def __init__(self, program: Program, device: torch.device, streams: Optional[int] = None):
+        self.program = program
+        self.device = torch.device(device)
+        used = program.streams
+        gpu = self.device.type == "cuda"
+        self.multi = gpu and len(used) > 1 and (streams is None or streams > 1)
+        if self.multi:
+            n_side = max(used)
+            if streams is not None and n_side + 1 > streams:
+                raise RuntimeFailure(f"program {program.name} uses {n_side + 1} streams; the target allows "
+                                     f"{streams}")
+            self._side = side_streams(self.device, n_side)
+            self.events = [torch.cuda.Event() for _ in range(program.events)]
+        self.steps = self._plan()
+        self.runs = 0
+        self.reference_calls = 0
+        self._reference_steps = sum(1 for s in program.steps if isinstance(s, Kernel) and s.reference)
+
+    def _plan(self) -> list[tuple]:
+        """Each step as a flat tuple the loop below unpacks quickly."""
+        plan = []
+        for s in self.program.steps:
+            if isinstance(s, (Record, Wait)):
+                if self.multi:
+                    plan.append((2 if isinstance(s, Record) else 3, s.stream, s.event, s.free))
+                continue
+            stream = s.stream if self.multi else 0
+            if isinstance(s, Dense):
+                plan.append((0, stream, self.program.pieces[s.piece], s.args, s.outs, s.free))
+            else:
+                consts = list(s.args)
+                refs = tuple((i, a.slot) for i, a in enumerate(s.args) if isinstance(a, Ref))
+                plan.append((1, stream, s.fn, (consts, refs), s.outs, s.free))
+        return plan
+
+    def __call__(self, inputs: list) -> tuple:
+        prog = self.program
+        if len(inputs) != prog.n_inputs:
+            raise RuntimeFailure(f"program {prog.name} takes {prog.n_inputs} inputs, got {len(inputs)}")
+        env: list = list(inputs) + [None] * (prog.n_slots - prog.n_inputs)
+        streams = None
+        if self.multi:
+            main = torch.cuda.current_stream(self.device)
+            streams = [main] + self._side
+        for step in self.steps:
+            kind, stream = step[0], step[1]
+            if kind >= 2:
+                _, s, event, free = step
+                if kind == 2:
+                    self.events[event].record(streams[s])
+                else:
+                    streams[s].wait_event(self.events[event])
+                continue
+            _, _, fn, args, outs, free = step
+            ctx = torch.cuda.stream(streams[stream]) if stream else nullcontext()
+            with ctx:
+                if kind == 0:
+                    result = fn(*[env[a] for a in args])
+                else:
+                    consts, refs = args
+                    call = list(consts)
+                    for i, slot in refs:
+                        call[i] = env[slot]
+                    result = fn(*call)
+            if len(outs) == 1:
+                env[outs[0]] = result[0] if kind == 0 else result
+            elif outs:
+                for slot, value in zip(outs, result):
+                    if slot is not None:
+                        env[slot] = value
+            for slot in free:
+                env[slot] = None
+        self.runs += 1
+        self.reference_calls += self._reference_steps
+        return tuple(env[s] for s in prog.outputs)

@@ -1,0 +1,153 @@
+"""Device graphs: one captured CUDA/HIP graph per (batch bucket, rows) of a decode step kind.
+
+A decode step with B requests runs as the graph of the smallest bucket >= B: the step's inputs
+(token ids, metadata, verification snapshots) are copied into the bucket's static buffers, the
+rows past B hold padding requests (graph/step.py's `padding_step`: they read and write nothing),
+the graph is replayed and the first B x rows logits are returned (a copy: the next replay reuses
+the buffer). The cache pools are graph inputs by address: a call with other cache tensors than
+the captured ones is an error. A batch larger than every bucket runs uncaptured, counted.
+
+Capture: the bucket's buffers are filled with padding, the program runs once on the capture stream
+(so autotuning, lazy allocation and kernel compilation happen outside the capture), then
+`torch.cuda.graph` records it; side streams fork from and join into the capturing stream (the
+executor's events). All buckets and step kinds of a compiled model share one memory pool. The same
+code captures HIP graphs under a ROCm build of torch; there the target asks for one stream.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from ..errors import RuntimeFailure
+from ..graph.step import padding_step
+from .executor import Executor
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def check_buckets(buckets) -> tuple[int, ...]:
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise ValueError(f"buckets must be a list of positive batch sizes, got {buckets!r}")
+    out = tuple(sorted(set(buckets)))
+    if not out or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in out):
+        raise ValueError(f"buckets must be positive integers, got {list(buckets)!r}")
+    return out
+
+
+@dataclass
+class StepInputs:
+    """Where a step kind's per-step inputs sit among the program inputs, and their shapes."""
+    per_step: list[int]                 # program input index of each per-step tensor
+    names: list[str]
+    shapes: list[tuple]                 # symbolic shapes (sympy expressions in the batch symbol)
+    snapshots: list[int]                # the subset of per_step written by the step (copied back)
+    batch_symbol: sympy.Symbol
+    rows: int
+
+
+@dataclass
+class _Graph:
+    graph: object
+    statics: list[torch.Tensor]
+    padding: list                       # each static buffer's padding values (None: snapshots)
+    out: torch.Tensor
+    filled: list[int] = field(default_factory=list)     # rows of real data in each static buffer
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    uncaptured: int = 0                 # calls with a batch larger than every bucket
+
+
+class DecodeGraphs:
+    def __init__(self, executor: Executor, inputs: StepInputs, buckets, pool, max_blocks: int):
+        self.executor = executor
+        self.inputs = inputs
+        self.buckets = check_buckets(buckets)
+        self.pool = pool
+        self.max_blocks = max_blocks
+        self.graphs: dict[int, _Graph] = {}
+        self.stats = GraphStats()
+        self._persistent: tuple = ()        # data pointers of the non-per-step inputs at capture
+
+    def bucket(self, batch: int):
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def _shape(self, i: int, batch: int) -> tuple[int, ...]:
+        subs = {self.inputs.batch_symbol: batch}
+        return tuple(int(sympy.sympify(d).subs(subs)) for d in self.inputs.shapes[i])
+
+    def _templates(self, batch: int, flat: list) -> list[torch.Tensor]:
+        """Padding values of every per-step input at `batch` requests."""
+        device = self.executor.device
+        ids, meta = padding_step(batch, self.inputs.rows, self.max_blocks, device)
+        padding = {"input_ids": ids, **{f"meta.{k}": getattr(meta, k) for k in meta.__dataclass_fields__}}
+        out = []
+        for i, (index, name) in enumerate(zip(self.inputs.per_step, self.inputs.names)):
+            like = flat[index]
+            shape = self._shape(i, batch)
+            t = padding.get(name)
+            if t is None:                   # snapshots: written by the step, never read
+                t = torch.zeros(shape, dtype=like.dtype, device=device)
+            if tuple(t.shape) != shape or t.dtype != like.dtype:
+                raise RuntimeFailure(f"device graphs: padding for {name} is {t.dtype} {tuple(t.shape)}, "
+                                     f"the program takes {like.dtype} {shape}")
+            out.append(t)
+        return out
+
+    def _persistent_ptrs(self, flat: list) -> tuple:
+        per_step = set(self.inputs.per_step)
+        return tuple(t.data_ptr() for i, t in enumerate(flat) if i not in per_step and isinstance(t, torch.Tensor))
+
+    def _capture(self, batch: int, flat: list) -> _Graph:
+        statics = self._templates(batch, flat)
+        run = list(flat)
+        for index, t in zip(self.inputs.per_step, statics):
+            run[index] = t
+        capture_stream = torch.cuda.Stream(device=self.executor.device)
+        capture_stream.wait_stream(torch.cuda.current_stream(self.executor.device))
+        with torch.cuda.stream(capture_stream):
+            self.executor(run)                  # warm-up on padding: compiles, tunes, writes nothing
+        torch.cuda.current_stream(self.executor.device).wait_stream(capture_stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
+            out = self.executor(run)[0]
+        self.stats.captures += 1
+        padding = [None if index in self.inputs.snapshots else t.clone()
+                   for index, t in zip(self.inputs.per_step, statics)]
+        return _Graph(graph, statics, padding, out, [0] * len(statics))
+
+    def __call__(self, flat: list, batch: int) -> torch.Tensor:
+        bucket = self.bucket(batch)
+        if bucket is None:
+            self.stats.uncaptured += 1
+            return self.executor(flat)[0]
+        ptrs = self._persistent_ptrs(flat)
+        if not self._persistent:
+            self._persistent = ptrs
+        elif ptrs != self._persistent:
+            raise RuntimeFailure("device graphs: the weights or cache pools are not the tensors the graphs "
+                                 "were captured with (a new pool or model needs a new compile)")
+        entry = self.graphs.get(bucket)
+        if entry is None:
+            entry = self.graphs[bucket] = self._capture(bucket, flat)
+        for i, (index, static) in enumerate(zip(self.inputs.per_step, entry.statics)):
+            pad = entry.padding[i]
+            if pad is None:
+                continue
+            real = flat[index]
+            n = real.shape[0]
+            static[:n].copy_(real)
+            if entry.filled[i] > n:             # rows a larger batch filled before: padding again
+                static[n:entry.filled[i]].copy_(pad[n:entry.filled[i]])
+            entry.filled[i] = n
+        entry.graph.replay()
+        self.stats.replays += 1
+        for i, index in enumerate(self.inputs.per_step):
+            if index in self.inputs.snapshots:
+                flat[index].copy_(entry.statics[i][:batch])
+        return entry.out[:batch * self.inputs.rows].clone()
