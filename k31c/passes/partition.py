@@ -80,6 +80,7 @@ def _extract(run: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list, list
         for a in node.all_input_nodes:
             if a not in members and a not in inputs:
                 inputs.append(a)
+    inputs += _size_carriers(inputs, run[0].graph)
     outputs = [n for n in run if any(u not in members for u in n.users)]
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -94,6 +95,44 @@ def _extract(run: list[torch.fx.Node]) -> tuple[torch.fx.GraphModule, list, list
     graph.output(tuple(env[o] for o in outputs))
     sub = torch.fx.GraphModule(torch.nn.Module(), graph)
     return sub, inputs, outputs
+
+
+def _symbols(val) -> tuple[set, set]:
+    """(free symbols of a value's sizes, symbols that appear as a bare size a compiled piece can
+    read them from)."""
+    free, bare = set(), set()
+    sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+    for d in sizes:
+        if isinstance(d, torch.SymInt):
+            expr = d.node.expr
+            free |= expr.free_symbols
+            if expr.is_Symbol:
+                bare.add(expr)
+    return free, bare
+
+
+def _size_carriers(inputs: list[torch.fx.Node], graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """Graph inputs to add to a piece so that every symbolic size of its inputs can be derived:
+    Inductor binds a symbol from an input's size, and a piece that only sees `4*B` rows cannot
+    recover B. One placeholder with the bare symbol as a size is added per missing symbol."""
+    free, bare = set(), set()
+    for a in inputs:
+        f, b = _symbols(a.meta.get("val"))
+        free |= f
+        bare |= b
+    missing = free - bare
+    extra = []
+    for ph in (n for n in graph.nodes if n.op == "placeholder"):
+        if not missing:
+            break
+        _, b = _symbols(ph.meta.get("val"))
+        if b & missing and ph not in inputs:
+            extra.append(ph)
+            missing -= b
+    if missing:
+        raise CompilerError(f"partition: no graph input carries the sizes {sorted(map(str, missing))} "
+                            "a dense piece needs")
+    return extra
 
 
 def _key(sub: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> str:

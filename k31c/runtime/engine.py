@@ -22,7 +22,7 @@ class Engine:
         self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
         self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
                               block_size=block_size, index_cache=index_cache, device=self.device)
-        self.step_fn = step_fn or model
+        self.step_fn = step_fn if step_fn is not None else model
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self) -> int:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU check: run on a machine with an NVIDIA GPU (the H200 image: torch 2.11, Triton 3.6), from
+# the repository root, with the machine's own python3 (nothing is installed). It runs
+#   1. the compiled-program tests on the GPU (tests/runtime: tiny float32/bfloat16 and bench
+#      configs against eager, every pass switched off, profile of a replayed step),
+#   2. the kernels' real-shape tests (tests/lowering), unless --no-kernels,
+#   3. with --bench, `k31c bench e2e` (benchmarks/bench_e2e.py) into $OUT or ./bench-e2e.md.
+# Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
+# warm machine between calls).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
+PY=${PYTHON:-python3}
+kernels=1 bench=0 rest=()
+for a in "$@"; do
+    case "$a" in
+        --no-kernels) kernels=0 ;;
+        --bench) bench=1 ;;
+        *) rest+=("$a") ;;
+    esac
+done
+"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
+status=0
+"$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${rest[@]}" || status=1
+if [ "$kernels" = 1 ]; then
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py || status=1
+fi
+if [ "$bench" = 1 ]; then
+    "$PY" benchmarks/e2e.py --out "${OUT:-.}/bench-e2e.md" || status=1
+fi
+exit $status
