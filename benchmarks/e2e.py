@@ -9,7 +9,7 @@ profiler). The caches are filled with random latent rows, index keys and KDA sta
 prefill (the reference prefill cannot reach 32K); the step time is the wall time of
 `Engine.decode` (host metadata + the step), averaged over consecutive steps.
 
-    python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer]
+    python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer] [--quick]
 """
 from __future__ import annotations
 
@@ -98,24 +98,28 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip-peer", action="store_true", help="leave out the torch.compile peer")
+    ap.add_argument("--quick", action="store_true",
+                    help="context 2.3K only; eager, k31c without and with device graphs")
     args = ap.parse_args()
+    contexts = CONTEXTS[:1] if args.quick else CONTEXTS
     if not torch.cuda.is_available():
         print("k31c: error: bench e2e needs a CUDA device", file=sys.stderr)
         return 2
     machine = measure_machine()
     model = make_model()
-    max_len = max(CONTEXTS) + 64
+    max_len = max(contexts) + 64
     runners = {"eager": model}
-    if not args.skip_peer:
+    if not (args.skip_peer or args.quick):
         runners["torch.compile(reduce-overhead)"] = torch.compile(model, mode="reduce-overhead")
     runners["k31c no graphs"] = k31c_api.compile(model, target="h200", options={"device_graphs": False})
     runners["k31c graphs"] = k31c_api.compile(model, target="h200")
-    runners["k31c graphs, 1 stream"] = k31c_api.compile(model, target="h200", options={"streams": 1})
+    if not args.quick:
+        runners["k31c graphs, 1 stream"] = k31c_api.compile(model, target="h200", options={"streams": 1})
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for
     engines = {name: Engine(model, max_requests=max(BATCHES), max_seq_len=max_len, device="cuda", step_fn=fn)
                for name, fn in runners.items()}
     rows = []
-    for ctx in CONTEXTS:
+    for ctx in contexts:
         for batch in BATCHES:
             times, busy, floor = {}, None, None
             for name, eng in engines.items():
