@@ -58,7 +58,11 @@ def test_report_says_what_each_pass_did(compiled_run):
     assert set(report.steps) == {"prefill", "decode", "verify3"}
     decode = {r.name: r.result for r in report.steps["decode"].passes}
     assert decode["indexer_prolog"].matches == 2 and decode["fuse_index_write"].matches == 2
-    assert report.fallbacks() == {}                          # the CPU's kernels are the reference ops
+    # what runs: on the CPU every k31c op runs its reference implementation (the CPU's kernels),
+    # which is not a fallback (tests/runtime/test_program.py counts those on the h200 program)
+    kernels = report.steps["decode"].kernels
+    assert kernels and {k for _, k in kernels} == {"reference"}
+    assert kernels[("k31c::kda_decode", "reference")] == 6 and report.fallbacks() == {}
     text = str(report)
     assert "indexer_prolog" in text and "2 indexer regions" in text
 
@@ -104,15 +108,6 @@ def test_compile_only_targets_build_but_do_not_run(model, compiled_run):
     kernels = {(n.meta.get("k31c") or {}).get("kernel") for n in program.gm.graph.nodes}
     assert "stream" in kernels
     with pytest.raises(ValueError, match="compile-only"):
-        eng.prefill([r], [[1, 2, 3]])
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
-def test_gpu_target_without_a_gpu_is_an_error(model):
-    compiled = k31c_api.compile(model, target="h200")
-    eng = Engine(model, max_requests=2, max_seq_len=64, step_fn=compiled)
-    r = eng.add_request()
-    with pytest.raises(ValueError, match="CUDA device"):
         eng.prefill([r], [[1, 2, 3]])
 
 

@@ -15,7 +15,7 @@ code captures HIP graphs under a ROCm build of torch; there the target asks for 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -47,13 +47,47 @@ class StepInputs:
     rows: int
 
 
+class StaticInputs:
+    """A bucket's static buffers for the per-step inputs: padding everywhere at first, then each
+    step's real values in the first rows (rows a larger batch filled before are padded again)."""
+
+    def __init__(self, inputs: StepInputs, templates: list[torch.Tensor]):
+        self.inputs = inputs
+        self.buffers = [t.clone() for t in templates]
+        self.padding = [None if index in inputs.snapshots else t
+                        for index, t in zip(inputs.per_step, templates)]
+        self.filled = [0] * len(templates)
+
+    def bind(self, flat: list) -> list:
+        """`flat` with the per-step inputs replaced by the buffers."""
+        run = list(flat)
+        for index, t in zip(self.inputs.per_step, self.buffers):
+            run[index] = t
+        return run
+
+    def fill(self, flat: list) -> None:
+        for i, (index, static) in enumerate(zip(self.inputs.per_step, self.buffers)):
+            pad = self.padding[i]
+            if pad is None:                      # snapshots: written by the step
+                continue
+            n = flat[index].shape[0]
+            static[:n].copy_(flat[index])
+            if self.filled[i] > n:
+                static[n:self.filled[i]].copy_(pad[n:self.filled[i]])
+            self.filled[i] = n
+
+    def copy_back(self, flat: list, batch: int) -> None:
+        """The step's snapshots of the first `batch` requests into the caller's tensors."""
+        for index, static in zip(self.inputs.per_step, self.buffers):
+            if index in self.inputs.snapshots:
+                flat[index].copy_(static[:batch])
+
+
 @dataclass
 class _Graph:
     graph: object
-    statics: list[torch.Tensor]
-    padding: list                       # each static buffer's padding values (None: snapshots)
+    statics: StaticInputs
     out: torch.Tensor
-    filled: list[int] = field(default_factory=list)     # rows of real data in each static buffer
 
 
 @dataclass
@@ -103,11 +137,12 @@ class DecodeGraphs:
         per_step = set(self.inputs.per_step)
         return tuple(t.data_ptr() for i, t in enumerate(flat) if i not in per_step and isinstance(t, torch.Tensor))
 
+    def static_inputs(self, batch: int, flat: list) -> StaticInputs:
+        return StaticInputs(self.inputs, self._templates(batch, flat))
+
     def _capture(self, batch: int, flat: list) -> _Graph:
-        statics = self._templates(batch, flat)
-        run = list(flat)
-        for index, t in zip(self.inputs.per_step, statics):
-            run[index] = t
+        statics = self.static_inputs(batch, flat)
+        run = statics.bind(flat)
         capture_stream = torch.cuda.Stream(device=self.executor.device)
         capture_stream.wait_stream(torch.cuda.current_stream(self.executor.device))
         with torch.cuda.stream(capture_stream):
@@ -117,9 +152,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
             out = self.executor(run)[0]
         self.stats.captures += 1
-        padding = [None if index in self.inputs.snapshots else t.clone()
-                   for index, t in zip(self.inputs.per_step, statics)]
-        return _Graph(graph, statics, padding, out, [0] * len(statics))
+        return _Graph(graph, statics, out)
 
     def __call__(self, flat: list, batch: int) -> torch.Tensor:
         bucket = self.bucket(batch)
@@ -135,19 +168,8 @@ class DecodeGraphs:
         entry = self.graphs.get(bucket)
         if entry is None:
             entry = self.graphs[bucket] = self._capture(bucket, flat)
-        for i, (index, static) in enumerate(zip(self.inputs.per_step, entry.statics)):
-            pad = entry.padding[i]
-            if pad is None:
-                continue
-            real = flat[index]
-            n = real.shape[0]
-            static[:n].copy_(real)
-            if entry.filled[i] > n:             # rows a larger batch filled before: padding again
-                static[n:entry.filled[i]].copy_(pad[n:entry.filled[i]])
-            entry.filled[i] = n
+        entry.statics.fill(flat)
         entry.graph.replay()
         self.stats.replays += 1
-        for i, index in enumerate(self.inputs.per_step):
-            if index in self.inputs.snapshots:
-                flat[index].copy_(entry.statics[i][:batch])
+        entry.statics.copy_back(flat, batch)
         return entry.out[:batch * self.inputs.rows].clone()

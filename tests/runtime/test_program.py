@@ -1,0 +1,199 @@
+"""The program executor on the CPU: partition into dense pieces, stream markers as events, bucket
+padding, fallback counting, and the h200 program running its Triton kernels under the
+interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on a machine without CUDA) against eager."""
+import operator
+
+import pytest
+import torch
+
+import k31c.api as k31c_api
+import k31c.lowering.build as build
+from k31c.graph.capture import StepKind, clone_graph
+from k31c.lowering.build import build_program
+from k31c.lowering.program import Dense, Kernel, Record, Wait
+from k31c.passes.graph_utils import is_k31c, is_marker_node, region_of, stream_of
+from k31c.passes.partition import dense_runs, is_piece_call, partition
+from k31c.runtime.engine import Engine
+from k31c.runtime.graphs import DecodeGraphs, check_buckets
+from tiny_model import close, engine_scenario, make_model
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the GPU program")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def _engine(model, step_fn=None, **kw):
+    return Engine(model, max_requests=4, max_seq_len=128, step_fn=step_fn, **kw)
+
+
+@pytest.fixture(scope="module")
+def decode_graph(model):
+    """The tiny decode graph after the h200 pipeline, and the step inputs it was built for."""
+    compiled = k31c_api.compile(model, target="h200")
+    eng = _engine(model)
+    rids = [eng.add_request() for _ in range(2)]
+    eng.prefill(rids, [list(range(1, 30)), list(range(4, 9))])
+    meta = eng._meta(rids, [eng.length(r) for r in rids], [1, 1])
+    program = compiled.build(StepKind("decode"), meta, eng.pool.caches(), executable=False)
+    return program, eng, meta
+
+
+def test_partition_keeps_only_k31c_ops_and_markers_between_pieces(decode_graph):
+    program, _, _ = decode_graph
+    runs = dense_runs(program.gm)
+    split = partition(clone_graph(program.gm))
+    assert len(split.pieces) == len(runs) and split.distinct < len(split.pieces)   # layers share code
+    for node in split.gm.graph.nodes:
+        if node.op == "call_function":
+            assert is_k31c(node) or is_marker_node(node) or node.target is operator.getitem, node.format_node()
+            if node.target is operator.getitem:
+                assert is_piece_call(node.args[0]) or is_k31c(node.args[0])
+    for run, piece in zip(runs, split.pieces.values()):
+        assert {(stream_of(n), region_of(n)) for n in run} == {(piece.stream, piece.region)}
+        assert piece.ops == len(run)
+    assert {p.stream for p in split.pieces.values()} == {0, 1, 2}      # the indexer prolog's branches
+
+
+def test_partitioned_graph_computes_what_the_graph_computes(decode_graph, model):
+    program, eng, meta = decode_graph
+    from k31c.graph.capture import flat_step_inputs
+    ids = torch.tensor([3, 9])
+
+    def run(gm):
+        caches = eng.pool.caches()
+        snapshot = [t.clone() for c in caches.mla for t in (c.latent, c.index)] + \
+                   [t.clone() for s in caches.kda for t in (s.conv, s.recurrent)]
+        flat = flat_step_inputs(program.captured, program.placeholders, ids, meta, caches)
+        out = gm(*flat)[0]
+        written = [t.clone() for c in caches.mla for t in (c.latent, c.index)] + \
+                  [t.clone() for s in caches.kda for t in (s.conv, s.recurrent)]
+        for t, s in zip([t for c in caches.mla for t in (c.latent, c.index)] +
+                        [t for s in caches.kda for t in (s.conv, s.recurrent)], snapshot):
+            t.copy_(s)                                   # both runs start from the same caches
+        return out, written
+
+    whole, caches_a = run(clone_graph(program.gm))
+    split, caches_b = run(partition(clone_graph(program.gm)).gm)
+    torch.testing.assert_close(split, whole, rtol=0, atol=0)
+    for a, b in zip(caches_a, caches_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_markers_become_events_and_the_main_stream_is_enqueued_first(decode_graph):
+    program, _, _ = decode_graph
+    split = partition(clone_graph(program.gm))
+    prog = build_program(split.gm, {n: p.key for n, p in split.pieces.items()}, program_target("h200"),
+                         "decode", "fx")
+    markers = [n for n in program.gm.graph.nodes if is_marker_node(n)
+               and n.target in (torch.ops.k31c.event_record.default, torch.ops.k31c.event_wait.default)]
+    events = [s for s in prog.steps if isinstance(s, (Record, Wait))]
+    assert len(events) == len(markers) and prog.events == 6
+    recorded = set()
+    for s in prog.steps:                                 # every wait follows its record
+        if isinstance(s, Record):
+            recorded.add(s.event)
+        elif isinstance(s, Wait):
+            assert s.event in recorded
+    # per stream, the steps keep the graph's order; within a fork the main stream's work comes first
+    forks = [i for i, s in enumerate(prog.steps) if isinstance(s, Record) and s.stream == 0]
+    for i in forks:
+        j = next(k for k in range(i + 1, len(prog.steps)) if isinstance(prog.steps[k], Wait) and prog.steps[k].stream == 0)
+        streams = [s.stream for s in prog.steps[i + 1:j]]
+        assert streams == sorted(streams, key=lambda s: s != 0) and 0 in streams and {1, 2} <= set(streams)
+    kinds = {type(s) for s in prog.steps}
+    assert kinds == {Dense, Kernel, Record, Wait}
+    assert prog.fallbacks() == {}
+    assert {op for op, _ in prog.kernels()} == {"k31c::kda_decode", "k31c::mla_cache_write",
+                                                 "k31c::index_key_norm_write", "k31c::lightning_indexer_topk",
+                                                 "k31c::sparse_mla"}
+
+
+def program_target(name):
+    from k31c.lowering.targets import get_target
+    return get_target(name)
+
+
+def test_h200_program_runs_its_kernels_and_matches_eager(model):
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    topk = model.config.index_topk
+    scenario = lambda fn: engine_scenario(model, fn, [(0, topk + 8), (0, 5), (7, 18)], 100, (0, 2), 2)  # noqa: E731
+    close(scenario(compiled), scenario(model), tol=5e-4)
+    for step in ("prefill", "decode", "verify3"):
+        report = compiled.report.steps[step]
+        assert report.fallbacks == {} and report.kernels
+        assert all(k.startswith("triton:") for _, k in report.kernels)
+    assert "reference fallbacks: none" in str(compiled.report)
+    assert compiled.graph_stats() == {}                  # no device graphs on CPU tensors
+
+
+def test_a_missing_kernel_is_a_counted_fallback(model, monkeypatch):
+    lookup = build.lookup
+    monkeypatch.setattr(build, "lookup", lambda op, t: None if op == "k31c::sparse_mla" else lookup(op, t))
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    eng, ref = _engine(model, compiled), _engine(model)
+    for e in (eng, ref):
+        r = e.add_request()
+        e.prefill([r], [list(range(1, 20))])
+    close(eng.decode([0], [5]), ref.decode([0], [5]))
+    assert compiled.report.steps["decode"].fallbacks == {"k31c::sparse_mla": 2}
+    assert compiled.report.fallbacks() == {"k31c::sparse_mla": 2}
+    executor = next(p.executor for s, p in compiled._programs.items() if s.name == "decode")
+    assert executor.reference_calls == 2                 # counted from the runs, per call
+    assert "reference fallbacks: k31c::sparse_mla x2" in str(compiled.report)
+
+
+def test_padding_requests_read_and_write_nothing(model):
+    """A bucket's static inputs: a batch of 2 in a bucket of 4 gives the unpadded logits and caches;
+    a batch of 1 after it pads row 1 again."""
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    a, b = _engine(model, compiled), _engine(model, compiled)
+    for e in (a, b):
+        rids = [e.add_request() for _ in range(2)]
+        e.prefill(rids, [list(range(1, 30)), list(range(4, 9))])
+    want = a.decode([0, 1], [3, 9])
+    step = StepKind("decode")
+    program = compiled._programs[step]
+    from k31c.api import _step_inputs
+    from k31c.graph.capture import flat_step_inputs
+    graphs = DecodeGraphs(program.executor, _step_inputs(program, step), (4,), None, b.pool.max_blocks_per_req)
+    meta = b._meta([0, 1], [b.length(0), b.length(1)], [1, 1])
+    flat = flat_step_inputs(program.captured, program.placeholders, torch.tensor([3, 9]), meta, b.pool.caches())
+    statics = graphs.static_inputs(4, flat)
+    statics.fill(flat)
+    got = program.executor(statics.bind(flat))[0]
+    assert got.shape[0] == 4
+    close(got[:2], want, tol=1e-5)
+    for ca, cb in zip(a.pool.mla, b.pool.mla):
+        torch.testing.assert_close(ca.latent, cb.latent)
+    for sa, sb in zip(a.pool.kda, b.pool.kda):
+        torch.testing.assert_close(sa.recurrent, sb.recurrent)
+        torch.testing.assert_close(sa.conv, sb.conv)
+    one = b._meta([0], [b.length(0) + 1], [1])
+    flat1 = flat_step_inputs(program.captured, program.placeholders, torch.tensor([4]), one, b.pool.caches())
+    statics.fill(flat1)
+    slots = statics.buffers[statics.inputs.names.index("meta.kda_slots")]
+    assert slots.tolist() == [flat1[statics.inputs.per_step[statics.inputs.names.index("meta.kda_slots")]][0].item(), -1, -1, -1]
+
+
+def test_buckets():
+    assert check_buckets([8, 1, 2, 2]) == (1, 2, 8)
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.buckets = (1, 2, 4, 8)
+    assert [graphs.bucket(b) for b in (1, 3, 8, 9)] == [1, 4, 8, None]
+    for bad in ([], [0], "1,2", [1.5]):
+        with pytest.raises(ValueError, match="buckets"):
+            check_buckets(bad)
+    with pytest.raises(ValueError, match="buckets"):
+        k31c_api.compile(make_model(), target="h200", options={"buckets": [0, 2]})
+
+
+def test_gpu_target_without_a_gpu_or_interpreter_is_an_error(model, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compiled = k31c_api.compile(model, target="h200")
+    eng = _engine(model, compiled)
+    r = eng.add_request()
+    with pytest.raises(ValueError, match="CUDA device.*TRITON_INTERPRET"):
+        eng.prefill([r], [[1, 2, 3]])
