@@ -4,6 +4,7 @@ Re-exports the public names. The config names are plain Python; the rest import 
 set, so they are loaded on first use (`k31c.load_checkpoint` etc.): importing any k31c module
 stays cheap and never pulls in an optional backend.
 """
+import sys
 from importlib import import_module
 
 from .config import PRESETS, ConfigError, K31Config, preset
@@ -25,6 +26,26 @@ _LAZY = {
 }
 
 __all__ = ["PRESETS", "ConfigError", "K31Config", "preset", "__version__", *_LAZY]
+
+
+def dynamo_backend(gm, example_inputs):
+    """The Dynamo backend `torch.compile(model, backend="k31c")`: the k31c passes on Dynamo's
+    graph (k31c.api.backend). It loads k31c.api on first use, so importing k31c stays cheap."""
+    from .api import dynamo_backend as backend
+    return backend(gm, example_inputs)
+
+
+def register_dynamo_backend() -> None:
+    """Register "k31c" with Dynamo if Dynamo is loaded and does not know it yet. An installed k31c
+    is also found through its `torch_dynamo_backends` entry point (pyproject.toml); when Dynamo
+    has listed that entry point, it loads it itself on first lookup."""
+    registry = sys.modules.get("torch._dynamo.backends.registry")
+    if registry is None or "k31c" in registry._COMPILER_FNS or registry._BACKENDS.get("k31c") is not None:
+        return
+    registry.register_backend(compiler_fn=dynamo_backend, name="k31c")
+
+
+register_dynamo_backend()
 
 
 def __getattr__(name: str):

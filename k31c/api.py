@@ -384,13 +384,13 @@ def backend(target: str = "cpu", passes=None, options: Optional[dict] = None):
     return compile_graph
 
 
-dynamo_backend = backend()     # the default one, registered as "k31c" (also an entry-point target)
+dynamo_backend = backend()     # the default one, "k31c" (k31c.dynamo_backend calls it)
 
 
 def _register_backend() -> None:
-    from torch._dynamo import list_backends, register_backend
-    if "k31c" not in list_backends(exclude_tags=()):
-        register_backend(name="k31c")(dynamo_backend)
+    import torch._dynamo.backends.registry  # noqa: F401  (loaded, so the package can register)
+    from . import register_dynamo_backend
+    register_dynamo_backend()
 
 
 _register_backend()

@@ -61,3 +61,18 @@ def test_registered_backend_name_runs_inductor_on_a_layer():
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
     assert torch.allclose(ours.index, cache.index, atol=1e-6)
     assert len(k31c_api.BACKEND_COMPILES) == before + 1
+
+
+@pytest.mark.parametrize("code", [
+    # `import k31c` after Dynamo is loaded registers the backend
+    "import torch._dynamo; import k31c; import torch._dynamo.backends.registry as r; "
+    "print(r.lookup_backend('k31c').__module__)",
+    # installed k31c: Dynamo finds it through the torch_dynamo_backends entry point, no import needed
+    "import torch._dynamo.backends.registry as r; print(r.lookup_backend('k31c').__module__)",
+])
+def test_backend_name_is_found_without_importing_k31c_api(code):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "k31c"
