@@ -72,6 +72,7 @@ class Captured:
     in_spec: pytree.TreeSpec               # structure of (input_ids, meta, caches)
     dims: dict[str, str] = field(default_factory=dict)   # sympy symbol name -> "B" / "T"
     seconds: float = 0.0
+    leaf_checks: Optional[list] = None     # flat_step_inputs' compiled shape checks (built on first use)
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -269,6 +270,44 @@ def _dim_names(captured: Captured, placeholders) -> dict[str, str]:
 
 # ---- calling a captured graph ------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _LeafCheck:
+    name: str
+    dtype: torch.dtype
+    ndim: int
+    device: str
+    static: tuple                      # (dim, size) of fixed sizes
+    binds: tuple                       # (dim, symbol name) of sizes that are a bare symbol
+    derived: tuple                     # (dim, text, fn(**symbols) -> size) of the other sizes
+
+
+def _leaf_checks(captured: Captured, placeholders: list[torch.fx.Node]) -> list[_LeafCheck]:
+    """What each step input must look like, with symbolic sizes compiled to functions once (a
+    sympy substitution per size and call cost most of a decode step's host time)."""
+    if captured.leaf_checks is None:
+        checks = []
+        for node, info in zip(placeholders, captured.inputs):
+            if info.is_weight:
+                continue
+            val = node.meta["val"]
+            static, binds, derived = [], [], []
+            for d, want in enumerate(val.shape):
+                if not isinstance(want, torch.SymInt):
+                    static.append((d, want))
+                elif isinstance(want.node.expr, sympy.Symbol):
+                    binds.append((d, want.node.expr.name))
+                else:
+                    expr = want.node.expr
+                    syms = sorted(expr.free_symbols, key=lambda x: x.name)
+                    fn = sympy.lambdify([sympy.Symbol(x.name) for x in syms],
+                                        expr.xreplace({x: sympy.Symbol(x.name) for x in syms}), "math")
+                    derived.append((d, str(expr), fn, tuple(x.name for x in syms)))
+            checks.append(_LeafCheck(info.name, val.dtype, val.dim(), val.device.type, tuple(static),
+                                     tuple(binds), tuple(derived)))
+        captured.leaf_checks = checks
+    return captured.leaf_checks
+
+
 def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches):
     """Weights + flattened step inputs in placeholder order, after checking that the program covers
     these shapes (a mismatch would need a new capture: it is an error naming the input)."""
@@ -277,31 +316,31 @@ def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], inpu
         raise ValueError(f"step inputs: their structure differs from the captured {captured.step.name} "
                          f"step's (kda_snapshots present: {caches.kda_snapshots is not None}; "
                          f"the graph was captured with {captured.step.snapshots})")
-    users = [(n, i) for n, i in zip(placeholders, captured.inputs) if not i.is_weight]
-    bound: dict[sympy.Symbol, int] = {}
-    for (node, info), t in zip(users, leaves):
-        val = node.meta["val"]
-        if not isinstance(t, torch.Tensor) or t.dtype != val.dtype or t.dim() != val.dim():
+    checks = _leaf_checks(captured, placeholders)
+    bound: dict[str, int] = {}
+    for c, t in zip(checks, leaves):
+        if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.ndim:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{info.name}: expected {val.dtype} with {val.dim()} dims, got {got}")
-        if t.device.type != val.device.type:
-            raise ValueError(f"{info.name}: on {t.device}, the program runs on {val.device.type}")
-        for d, (want, got) in enumerate(zip(val.shape, t.shape)):
-            if isinstance(want, torch.SymInt):
-                expr = want.node.expr
-                if isinstance(expr, sympy.Symbol) and expr not in bound:
-                    bound[expr] = got
-                continue
-            if want != got:
-                raise ValueError(f"{info.name}: dim {d} is {got}, the {captured.step.name} program was "
+            raise ValueError(f"{c.name}: expected {c.dtype} with {c.ndim} dims, got {got}")
+        if t.device.type != c.device:
+            raise ValueError(f"{c.name}: on {t.device}, the program runs on {c.device}")
+        shape = t.shape
+        for d, want in c.static:
+            if shape[d] != want:
+                raise ValueError(f"{c.name}: dim {d} is {shape[d]}, the {captured.step.name} program was "
                                  f"captured for {want} (a different cache pool needs a new compile)")
-    for (node, info), t in zip(users, leaves):
-        for d, want in enumerate(node.meta["val"].shape):
-            if isinstance(want, torch.SymInt):
-                expect = int(want.node.expr.subs(bound))
-                if expect != t.shape[d] or t.shape[d] < 1:
-                    raise ValueError(f"{info.name}: dim {d} is {t.shape[d]}, expected {expect} "
-                                     f"({want.node.expr}) from the other inputs")
+        for d, sym in c.binds:
+            bound.setdefault(sym, shape[d])
+    for c, t in zip(checks, leaves):
+        for d, sym in c.binds:
+            if t.shape[d] != bound[sym] or t.shape[d] < 1:
+                raise ValueError(f"{c.name}: dim {d} is {t.shape[d]}, expected {bound[sym]} ({sym}) "
+                                 "from the other inputs")
+        for d, text, fn, syms in c.derived:
+            expect = int(fn(*(bound[x] for x in syms)))
+            if expect != t.shape[d] or t.shape[d] < 1:
+                raise ValueError(f"{c.name}: dim {d} is {t.shape[d]}, expected {expect} ({text}) "
+                                 "from the other inputs")
     return captured.weights + leaves
 
 
