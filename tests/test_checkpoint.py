@@ -234,15 +234,21 @@ def test_init_is_deterministic_per_seed(tmp_path):
     assert 0.01 < w5["lm_head.weight"].std() < 0.03  # spec §9.5: N(0, 0.02)
 
 
-def test_save_refuses_a_non_empty_dir_and_overwrites_on_request(model, tmp_path):
+def test_save_refuses_a_non_empty_dir_and_overwrites_only_a_checkpoint(model, tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(CheckpointError, match="not an empty directory"):
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
         save_checkpoint(model, out)
+    with pytest.raises(CheckpointError, match=r"not a checkpoint's \(keep.txt\)"):
+        save_checkpoint(model, out, overwrite=True)   # a user's file: never replaced
     assert _files(out) == {"keep.txt": b"x"}
+    (out / "keep.txt").unlink()
+    other = _random_model(seed=12)
+    save_checkpoint(other, out)
     save_checkpoint(model, out, overwrite=True)
     assert sorted(_files(out)) == ["config.json", "model.safetensors"]
+    _assert_same_weights(model, load_checkpoint(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
 
 

@@ -61,7 +61,7 @@ def bad(**edits):
     (dict(index_topk=0), "index_topk must be a positive integer"),
     (dict(num_experts_per_token=9), "num_experts_per_token=9 > num_experts=8"),
     (dict(num_expert_group=3), "not divisible by num_expert_group=3"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(hidden_act="gelu"), "hidden_act must be one of 'situ', 'silu', got 'gelu'"),
     (dict(q_lora_rank=None), "q_lora_rank must be set"),
     (dict(mla_use_nope=False), "mla_use_nope=false"),
 ])
