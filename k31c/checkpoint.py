@@ -25,9 +25,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import fsutil
-from .checkpoint_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, replace_problem
-from .config import ConfigError, K31Config, config_from_name_or_path
-from .errors import InputError
+from .checkpoint_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError, replace_problem
+from .config import K31Config, config_from_name_or_path
 from .paths import default_model_dir
 LM_PREFIX = "language_model."
 # Tensors of the multimodal wrapper that sit beside `language_model.*` and are not ours to load.
@@ -39,15 +38,6 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(InputError):
-    """A checkpoint that cannot be loaded (or written); the message lists every problem found."""
-
-    def __init__(self, problems: list[str], source: Union[str, Path]):
-        self.problems = problems
-        self.source = str(source)
-        super().__init__(f"invalid checkpoint {source}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _dtype_name(dtype) -> str:
@@ -297,11 +287,11 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
             return
         with fsutil.temporary_dir(out.parent, out.name, kind="old") as old:
             os.rename(out, old / "ckpt")
-            fsutil.pause_point("checkpoint-swap")
             try:
+                fsutil.pause_point("checkpoint-swap")
                 os.rename(tmp, out)
-            except OSError:
-                os.rename(old / "ckpt", out)  # put the previous checkpoint back
+            except BaseException:  # also SIGTERM / Ctrl-C here: put the previous checkpoint back
+                os.rename(old / "ckpt", out)
                 raise
         return
     if out.exists():

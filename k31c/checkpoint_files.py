@@ -3,10 +3,22 @@ replace. Torch-free, so that the CLI checks its arguments before it imports anyt
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Union
+
+from .errors import InputError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be loaded (or written); the message lists every problem found."""
+
+    def __init__(self, problems: list[str], source: Union[str, Path]):
+        self.problems = problems
+        self.source = str(source)
+        super().__init__(f"invalid checkpoint {source}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def is_checkpoint_file(entry: Path) -> bool:

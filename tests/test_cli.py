@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _k31c(*args, home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, K31C_HOME=str(home), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "k31c.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "k31c", *args], capture_output=True, text=True,
                           env=env, timeout=300)
 
 
@@ -92,7 +92,7 @@ def test_bad_checkpoint_reported_without_traceback(checkpoint, home, tmp_path):
 
 BAD_INPUTS = [
     (["generate", "--prompt", "", "--max-new-tokens", "4"], "--prompt is empty"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1"),
     (["generate", "--prompt", "x" * 5000, "--max-new-tokens", "4"], "exceeds the model's maximum length 4096"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
     (["logits", "--tokens", "1,2.5", "--out", "{tmp}/x.npy"], "'2.5' is not an integer"),
@@ -127,10 +127,14 @@ def test_bad_input_is_one_clear_error(argv, message, checkpoint, tmp_path, capsy
     assert not (tmp_path / "x.npy").exists()
 
 
-def test_usage_errors_exit_2():
-    with pytest.raises(SystemExit) as e:
-        main(["logits", "--tokens", "1"])  # --out missing: argparse's own error
-    assert e.value.code == 2
+def test_argparse_errors_are_one_line_exit_2(capsys):
+    for argv, message in [(["logits", "--tokens", "1"], "the following arguments are required: --out"),
+                          (["generate", "--prompt", "x", "--max-new-tokens", "many"], "'many' is not an integer"),
+                          (["nosuch"], "invalid choice: 'nosuch'"),
+                          ([], "no command given")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("k31c: error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_byte_tokenizer():

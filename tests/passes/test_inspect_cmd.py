@@ -4,22 +4,22 @@ import xml.dom.minidom
 
 import pytest
 
-import k31c.inspect_cmd as inspect_cmd
+import k31c.cli.inspect as inspect_cli
 from k31c.config import preset
 
 
 @pytest.fixture(scope="module")
 def meta_model():
-    return inspect_cmd.shape_model(preset("tiny"))
+    return inspect_cli.shape_model(preset("tiny"))
 
 
 @pytest.fixture
 def run(meta_model, monkeypatch, capsys):
-    monkeypatch.setattr(inspect_cmd, "shape_model", lambda cfg: meta_model)
+    monkeypatch.setattr(inspect_cli, "shape_model", lambda cfg: meta_model)
 
     def call(*argv):
         parser = argparse.ArgumentParser()
-        inspect_cmd.add_inspect(parser.add_subparsers())
+        inspect_cli.add(parser.add_subparsers())
         args = parser.parse_args(["inspect", *argv])
         assert args.run(args) == 0
         return capsys.readouterr().out
@@ -57,6 +57,6 @@ def test_svg_output_file(run, tmp_path):
     (("--target", "tpu"), "unknown target 'tpu'"),
 ])
 def test_errors_name_what_is_wrong(run, argv, message):
-    from k31c.cli import UsageError
+    from k31c.errors import UsageError
     with pytest.raises(UsageError, match=message):
         run(*argv)
