@@ -397,6 +397,8 @@ def _check(c: K31Config, lin: dict) -> list[str]:
     """How the (individually valid) values fit together: layer lists, groups, kernel widths."""
     p: list[str] = []
     L = c.num_hidden_layers
+    if not c.full_attn_layers:
+        p.append("linear_attn_config.full_attn_layers is empty: a K3.1-family model has MLA layers")
     bad = [i for i in c.full_attn_layers if not 1 <= i <= L]
     if bad:
         p.append(f"linear_attn_config.full_attn_layers {bad} outside 1..{L} (the list is 1-based)")
