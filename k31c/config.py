@@ -1,19 +1,21 @@
 """K31Config: the K3.1 Pro architecture's configuration, read from an HF-style config.json.
 
 Keys follow Kimi K3's `text_config` (spec/model.md §9) plus the indexer keys `index_*`.
-Validation collects every problem before raising, so a user fixes a config in one pass.
-Presets: `tiny` (CPU tests, §9.5), `k3.1-pro` (full size, §9.1), `bench` (real attention and
-KDA widths, few layers), `kimi-k3` (no indexer: dense MLA), `kimi-linear-48b` (§9.2).
+Validation first checks every value's type, range and finiteness (config_values.py), then how the
+values fit together; it collects every problem of a stage before raising, so a user fixes a
+config in one pass. Presets (their dicts in presets.py): `tiny` (CPU tests, §9.5), `k3.1-pro`
+(full size, §9.1), `bench` (real attention and KDA widths, few layers), `kimi-k3` (no indexer:
+dense MLA), `kimi-linear-48b` (§9.2).
 """
 from __future__ import annotations
 
 import copy
 import json
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from .config_values import DTYPES, LINEAR_CHECKS, TOP_CHECKS, layer_list
 from .errors import InputError, UsageError
 
 
@@ -199,92 +201,6 @@ def to_hf_dict(cfg: K31Config) -> dict[str, Any]:
 
 # ---- validation: every value's type and range first, then how the values fit together ----------
 
-INT_MAX = 2**31 - 1   # sizes, ids and lengths index int32 kernel arguments
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(lo: int, optional: bool = False):
-    def check(v):
-        if v is None and optional:
-            return None
-        if not _is_int(v) or not lo <= v <= INT_MAX:
-            what = "a positive integer" if lo == 1 else "a non-negative integer"
-            return f"must be {what} (at most {INT_MAX}), got {v!r}"
-        return None
-    return check
-
-
-def _float(sign: int, optional: bool = False):
-    """A finite number > 0 (sign=1) or < 0 (sign=-1)."""
-    def check(v):
-        if v is None and optional:
-            return None
-        if not _is_number(v) or not math.isfinite(v) or not v * sign > 0:
-            return f"must be a finite {'positive' if sign > 0 else 'negative'} number, got {v!r}"
-        return None
-    return check
-
-
-def _bool(v):
-    return None if isinstance(v, bool) else f"must be true or false, got {v!r}"
-
-
-def _choice(*allowed):
-    def check(v):
-        if v not in allowed or not isinstance(v, str):
-            return f"must be one of {', '.join(repr(a) for a in allowed)}, got {v!r}"
-        return None
-    return check
-
-
-def _layer_list(v):
-    if not isinstance(v, list) or not all(_is_int(i) for i in v):
-        return f"must be a list of integer layer ids, got {v!r}"
-    return None
-
-
-def _string(v):
-    return None if isinstance(v, str) else f"must be a string, got {v!r}"
-
-
-# key -> check(value) -> problem or None. Keys absent here are required-missing or defaults.
-_TOP_CHECKS = {
-    **{k: _int(1) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
-                            "kda_chunk_size", "max_seq_len", "num_experts_per_token",
-                            "num_expert_group", "topk_group", "max_position_embeddings")},
-    **{k: _int(0) for k in ("qk_rope_head_dim", "first_k_dense_replace", "num_shared_experts",
-                            "moe_intermediate_size")},
-    **{k: _int(1, optional=True) for k in ("q_lora_rank", "attn_res_block_size", "num_experts",
-                                           "routed_expert_hidden_size", "index_n_heads",
-                                           "index_head_dim", "index_topk")},
-    **{k: _bool for k in ("mla_use_nope", "mla_use_output_gate", "tie_word_embeddings",
-                          "latent_moe_use_norm", "moe_renormalize", "index_rope", "index_share_topk")},
-    **{k: _float(1) for k in ("rms_norm_eps", "activation_situ_beta", "routed_scaling_factor",
-                              "index_key_norm_eps")},
-    "activation_situ_linear_beta": _float(1, optional=True),
-    "hidden_act": _choice("situ", "silu"),
-    "moe_router_activation_func": _choice("sigmoid", "softmax"),
-    "dtype": _choice(*_DTYPES),
-    "torch_dtype": _string,
-    "index_key_norm": _string,
-    "index_dtype": _string,
-    "index_weight_dtype": _string,
-    "index_layers": _layer_list,
-}
-_LINEAR_CHECKS = {
-    "num_heads": _int(1), "head_dim": _int(1), "short_conv_kernel_size": _int(1),
-    "gate_lower_bound": _float(-1, optional=True), "use_full_rank_gate": _bool,
-    "full_attn_layers": _layer_list, "kda_layers": _layer_list,
-}
 _FLOAT_FIELDS = {"rms_norm_eps", "activation_situ_beta", "routed_scaling_factor", "index_key_norm_eps",
                  "activation_situ_linear_beta"}
 _LINEAR_FIELDS = {"kda_num_heads", "kda_head_dim", "full_attn_layers", "short_conv_kernel_size",
@@ -313,7 +229,7 @@ def _parse(raw: dict[str, Any], source: str) -> K31Config:
     for k in _REQUIRED:
         if raw.get(k) is None:
             problems.append(f"missing key '{k}'")
-    for k, check in _TOP_CHECKS.items():  # null means "the default" (HF configs write it)
+    for k, check in TOP_CHECKS.items():  # null means "the default" (HF configs write it)
         bad = check(raw[k]) if raw.get(k) is not None else None
         if bad:
             problems.append(f"{k} {bad}")
@@ -329,7 +245,7 @@ def _parse(raw: dict[str, Any], source: str) -> K31Config:
     for k in ("num_heads", "head_dim", "full_attn_layers"):
         if raw.get("linear_attn_config") is not None and lin.get(k) is None:
             problems.append(f"missing key 'linear_attn_config.{k}'")
-    for k, check in _LINEAR_CHECKS.items():
+    for k, check in LINEAR_CHECKS.items():
         if k in lin and (lin[k] is not None or k == "gate_lower_bound"):
             bad = check(lin[k])
             if bad:
@@ -352,18 +268,18 @@ def _parse(raw: dict[str, Any], source: str) -> K31Config:
             continue
         if "8" in v or "fp4" in v:
             problems.append(f"{k}='{v}': FP8/FP4 indexer weights are not supported (BF16 or FP32)")
-        elif v not in _DTYPES:
+        elif v not in DTYPES:
             problems.append(f"{k}='{v}' is not a known dtype")
     if raw.get("index_share_topk") is True:
         problems.append("index_share_topk=true: every MLA layer computes its own top-k; "
                         "a top-k shared across layers is not the K3.1 Pro architecture")
     fal, idx = lin.get("full_attn_layers"), raw.get("index_layers")
-    if _layer_list(idx) is None and _layer_list(fal) is None and sorted(idx) != sorted(fal):
+    if layer_list(idx) is None and layer_list(fal) is None and sorted(idx) != sorted(fal):
         problems.append(f"index_layers {idx} differ from linear_attn_config.full_attn_layers {fal}: "
                         "every MLA layer (and only those) is sparse")
     tdt = raw.get("torch_dtype")
-    if isinstance(tdt, str) and tdt not in _DTYPES and "dtype" not in raw:
-        problems.append(f"torch_dtype='{tdt}' is not {', '.join(_DTYPES)} (or give 'dtype')")
+    if isinstance(tdt, str) and tdt not in DTYPES and "dtype" not in raw:
+        problems.append(f"torch_dtype='{tdt}' is not {', '.join(DTYPES)} (or give 'dtype')")
 
     if problems:
         raise ConfigError(problems, source)
@@ -376,7 +292,7 @@ def _parse(raw: dict[str, Any], source: str) -> K31Config:
     for k in _FLOAT_FIELDS & set(kw):
         if kw[k] is not None:
             kw[k] = float(kw[k])
-    if raw.get("torch_dtype") in _DTYPES and "dtype" not in raw:
+    if raw.get("torch_dtype") in DTYPES and "dtype" not in raw:
         kw["dtype"] = raw["torch_dtype"]
     if raw.get("max_position_embeddings") and "max_seq_len" not in raw:
         kw["max_seq_len"] = raw["max_position_embeddings"]

@@ -28,21 +28,22 @@ def progress(msg: str) -> None:
 
 # ---- argument types (argparse reports a ValueError / ArgumentTypeError as `argument --x: ...`) --
 
-def seed(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def seed(text: str) -> int:
+    value = _integer(text)
     if not 0 <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"{text} is outside 0..{SEED_MAX} (64 bits)")
     return value
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
