@@ -124,7 +124,10 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     handled by `terminate_on_sigterm`) the temporary file is removed and `path` is unchanged."""
     path = Path(path)
     clean_stale(path.parent, path.name)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.name, "tmp"), suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_prefix(path.name, "tmp"), suffix=".tmp")
+    except OSError as e:  # name the file the user asked for, not our temporary
+        raise OSError(e.errno, e.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), file_mode())
