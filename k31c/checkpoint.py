@@ -282,7 +282,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary directory to `out` with a rename."""
     _check_replaceable(out, overwrite)
     if out.is_dir() and any(out.iterdir()):
-        if out == Path.cwd().resolve() or os.path.ismount(out):
+        if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):
             _replace_in_place(tmp, out)
             return
         with fsutil.temporary_dir(out.parent, out.name, kind="old") as old:
