@@ -60,3 +60,13 @@ def test_errors_name_what_is_wrong(run, argv, message):
     from k31c.errors import UsageError
     with pytest.raises(UsageError, match=message):
         run(*argv)
+
+
+def test_disable_runs_the_default_pipeline_without_those_passes(run):
+    from k31c.passes.manager import DEFAULT_PIPELINE
+    fused = run("--step", "decode")
+    assert "index_key_norm_write" in fused
+    out = run("--step", "decode", "--disable", "fuse_index_write")
+    assert "index_key_norm_write" not in out and "k31c.index_cache_write(" in out
+    last = [p for p in DEFAULT_PIPELINE if p != "fuse_index_write"][-1]
+    assert out.startswith(f"# k31c graph: decode target=cpu after={last}\n")
