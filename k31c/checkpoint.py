@@ -7,15 +7,16 @@ vision tower and projector beside them are then skipped.
 
 Loading validates every tensor header against the model built on the meta device before reading
 any data, and raises one CheckpointError listing every problem; tensors are read from the
-memory-mapped files only after that. Saving writes into a temporary directory and renames it into
-place, so a failed save leaves nothing behind.
+memory-mapped files only after that; every file the index names must lie inside the directory.
+Saving writes into a temporary directory and renames it into place, so a failed or killed save
+leaves nothing behind (fsutil: a SIGKILLed one's temporary directory is removed by the next save).
+Replacing an existing directory (`overwrite=True`) is allowed only for a checkpoint.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -23,13 +24,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import PRESETS, K31Config, preset
-from .errors import InputError
+from . import fsutil
+from .checkpoint_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError, replace_problem
+from .config import K31Config, config_from_name_or_path
 from .paths import default_model_dir
-
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 LM_PREFIX = "language_model."
 # Tensors of the multimodal wrapper that sit beside `language_model.*` and are not ours to load.
 MULTIMODAL_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.")
@@ -40,15 +38,6 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(InputError):
-    """A checkpoint that cannot be loaded (or written); the message lists every problem found."""
-
-    def __init__(self, problems: list[str], source: Union[str, Path]):
-        self.problems = problems
-        self.source = str(source)
-        super().__init__(f"invalid checkpoint {source}:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _dtype_name(dtype) -> str:
@@ -86,6 +75,9 @@ class _TensorRef:
 def _weight_files(ckpt: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
     """The safetensors files of a checkpoint, and the index's weight_map when sharded."""
     single, index = ckpt / WEIGHTS_FILE, ckpt / INDEX_FILE
+    for f in (single, index):
+        if f.exists() and not f.is_file():
+            raise CheckpointError([f"{f.name} is a directory or special file, not a file"], ckpt)
     if single.exists() and index.exists():
         raise CheckpointError([f"both {WEIGHTS_FILE} and {INDEX_FILE} present: which one holds the "
                                "weights is ambiguous"], ckpt)
@@ -99,11 +91,18 @@ def _weight_files(ckpt: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
         raise CheckpointError([f"{INDEX_FILE} is not a JSON object: {e}"], index) from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError([f"{INDEX_FILE} has no 'weight_map' of tensor name -> file name"], index)
+    root = ckpt.resolve()
+    outside = [f"{INDEX_FILE} maps '{name}' to '{f}', which is outside the checkpoint directory"
+               for name, f in sorted(weight_map.items())
+               if os.path.isabs(f) or not (ckpt / f).resolve().is_relative_to(root)]
+    if outside:
+        raise CheckpointError(_listed("files outside the directory", outside), ckpt)
     files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not (ckpt / f).is_file()]
+    missing = [f"{INDEX_FILE} names shard '{f}', which does not exist" if not (ckpt / f).exists()
+               else f"{INDEX_FILE} names shard '{f}', which is not a file"
+               for f in files if not (ckpt / f).is_file()]
     if missing:
-        raise CheckpointError([f"{INDEX_FILE} names shard '{f}', which does not exist" for f in missing],
-                              ckpt)
+        raise CheckpointError(_listed("missing shards", missing), ckpt)
     return [ckpt / f for f in files], weight_map
 
 
@@ -201,7 +200,8 @@ def load_checkpoint(path: Union[str, Path], device="cpu", dtype=None) -> torch.n
     if not ckpt.is_dir():
         raise CheckpointError([f"not a directory (a checkpoint is a directory with {CONFIG_FILE})"], ckpt)
     if not (ckpt / CONFIG_FILE).is_file():
-        raise CheckpointError([f"no {CONFIG_FILE} in the directory"], ckpt)
+        raise CheckpointError([f"{CONFIG_FILE} is not a file" if (ckpt / CONFIG_FILE).exists()
+                               else f"no {CONFIG_FILE} in the directory"], ckpt)
     cfg = K31Config.from_json(ckpt / CONFIG_FILE)
     named, stray = _model_names(read_tensor_headers(ckpt))
 
@@ -260,36 +260,55 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]
     return groups
 
 
+def _check_replaceable(out: Path, overwrite: bool) -> None:
+    problem = replace_problem(out, overwrite, "overwrite=True")
+    if problem:
+        raise CheckpointError([problem], out)
+
+
+def _replace_in_place(tmp: Path, out: Path) -> None:
+    """Replace the files of the checkpoint `out` by those of `tmp`, one rename each (for a
+    directory that cannot itself be renamed: the working directory, a mount point). The weights
+    go first and config.json last; old files the new checkpoint lacks are removed after."""
+    new = sorted(p.name for p in tmp.iterdir())
+    for name in sorted(new, key=lambda n: n == CONFIG_FILE):
+        os.replace(tmp / name, out / name)
+    for p in out.iterdir():
+        if p.name not in new:
+            p.unlink()
+
+
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary directory to `out` with a rename."""
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        if not (overwrite and out.is_dir()):
-            raise CheckpointError(["exists and is not an empty directory (overwrite=True replaces it)"], out)
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        os.rename(out, old / "ckpt")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            os.rename(old / "ckpt", out)  # put the previous checkpoint back
-            raise
-        finally:
-            shutil.rmtree(old, ignore_errors=True)
+    _check_replaceable(out, overwrite)
+    if out.is_dir() and any(out.iterdir()):
+        if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):
+            _replace_in_place(tmp, out)
+            return
+        with fsutil.temporary_dir(out.parent, out.name, kind="old") as old:
+            os.rename(out, old / "ckpt")
+            try:
+                fsutil.pause_point("checkpoint-swap")
+                os.rename(tmp, out)
+            except BaseException:  # also SIGTERM / Ctrl-C here: put the previous checkpoint back
+                os.rename(old / "ckpt", out)
+                raise
         return
     if out.exists():
         out.rmdir()
     try:
         os.rename(tmp, out)
     except OSError as e:  # another writer got there first
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
         raise CheckpointError([f"cannot move the new checkpoint into place: {e.strerror}"], out) from None
 
 
 def _apply_umask(directory: Path) -> None:
     """Give the temporary directory (0700 from mkdtemp) and its files the usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
+    os.chmod(directory, fsutil.dir_mode())
     for f in directory.iterdir():
-        os.chmod(f, 0o666 & ~umask)
+        os.chmod(f, fsutil.file_mode())
 
 
 def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max_bytes: Optional[int] = None,
@@ -300,14 +319,14 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max
     larger than the limit gets a shard of its own) plus `model.safetensors.index.json`.
     The output is a function of the weights alone: the same model gives the same bytes.
     """
-    out = Path(out_dir)
+    out = Path(os.path.abspath(out_dir))   # `.` has no name to put beside it
     if shard_max_bytes is not None and shard_max_bytes <= 0:
         raise ValueError(f"shard_max_bytes must be positive, got {shard_max_bytes}")
-    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
-        raise CheckpointError(["exists and is not an empty directory (overwrite=True replaces it)"], out)
+    _check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    fsutil.clean_stale(out.parent, out.name)
+    with fsutil.temporary_dir(out.parent, out.name) as tmp:
+        fsutil.pause_point("checkpoint-tmp")
         model.config.to_json(tmp / CONFIG_FILE)
         tensors = _cpu_tensors(model)
         meta = {"format": "pt"}
@@ -324,17 +343,9 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         _apply_umask(tmp)
+        fsutil.pause_point("checkpoint-written")
         _publish(tmp, out, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def config_from_name_or_path(name_or_path: Union[str, Path]) -> K31Config:
-    """A preset name (`tiny`, `k3.1-pro`, ...) or a config.json / checkpoint directory."""
-    if str(name_or_path) in PRESETS:
-        return preset(str(name_or_path))
-    return K31Config.from_json(name_or_path)
+    return Path(out_dir)
 
 
 def init_checkpoint(config: Union[str, Path, K31Config], seed: int, out_dir: Union[str, Path],
@@ -355,6 +366,7 @@ def default_checkpoint(log: Optional[Callable[[str], None]] = None) -> Path:
     each writes its own temporary directory and the first rename wins.
     """
     out = default_model_dir()
+    fsutil.clean_stale(out.parent, out.name)
     if (out / CONFIG_FILE).is_file():
         return out
     if log is not None:

@@ -234,15 +234,21 @@ def test_init_is_deterministic_per_seed(tmp_path):
     assert 0.01 < w5["lm_head.weight"].std() < 0.03  # spec §9.5: N(0, 0.02)
 
 
-def test_save_refuses_a_non_empty_dir_and_overwrites_on_request(model, tmp_path):
+def test_save_refuses_a_non_empty_dir_and_overwrites_only_a_checkpoint(model, tmp_path):
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(CheckpointError, match="not an empty directory"):
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
         save_checkpoint(model, out)
+    with pytest.raises(CheckpointError, match=r"not a checkpoint's \(keep.txt\)"):
+        save_checkpoint(model, out, overwrite=True)   # a user's file: never replaced
     assert _files(out) == {"keep.txt": b"x"}
+    (out / "keep.txt").unlink()
+    other = _random_model(seed=12)
+    save_checkpoint(other, out)
     save_checkpoint(model, out, overwrite=True)
     assert sorted(_files(out)) == ["config.json", "model.safetensors"]
+    _assert_same_weights(model, load_checkpoint(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left behind
 
 
@@ -253,3 +259,106 @@ def test_failed_save_leaves_nothing(model, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         save_checkpoint(model, tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- confinement, odd files, replacing, stale temporaries, modes ----------------------------------
+
+@pytest.fixture(scope="module")
+def sharded(model, tmp_path_factory):
+    return save_checkpoint(model, tmp_path_factory.mktemp("sharded") / "ckpt", shard_max_bytes=4 * 2**20)
+
+
+@pytest.mark.parametrize("escape", ["dotdot", "absolute", "symlink"])
+def test_weight_map_entries_outside_the_directory_named(sharded, tmp_path, escape):
+    import shutil
+    d = tmp_path / "ckpt"
+    shutil.copytree(sharded, d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "x.safetensors"
+    shutil.copy(d / first, outside)         # a real shard, so only the place is wrong
+    entry = {"dotdot": "../x.safetensors", "absolute": str(outside), "symlink": "link.safetensors"}[escape]
+    if escape == "symlink":
+        (d / "link.safetensors").symlink_to(outside)
+    for name, f in index["weight_map"].items():
+        if f == first:
+            index["weight_map"][name] = entry
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    (d / first).unlink()
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    msg = str(e.value)
+    assert f"to '{entry}', which is outside the checkpoint directory" in msg
+    name = next(n for n, f in index["weight_map"].items() if f == entry)
+    assert f"maps '{name}'" in msg
+
+
+def test_weights_that_are_directories_named(saved, tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_bytes((saved / "config.json").read_bytes())
+    (d / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors is a directory or special file"):
+        load_checkpoint(d)
+    (d / "model.safetensors").rmdir()
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match="config.json is not a file"):
+        load_checkpoint(d)
+
+
+def test_overwrite_of_the_working_directory_replaces_the_files_in_place(model, tmp_path, monkeypatch):
+    out = save_checkpoint(_random_model(seed=12), tmp_path / "ckpt")
+    monkeypatch.chdir(out)
+    save_checkpoint(model, ".", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]   # no `..old-*`, no temporaries
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    _assert_same_weights(model, load_checkpoint(out))
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporaries_of_dead_processes_are_cleaned(model, tmp_path):
+    dead = _dead_pid()
+    stale_dir = tmp_path / f".ckpt.tmp-{dead}-abc"
+    stale_dir.mkdir()
+    (stale_dir / "model.safetensors").write_bytes(b"x" * 100)
+    stale_file = tmp_path / f".ckpt.tmp-{dead}-def.tmp"
+    stale_file.write_bytes(b"x")
+    live = tmp_path / f".ckpt.tmp-{os.getpid()}-ghi"   # a live process's: left alone
+    live.mkdir()
+    other = tmp_path / f".other.tmp-{dead}-jkl"          # another output's: left alone
+    other.mkdir()
+    save_checkpoint(model, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", live.name, other.name])
+
+
+def test_a_checkpoint_moved_aside_by_a_killed_process_is_put_back(model, tmp_path):
+    old = tmp_path / f".ckpt.old-{_dead_pid()}-abc"
+    old.mkdir()
+    save_checkpoint(model, old / "ckpt")
+    from k31c.fsutil import clean_stale
+    assert clean_stale(tmp_path, "ckpt") == [old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _assert_same_weights(model, load_checkpoint(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_files_get_the_mode_of_the_umask(model, tmp_path, mask):
+    from k31c.fsutil import write_atomic
+    previous = os.umask(mask)
+    try:
+        out = save_checkpoint(model, tmp_path / "ckpt")
+        write_atomic(tmp_path / "f.bin", lambda f: f.write(b"data"))
+    finally:
+        os.umask(previous)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~mask
+    for p in [*out.iterdir(), tmp_path / "f.bin"]:
+        assert (p.stat().st_mode & 0o777) == 0o666 & ~mask, p
+    assert (tmp_path / "f.bin").read_bytes() == b"data"

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _k31c(*args, home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, K31C_HOME=str(home), PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "k31c.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "k31c", *args], capture_output=True, text=True,
                           env=env, timeout=300)
 
 
@@ -91,46 +91,107 @@ def test_bad_checkpoint_reported_without_traceback(checkpoint, home, tmp_path):
 
 
 BAD_INPUTS = [
+    # generate: values and lengths
     (["generate", "--prompt", "", "--max-new-tokens", "4"], "--prompt is empty"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1"),
     (["generate", "--prompt", "x" * 5000, "--max-new-tokens", "4"], "exceeds the model's maximum length 4096"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "5000"],
+     "the prompt plus --max-new-tokens (5003 tokens) exceeds the model's maximum length 4096"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["generate", "--prompt", "hi", "--temperature", "1e-300"], "--temperature 1e-300: must be 0 (greedy) or at least"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "argument --temperature: must be a finite number"),
+    (["generate", "--prompt", "hi", "--top-p", "nan"], "argument --top-p: must be a finite number"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "hi", "--seed", str(2**64)], "argument --seed: 18446744073709551616 is outside 0..18446744073709551615"),
+    (["generate", "--prompt", "hi", "--seed", "-1"], "argument --seed: -1 is outside 0.."),
+    (["generate", "--checkpoint", "{tmp}/missing", "--prompt", "hi"],
+     "--checkpoint {tmp}/missing: checkpoint directory {tmp}/missing does not exist"),
+    (["generate", "--checkpoint", "{tmp}/afile", "--prompt", "hi"], "--checkpoint {tmp}/afile is not a directory"),
+    (["generate", "--checkpoint", "{tmp}/emptydir", "--prompt", "hi"], "no config.json in the directory"),
+    # logits: tokens and --out
     (["logits", "--tokens", "1,2.5", "--out", "{tmp}/x.npy"], "'2.5' is not an integer"),
     (["logits", "--tokens", "1,,2", "--out", "{tmp}/x.npy"], "comma-separated token ids"),
     (["logits", "--tokens", "1,512", "--out", "{tmp}/x.npy"], "ids [512] outside [0, 512)"),
     (["logits", "--tokens", "-1", "--out", "{tmp}/x.npy"], "ids [-1] outside [0, 512)"),
+    (["logits", "--tokens", str(10**30), "--out", "{tmp}/x.npy"], f"ids [{10**30}] outside"),
     (["logits", "--tokens", ",".join(["7"] * 4097), "--out", "{tmp}/x.npy"], "(4097 tokens) exceeds"),
-    (["logits", "--tokens", "1", "--out", "{tmp}/no/such/dir/x.npy"], "does not exist"),
+    (["logits", "--tokens", "1", "--out", "{tmp}/no/such/dir/x.npy"], "directory {tmp}/no/such/dir does not exist"),
+    (["logits", "--tokens", "1", "--out", "{tmp}/emptydir"], "--out {tmp}/emptydir is a directory"),
+    (["logits", "--tokens", "1", "--out", "{tmp}/afile/x.npy"], "directory {tmp}/afile is not a directory"),
     (["logits", "--checkpoint", "{tmp}/missing", "--tokens", "1", "--out", "{tmp}/x.npy"],
      "checkpoint directory {tmp}/missing does not exist"),
     (["logits", "--checkpoint", "{tmp}/badcfg", "--tokens", "1", "--out", "{tmp}/x.npy"],
      "unknown key 'surprise'"),
-    (["init", "--config", "no-such-preset", "--out", "{tmp}/c"], "neither a preset"),
-    (["init", "--out", "{tmp}/full"], "exists and is not empty"),
+    # init: config, seed, --out
+    (["init", "--config", "no-such-preset", "--out", "{tmp}/c"], "neither a preset (tiny, k3.1-pro"),
+    (["init", "--config", "{tmp}/badcfg", "--out", "{tmp}/c"], "unknown key 'surprise'"),
+    (["init", "--seed", str(2**64), "--out", "{tmp}/c"], "argument --seed: 18446744073709551616 is outside"),
+    (["init", "--seed", "x", "--out", "{tmp}/c"], "argument --seed: 'x' is not an integer"),
+    (["init", "--out", "{tmp}/full"], "--out {tmp}/full exists and is not empty (--force replaces a checkpoint there)"),
+    (["init", "--out", "{tmp}/full", "--force"], "--out {tmp}/full holds files that are not a checkpoint's (f)"),
+    (["init", "--out", "{tmp}/afile", "--force"], "--out {tmp}/afile exists and is not a directory"),
+    (["init", "--out", "{tmp}/afile/sub"], "{tmp}/afile is not a directory"),
+    # info, inspect
+    (["info", "--config", "nosuch"], "'nosuch' is neither a preset (tiny, k3.1-pro, bench, kimi-k3, kimi-linear-48b)"),
+    (["inspect", "--config", "nosuch"], "'nosuch' is neither a preset (tiny, k3.1-pro"),
+    (["inspect", "-o", "{tmp}/no/such/g.svg"], "-o {tmp}/no/such/g.svg: directory {tmp}/no/such does not exist"),
+    (["inspect", "--disable", "quantize,nope"], "--disable: 'nope' not in the pipeline"),
+    (["inspect", "--step", "verify", "--rows", "1"], "--rows must be at least 2"),
 ]
 
 
-@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a)[:40] for a, _ in BAD_INPUTS])
-def test_bad_input_is_one_clear_error(argv, message, checkpoint, tmp_path, capsys, monkeypatch):
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.stat().st_size if p.is_file() else "dir" for p in root.rglob("*")}
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every check must come before the model is loaded, built or written."""
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    import k31c.checkpoint
+    import k31c.cli.generate
+    import k31c.cli.inspect
+    import k31c.cli.logits
+    import k31c.graph.sizes
+    for module, name in [(k31c.cli.generate, "load_model"), (k31c.cli.logits, "load_model"),
+                         (k31c.checkpoint, "init_checkpoint"), (k31c.cli.inspect, "_compile"),
+                         (k31c.graph.sizes, "parameter_groups")]:
+        monkeypatch.setattr(module, name, loaded)
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS, ids=[" ".join(a)[:50] for a, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_error(argv, message, checkpoint, tmp_path, capsys, monkeypatch, no_loading):
     monkeypatch.setenv("K31C_HOME", str(checkpoint.parent))  # reuse one default model
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "f").write_text("x")
+    (tmp_path / "emptydir").mkdir()
+    (tmp_path / "afile").write_text("x")
     (tmp_path / "badcfg").mkdir()
     (tmp_path / "badcfg" / "config.json").write_text(
         (checkpoint / "config.json").read_text().replace('{', '{"surprise": 1, ', 1))
+    before = _tree(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    if "--checkpoint" not in argv and argv[0] != "init":
+    if "--checkpoint" not in argv and argv[0] in ("logits", "generate"):
         argv[1:1] = ["--checkpoint", str(checkpoint)]
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert err.startswith("k31c: error: ") and message.replace("{tmp}", str(tmp_path)) in err, err
-    assert not (tmp_path / "x.npy").exists()
+    assert err.count("k31c:") == 1 and all(line.startswith("  - ") for line in err.splitlines()[1:]), err
+    assert "Traceback" not in err and captured.out == ""
+    assert _tree(tmp_path) == before   # nothing written, deleted or left behind
 
 
-def test_usage_errors_exit_2():
-    with pytest.raises(SystemExit) as e:
-        main(["logits", "--tokens", "1"])  # --out missing: argparse's own error
-    assert e.value.code == 2
+def test_argparse_errors_are_one_line_exit_2(capsys):
+    for argv, message in [(["logits", "--tokens", "1"], "the following arguments are required: --out"),
+                          (["generate", "--prompt", "x", "--max-new-tokens", "many"], "'many' is not an integer"),
+                          (["nosuch"], "invalid choice: 'nosuch'"),
+                          ([], "no command given")]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("k31c: error: ") and err.count("\n") == 1 and message in err, err
 
 
 def test_byte_tokenizer():

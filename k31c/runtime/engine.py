@@ -22,7 +22,7 @@ class Engine:
         self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
         self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
                               block_size=block_size, index_cache=index_cache, device=self.device)
-        self.step_fn = step_fn if step_fn is not None else model
+        self.step_fn = model if step_fn is None else step_fn   # a module's truth value is its len()
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self) -> int:
@@ -118,7 +118,9 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0,
-                 on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+                 on_token: Optional[Callable[[int], None]] = None,
+                 eos_id: Optional[int] = None) -> list[int]:
+        """Up to `max_new_tokens` new tokens; generation stops after `eos_id` (which is returned)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
@@ -134,7 +136,7 @@ class Engine:
                 out.append(tok)
                 if on_token is not None:
                     on_token(tok)
-                if len(out) == max_new_tokens:
+                if len(out) == max_new_tokens or tok == eos_id:
                     return out
                 logits = self.decode([rid], [tok])[0]
         finally:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k31c.config import preset
-from k31c.inspect_cmd import inspect_graph, render, shape_model
+from k31c.cli.inspect import inspect_graph, render, shape_model
 from k31c.passes.graph_utils import INDEX_WRITES, info, stream_of
 from k31c.passes.verify import check_streams, check_superkernels
 

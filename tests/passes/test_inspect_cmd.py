@@ -4,22 +4,22 @@ import xml.dom.minidom
 
 import pytest
 
-import k31c.inspect_cmd as inspect_cmd
+import k31c.cli.inspect as inspect_cli
 from k31c.config import preset
 
 
 @pytest.fixture(scope="module")
 def meta_model():
-    return inspect_cmd.shape_model(preset("tiny"))
+    return inspect_cli.shape_model(preset("tiny"))
 
 
 @pytest.fixture
 def run(meta_model, monkeypatch, capsys):
-    monkeypatch.setattr(inspect_cmd, "shape_model", lambda cfg: meta_model)
+    monkeypatch.setattr(inspect_cli, "shape_model", lambda cfg: meta_model)
 
     def call(*argv):
         parser = argparse.ArgumentParser()
-        inspect_cmd.add_inspect(parser.add_subparsers())
+        inspect_cli.add(parser.add_subparsers())
         args = parser.parse_args(["inspect", *argv])
         assert args.run(args) == 0
         return capsys.readouterr().out
@@ -57,6 +57,16 @@ def test_svg_output_file(run, tmp_path):
     (("--target", "tpu"), "unknown target 'tpu'"),
 ])
 def test_errors_name_what_is_wrong(run, argv, message):
-    from k31c.cli import UsageError
+    from k31c.errors import UsageError
     with pytest.raises(UsageError, match=message):
         run(*argv)
+
+
+def test_disable_runs_the_default_pipeline_without_those_passes(run):
+    from k31c.passes.manager import DEFAULT_PIPELINE
+    fused = run("--step", "decode")
+    assert "index_key_norm_write" in fused
+    out = run("--step", "decode", "--disable", "fuse_index_write")
+    assert "index_key_norm_write" not in out and "k31c.index_cache_write(" in out
+    last = [p for p in DEFAULT_PIPELINE if p != "fuse_index_write"][-1]
+    assert out.startswith(f"# k31c graph: decode target=cpu after={last}\n")

@@ -1,6 +1,7 @@
 """`k31c inspect`: the graph of one step after any pass, as canonical text or an SVG picture.
 
     k31c inspect --config tiny --step decode --after indexer_prolog
+    k31c inspect --config tiny --step prefill --disable fuse_index_write,quantize
     k31c inspect --config tiny --step verify --rows 4 --target h200 --format svg --layer 3 -o g.svg
 
 The model is built from the config alone (weights are not needed to see the graph: they live on
@@ -10,23 +11,29 @@ the `meta` device, nothing is allocated), the cache pool is a fixed small geomet
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
+
+from ..config import PRESETS, config_from_name_or_path
+from ..errors import K31cError, UsageError
+from .common import output_file, progress
 
 STEPS = ("decode", "prefill", "verify")
 POOL = dict(max_requests=4, max_seq_len=256, block_size=16)
 
 
-def add_inspect(sub) -> None:
+def add(sub) -> None:
     p = sub.add_parser("inspect", help="print a step's graph after a pass (text or SVG)",
                        description="Capture one step of a K3.1 model, run the pass pipeline up to a "
                                    "pass, and print the graph in canonical text or draw it as SVG.")
-    p.add_argument("--config", default="tiny", help="preset name or a config.json / checkpoint dir")
+    p.add_argument("--config", default="tiny",
+                   help=f"a preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory")
     p.add_argument("--step", choices=STEPS, default="decode")
     p.add_argument("--rows", type=int, default=2, help="rows per request of a verify step (default 2)")
     p.add_argument("--target", default="cpu", help="cpu, h200 or mi350x (default cpu)")
     p.add_argument("--after", default=None, help="stop after this pass (default: the whole pipeline)")
     p.add_argument("--passes", default=None, help="comma-separated pass list (default: all, in order)")
+    p.add_argument("--disable", default=None, metavar="PASS[,PASS]",
+                   help="run the pipeline without these passes")
     p.add_argument("--option", action="append", default=[], metavar="PASS.OPTION=VALUE",
                    help="a pass option, e.g. quantize.mxfp8_indexer=true (repeatable)")
     p.add_argument("--index-cache", choices=("bf16", "fp8"), default="bf16",
@@ -36,7 +43,7 @@ def add_inspect(sub) -> None:
     p.add_argument("--k31c-only", action="store_true",
                    help="text: only the k31c ops and stream markers (the per-target lowering)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
-    p.set_defaults(run=run_inspect)
+    p.set_defaults(run=run)
 
 
 def parse_options(items: list[str]) -> dict:
@@ -45,7 +52,7 @@ def parse_options(items: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         name, dot, option = key.partition(".")
         if not sep or not dot or not name or not option:
-            raise ValueError(f"--option {item!r}: expected PASS.OPTION=VALUE")
+            raise UsageError(f"--option {item!r}: expected PASS.OPTION=VALUE")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -54,24 +61,28 @@ def parse_options(items: list[str]) -> dict:
     return out
 
 
-def load_config(arg: str):
-    from .config import PRESETS, K31Config, preset
-    if arg in PRESETS:
-        return preset(arg)
-    path = Path(arg)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"--config {arg!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                         "config.json / checkpoint directory")
-    return K31Config.from_json(path)
+def _names(text: Optional[str]) -> Optional[list[str]]:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+
+def pipeline(passes: Optional[list[str]], disable: Optional[list[str]]) -> Optional[list[str]]:
+    """The pass list to run: `passes` (default: the default pipeline) minus `disable`."""
+    from ..passes.manager import DEFAULT_PIPELINE
+    if not disable:
+        return passes
+    base = list(passes or DEFAULT_PIPELINE)
+    unknown = [d for d in disable if d not in base]
+    if unknown:
+        raise UsageError(f"--disable: {', '.join(repr(u) for u in unknown)} not in the pipeline "
+                         f"({', '.join(base)})")
+    return [p for p in base if p not in disable]
 
 
 def step_kind(step: str, rows: int):
-    from .graph.capture import StepKind
+    from ..graph.capture import StepKind
     if step == "verify":
         if rows < 2:
-            raise ValueError(f"--rows must be at least 2 for a verify step, got {rows}")
+            raise UsageError(f"--rows must be at least 2 for a verify step, got {rows}")
         return StepKind("decode", rows)
     return StepKind(step)
 
@@ -79,7 +90,8 @@ def step_kind(step: str, rows: int):
 def shape_model(cfg):
     """The model with its weights on the meta device: shapes and dtypes only."""
     import torch
-    from .graph.model import K31ForCausalLM
+
+    from ..graph.model import K31ForCausalLM
     with torch.device("meta"):
         return K31ForCausalLM(cfg).eval()
 
@@ -87,8 +99,9 @@ def shape_model(cfg):
 def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
     """Step metadata and caches of the fixed inspection pool (values are never read)."""
     import torch
-    from .graph.step import StepMeta
-    from .runtime.kv import CachePool
+
+    from ..graph.step import StepMeta
+    from ..runtime.kv import CachePool
     pool = CachePool(cfg, index_cache=index_cache, device=device, **POOL)
     i32, i64 = torch.int32, torch.int64
     meta = StepMeta(slot_mapping=torch.zeros(1, dtype=i64, device=device),
@@ -99,43 +112,61 @@ def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
     return meta, pool.caches()
 
 
+def _compile(model, target, passes, options):
+    """k31c.compile, whose plain ValueErrors here are about the names the user gave (a pass,
+    an option, a target): usage errors."""
+    from ..api import compile as k31c_compile
+    try:
+        return k31c_compile(model, target=target, passes=passes, options=options)
+    except ValueError as e:
+        if isinstance(e, K31cError):
+            raise
+        raise UsageError(str(e)) from None
+
+
 def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu", passes=None,
                   options: Optional[dict] = None, after: Optional[str] = None,
                   index_cache: str = "bf16", model=None):
     """Build one step's graph without running it. Returns (graph module, captured). Passing the
     same `model` (a `shape_model(cfg)`) again reuses its capture."""
-    from .api import compile as k31c_compile
-    compiled = k31c_compile(model if model is not None else shape_model(cfg), target=target,
-                            passes=passes, options=options)
+    kind = step_kind(step, rows)
+    compiled = _compile(model if model is not None else shape_model(cfg), target, passes, options)
+    if after is not None and after not in compiled.pipeline.names:
+        from ..passes.manager import registered
+        known = "unknown pass" if after not in registered() else "pass"
+        raise UsageError(f"--after: {known} '{after}' is not in the pipeline "
+                         f"({', '.join(compiled.pipeline.names)})")
     meta, caches = pool_inputs(cfg, index_cache)
-    program = compiled.build(step_kind(step, rows), meta, caches, stop_after=after, executable=False)
+    progress(f"capturing the {step} step and running the passes")
+    program = compiled.build(kind, meta, caches, stop_after=after, executable=False)
     return program.gm, program.captured
 
 
 def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None,
            k31c_only: bool = False) -> str:
     if fmt == "svg":
-        from .graph.svg import draw_svg
+        from ..graph.svg import draw_svg
         return draw_svg(gm, title=title, layer=layer)
-    from .graph.printer import format_graph
+    from ..graph.printer import format_graph
     return format_graph(gm, title=title, dims=captured.dims, only_k31c=k31c_only)
 
 
-def run_inspect(args) -> int:
-    from .cli import UsageError
-    try:
-        cfg = load_config(args.config)
-        passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
-        gm, captured = inspect_graph(cfg, args.step, args.rows, args.target, passes,
-                                     parse_options(args.option), args.after, args.index_cache)
-        from .passes.manager import DEFAULT_PIPELINE
-        after = args.after or (passes or DEFAULT_PIPELINE)[-1]
-        title = f"{captured.step.name} target={args.target} after={after}"
-        text = render(gm, captured, args.format, title, args.layer, args.k31c_only)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.output:
-        Path(args.output).write_text(text)
+def run(args) -> int:
+    output = output_file(args.output, "-o") if args.output else None
+    cfg = config_from_name_or_path(args.config)
+    step_kind(args.step, args.rows)
+    progress("loading torch and the passes")
+    from ..passes.manager import DEFAULT_PIPELINE
+    passes = pipeline(_names(args.passes), _names(args.disable))
+    progress(f"building the {args.config} model on the meta device")
+    gm, captured = inspect_graph(cfg, args.step, args.rows, args.target, passes,
+                                 parse_options(args.option), args.after, args.index_cache)
+    after = args.after or (passes or DEFAULT_PIPELINE)[-1]
+    title = f"{captured.step.name} target={args.target} after={after}"
+    text = render(gm, captured, args.format, title, args.layer, args.k31c_only)
+    if output is not None:
+        from ..fsutil import write_atomic
+        write_atomic(output, lambda f: f.write(text.encode()))
     else:
         print(text, end="")
     return 0

@@ -1,0 +1,46 @@
+"""`k31c init`: a checkpoint of random weights (spec §9.5), the same bytes for the same seed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import PRESETS, config_from_name_or_path
+from ..errors import UsageError
+from .common import progress, seed
+
+
+def add(sub) -> None:
+    p = sub.add_parser("init", help="write a checkpoint of random weights (deterministic per seed)",
+                       description="Write config.json + model.safetensors with the random init of "
+                                   "spec §9.5. The same config and seed give byte-identical files.")
+    p.add_argument("--config", default="tiny",
+                   help=f"a preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory "
+                        "(default: tiny)")
+    p.add_argument("--seed", type=seed, default=0, help="random seed, 0..2^64-1 (default: 0)")
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a checkpoint at --out (a directory of config.json and safetensors "
+                        "files only: anything else there is refused)")
+    p.set_defaults(run=run)
+
+
+def _check_out(out: Path, force: bool) -> None:
+    from ..checkpoint_files import replace_problem
+    problem = replace_problem(out, force, "--force")
+    if problem:
+        raise UsageError(f"--out {out} {problem}")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out {out}: {parent} is not a directory")
+
+
+def run(args) -> int:
+    cfg = config_from_name_or_path(args.config)
+    out = Path(args.out)
+    _check_out(out, args.force)
+    progress(f"building the {args.config} model (seed {args.seed}) and writing {out}")
+    from ..checkpoint import init_checkpoint
+    init_checkpoint(cfg, args.seed, out, overwrite=args.force)
+    print(f"wrote {out} (config {args.config}, seed {args.seed})")
+    return 0
