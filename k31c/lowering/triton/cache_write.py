@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, _check_index_write,
-                                        _check_mla_write, _check_norm_write, index_cache_block_size,
+from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, check_index_write,
+                                        check_mla_write, check_norm_write, index_cache_block_size,
                                         index_scales_per_row)
 from k31c.lowering.registry import register
 
@@ -183,7 +183,7 @@ def _require_contiguous(cache: torch.Tensor) -> None:
 
 @register("k31c::mla_cache_write", ("h200", "mi350x"))
 def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _check_mla_write(cache, rows, slot_mapping)
+    check_mla_write(cache, rows, slot_mapping)
     _require_contiguous(cache)
     n, width = rows.shape
     if n == 0:
@@ -219,14 +219,14 @@ def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm
 
 @register("k31c::index_cache_write", ("h200", "mi350x"))
 def index_cache_write(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _check_index_write(cache, keys, slot_mapping)
+    check_index_write(cache, keys, slot_mapping)
     _launch_index_write(cache, keys, None, None, slot_mapping, 0.0, norm=False)
 
 
 @register("k31c::index_key_norm_write", ("h200", "mi350x"))
 def index_key_norm_write(cache: torch.Tensor, k_pre: torch.Tensor, ln_weight: torch.Tensor,
                          ln_bias: torch.Tensor, slot_mapping: torch.Tensor, eps: float) -> None:
-    _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
+    check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
     _launch_index_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps, norm=True)
 
 

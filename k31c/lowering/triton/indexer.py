@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.indexer import _check_indexer
+from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
 from k31c.lowering.triton.unit_stride import require_unit_stride
@@ -169,7 +169,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
         variant = _default_variant()
     if variant not in ("gather", "tma"):
         raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     require_unit_stride(block_table=block_table, row_req=row_req, row_len=row_len)
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits: expected a positive integer or None, got {splits!r}")

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from k31c.graph.ops.cache_write import is_fp8_index_cache
-from k31c.graph.ops.indexer import _check_indexer
+from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.triton import indexer
 from k31c.lowering.triton import topk   # tunables read as topk.X: one copy (the tests shrink it)
@@ -135,7 +135,7 @@ def lightning_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, index_c
                                  k: int) -> torch.Tensor:
     """The single fused kernel: topk_select(lightning_indexer(...), row_len, k) without writing
     the scores out (not registered: slower than the pair on the H200; benchmarks call it by name)."""
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     n_rows, heads, d = q.shape

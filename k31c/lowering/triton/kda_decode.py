@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...graph.ops.kda import L2_NORM_EPS, _check_decode
+from ...graph.ops.kda import L2_NORM_EPS, check_decode
 from ..registry import register
 from .unit_stride import require_unit_stride
 
@@ -229,7 +229,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     variant: "split" (the default: kda_decode_split's prep, lean state pass, norm; split_knobs go
     to its launcher) or "fused" (this module's one-kernel launch). block_v / num_warps default
     to the variant's best tile measured on the H200 at B=16, H=96 (`decode_tile`)."""
-    N, H, K, W = _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    N, H, K, W = check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, rows, snap_conv, snap_state)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
+from ...graph.ops.kda import L2_NORM_EPS, check_prefill
 from ..registry import register
 from .dot_precision import dot_precision
 from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, row_of, window_rows
@@ -303,7 +303,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        state_stages: int = 1) -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch."""
-    T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                 conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.indexer import _check_topk
+from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.registry import register
 from k31c.lowering.triton.topk_keys import _order_key, _row_keys
 from k31c.lowering.triton.unit_stride import require_unit_stride
@@ -388,7 +388,7 @@ _SCORE_TILE, _REFINE_TILE = 2048, 2048
 @register("k31c::topk_select", ("h200", "mi350x"))
 def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
-    _check_topk(scores, row_len, k)
+    check_topk(scores, row_len, k)
     require_unit_stride(row_len=row_len)
     n_rows, width = scores.shape
     out = torch.empty((n_rows, k), dtype=torch.int32, device=scores.device)
