@@ -28,9 +28,9 @@ import sys
 import torch
 
 try:
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 except ImportError:  # run as a script from benchmarks/
-    from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 
 HEADS, DIM, BLOCK = 32, 128, 64
 ROW_BYTES = DIM + 4                 # 132 B per token
@@ -98,20 +98,6 @@ def _try_time(fn, timer=None, **kw) -> float | None:
         print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         torch.cuda.empty_cache()
         return None
-
-
-def graph_ms(fn) -> float:
-    """Median time of fn replayed as a CUDA graph (no Python launch cost, as in a decode step)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay)
 
 
 def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
