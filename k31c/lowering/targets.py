@@ -28,6 +28,8 @@ class Target:
     device_graphs: bool = False              # replay decode as CUDA/HIP graphs
     graph_streams: int = 1                   # streams one captured device graph may use
     runnable_here: bool = True               # False: artifacts are built and inspected, not run
+    device_names: tuple[str, ...] = ()       # substrings of torch.cuda.get_device_name() that
+                                             # identify this GPU when a launcher runs on it
 
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""
@@ -44,14 +46,15 @@ TARGETS = {
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
                    fast_dot_precision="tf32",
                    default_variants=(("k31c::lightning_indexer", "tma"),),
-                   device_graphs=True, graph_streams=3),
+                   device_graphs=True, graph_streams=3, device_names=("H200",)),
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.
     "mi350x": Target("mi350x", "cuda", "gfx950", "hip", "gfx950", warp_size=64, sm_count=256,
                      dense_codegen="iree",
                      default_variants=(("k31c::lightning_indexer", "tma"),),
-                     device_graphs=True, graph_streams=1, runnable_here=False),
+                     device_graphs=True, graph_streams=1, runnable_here=False,
+                     device_names=("MI350", "MI355")),
 }
 
 GPU_TARGETS: tuple[str, ...] = tuple(n for n, t in TARGETS.items() if t.triton_backend is not None)

@@ -4,18 +4,21 @@ interprets the kernels.
 A launcher is called at run time with tensors, not with a target. `target_of(device)` names the
 `Target` record whose facts (SM count, dot precision, default variants) it uses: the one set by
 `using_target` around the call when a caller knows better (a program built for a target), else
-the current device's: the `cpu` record for CPU tensors (the Triton interpreter), `mi350x` under
-a ROCm build of torch, `h200` under CUDA.
+the current device's: the `cpu` record for CPU tensors (the Triton interpreter); on a GPU the
+record of torch's backend (ROCm: "hip", CUDA: "cuda") whose `device_names` match the device's
+name, else that backend's first GPU target (h200 for CUDA, mi350x for ROCm). A new GPU is thus
+one record in targets.py.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 
 import torch
 
-from k31c.lowering.targets import Target, get_target
+from k31c.lowering.targets import GPU_TARGETS, Target, get_target
 
 _OVERRIDE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("k31c_target", default=None)
 
@@ -32,7 +35,18 @@ def target_of(device: torch.device) -> Target:
         return chosen
     if device.type != "cuda":
         return get_target("cpu")
-    return get_target("mi350x" if torch.version.hip else "h200")
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int) -> Target:
+    backend = "hip" if torch.version.hip else "cuda"
+    candidates = [get_target(n) for n in GPU_TARGETS if get_target(n).triton_backend == backend]
+    name = torch.cuda.get_device_name(index)
+    for t in candidates:
+        if any(part in name for part in t.device_names):
+            return t
+    return candidates[0]
 
 
 @contextlib.contextmanager

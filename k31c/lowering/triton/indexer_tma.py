@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.aot_spec import kernel_spec
-from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
+from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
+                                               score_keys)
 
 
 @triton.jit
@@ -58,12 +59,8 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
     if HEAD_DOT:
         w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
 
-    r = tl.arange(0, OUT)
-    rows = first_row + r
-    row_ok = (r < ROWS) & (rows < n_rows)
-    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
-    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
-    out_row = out_ptr + rows.to(tl.int64) * capacity
+    row_ok, req_of_row, len_of_row, out_row = rows_of_tile(row_req_ptr, row_len_ptr, out_ptr,
+                                                           first_row, n_rows, capacity, ROWS, OUT)
     minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
     offs = tl.arange(0, BLOCK_SIZE)
 
