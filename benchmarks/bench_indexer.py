@@ -184,9 +184,10 @@ def sweep(contexts=(128 << 10, 1 << 20)) -> None:
     stages x splits."""
     from k31c.lowering.triton import indexer as tix
     from k31c.lowering.triton import indexer_tma
+    from k31c.lowering.triton.device import sm_count
 
     pool = Pool(max(contexts))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))     # what the launchers size their grids for
     configs = [dict(head_dot=hd, splits=sp, num_stages=st) for hd in (False, True) for st in (4, 5)
                for sp in (4 * sms // 16 + 1, 8 * sms // 16 + 1)]
     for ctx in contexts:
