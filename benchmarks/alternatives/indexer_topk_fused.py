@@ -19,7 +19,7 @@ from k31c.graph.ops.cache_write import is_fp8_index_cache
 from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
 from k31c.lowering.triton.device import interpreting, sm_count
-from k31c.lowering.triton.topk import (REFINE_TILE, ST_DONE, ST_KREM, ST_MODE, ST_OUT, ST_PREFIX,
+from k31c.lowering.triton.topk import (ST_DONE, ST_KREM, ST_MODE, ST_OUT, ST_PREFIX,
                                        ST_THRESH, ST_WORDS, append_candidates, fallback_chunk,
                                        fallback_digit_tile, fallback_emit_tile, fallback_pick_digit,
                                        launch_plan, launch_refine, order_key, plan, pow2,

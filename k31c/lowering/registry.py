@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .targets import GPU_TARGETS, get_target
+from .targets import get_target
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ _KERNELS: dict[tuple[str, str], Kernel] = {}
 
 
 def register(op: str, targets: tuple[str, ...], backend: str = "triton"):
-    """Decorator: `@register("k31c::sparse_mla", GPU_TARGETS)` on the launcher."""
+    """Decorator: `@register("k31c::sparse_mla", targets.GPU_TARGETS)` on the launcher."""
     if not op.startswith("k31c::"):
         raise ValueError(f"kernels implement k31c ops; got '{op}'")
 
