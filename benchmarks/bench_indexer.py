@@ -28,9 +28,9 @@ import sys
 import torch
 
 try:
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 except ImportError:  # run as a script from benchmarks/
-    from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 
 HEADS, DIM, BLOCK = 32, 128, 64
 ROW_BYTES = DIM + 4                 # 132 B per token
@@ -98,20 +98,6 @@ def _try_time(fn, timer=None, **kw) -> float | None:
         print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         torch.cuda.empty_cache()
         return None
-
-
-def graph_ms(fn) -> float:
-    """Median time of fn replayed as a CUDA graph (no Python launch cost, as in a decode step)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay)
 
 
 def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
@@ -198,9 +184,10 @@ def sweep(contexts=(128 << 10, 1 << 20)) -> None:
     stages x splits."""
     from k31c.lowering.triton import indexer as tix
     from k31c.lowering.triton import indexer_tma
+    from k31c.lowering.triton.device import sm_count
 
     pool = Pool(max(contexts))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))     # what the launchers size their grids for
     configs = [dict(head_dot=hd, splits=sp, num_stages=st) for hd in (False, True) for st in (4, 5)
                for sp in (4 * sms // 16 + 1, 8 * sms // 16 + 1)]
     for ctx in contexts:

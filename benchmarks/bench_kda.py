@@ -21,8 +21,10 @@ import torch
 
 try:
     from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from benchmarks.harness import graph_ms as harness_graph_ms
 except ImportError:  # run as a script from benchmarks/
     from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from harness import graph_ms as harness_graph_ms
 
 H, K, W = 96, 128, 4
 P = H * K
@@ -32,19 +34,9 @@ LB, EPS, CHUNK = -5.0, 1e-5, 64
 ACT = torch.bfloat16
 
 
-def graph_ms(fn, calls: int = 20) -> float:
-    """Per-call time of fn replayed from one CUDA graph holding `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_ms(graph.replay, warmup=2, reps=10) / calls
+def graph_ms(fn) -> float:
+    """Per-call time of fn replayed from one CUDA graph holding 20 calls."""
+    return harness_graph_ms(fn, calls=20, warmup=2, reps=10)
 
 
 def layer(num_slots: int, gen: torch.Generator) -> dict:
@@ -136,6 +128,10 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     variant at its default tile ((32, 4) at R=1, (64, 4) at R>1) as the "fused variant" peer;
     R > 1 also with per-row snapshots, split at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
+    try:
+        from benchmarks.alternatives.kda_decode_fused import FUSED_TILES, kda_decode_fused
+    except ImportError:  # run as a script from benchmarks/
+        from alternatives.kda_decode_fused import FUSED_TILES, kda_decode_fused
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
     lay = layer(B, gen)
@@ -147,12 +143,12 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
                 torch.empty(B, R, H, K, K, device="cuda"))
 
         def run(cfg=(None, None), sn=(None, None), variant="split"):
-            return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1], variant=variant)
+            fn = kda_decode_fused if variant == "fused" else launch_kda_decode
+            return fn(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0], num_warps=cfg[1])
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
-        fused_cfg = decode_tile(R, K, "fused")
+        fused_cfg = decode_tile(R, K, defaults=FUSED_TILES)
         peers = {"fused variant": graph_ms(lambda: run(fused_cfg, variant="fused"))}
         notes = ["split (BV,warps) " + " ".join(f"{bv},{nw}:{t * 1e3:.1f}us"
                                                  for (bv, nw), t in sweep.items()),

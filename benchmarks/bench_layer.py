@@ -29,15 +29,15 @@ import torch
 
 try:
     from benchmarks import bench_indexer as bi, bench_mla as bm
-    from benchmarks.bench_topk import graphed, same_sets
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, \
+    from benchmarks.bench_topk import same_sets
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, graph_ms, markdown, \
         measure_machine, time_ms
 except ImportError:  # run as a script from benchmarks/
     import bench_indexer as bi
     import bench_mla as bm
-    from bench_topk import graphed, same_sets
-    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, measure_machine, \
-        time_ms
+    from bench_topk import same_sets
+    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, graph_ms, markdown, \
+        measure_machine, time_ms
 
 B, R, N = bm.B, bm.R, bm.N
 K, HEADS, WIDTH, DV, BLOCK = bm.TOPK, bm.HEADS, bm.WIDTH, bm.DV, bm.BLOCK
@@ -132,13 +132,13 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     def layer():
         return sparse(*margs, select(*iargs, K), bm.SM_SCALE, DV)
 
-    ms = time_ms(graphed(layer))
+    ms = graph_ms(layer)
     # the split, each piece replayed alone on the layer's own intermediates
     scores = tix.lightning_indexer(*iargs)
     idx = tk.topk_select(scores, row_len, K)
-    split = {"indexer": time_ms(graphed(lambda: tix.lightning_indexer(*iargs))),
-             "top-k": time_ms(graphed(lambda: tk.topk_select(scores, row_len, K))),
-             "MLA": time_ms(graphed(lambda: sparse(*margs, idx, bm.SM_SCALE, DV)))}
+    split = {"indexer": graph_ms(lambda: tix.lightning_indexer(*iargs)),
+             "top-k": graph_ms(lambda: tk.topk_select(scores, row_len, K)),
+             "MLA": graph_ms(lambda: sparse(*margs, idx, bm.SM_SCALE, DV))}
     agree = same_sets(select(*iargs, K), idx)
     out = sparse(*margs, idx, bm.SM_SCALE, DV)[0].float()
     ref = bm.plain_sparse_mla(*margs, idx, bm.SM_SCALE, DV)[0].float()
@@ -146,7 +146,7 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     del scores, out, ref
 
     long_ctx = ctx >= (256 << 10)
-    dense_ms = time_ms(graphed(lambda: dense(*margs, row_len, bm.SM_SCALE, DV)),
+    dense_ms = graph_ms(lambda: dense(*margs, row_len, bm.SM_SCALE, DV),
                        warmup=1 if long_ctx else 3, reps=3 if ctx >= (1 << 20) else 10)
     peers = {"dense_mla (graph)": dense_ms, **{f"{k} alone": v for k, v in split.items()}}
     notes = []

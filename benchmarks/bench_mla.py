@@ -97,6 +97,7 @@ def _try_time(fn, **kw) -> float | None:
 def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
     from k31c.lowering.triton import mla, mla_two_pass as two_pass
+    one_pass = _one_pass()
 
     rows: list[Row] = []
     pool = Pool(max(contexts))
@@ -114,7 +115,7 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         sparse_ms[ctx] = ms
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
-        for name, fn in (("one-pass kernel", lambda: mla.sparse_mla(*args)),
+        for name, fn in (("one-pass kernel", lambda: one_pass(*args)),
                          ("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
                          ("torch.compile", lambda: compiled_sparse(*args))):
             t = _try_time(fn, warmup=2, reps=10)
@@ -148,13 +149,22 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     table, _, idx = pool.context(ctx)
     cache8 = cache.to(torch.float8_e4m3fn)
     ms = time_ms(lambda: two_pass.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
-    one = _try_time(lambda: mla.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
+    one = _try_time(lambda: one_pass(q, cache8, table, rr, idx, SM_SCALE, DV))
     flops, nbytes = _flops(TOPK), N * TOPK * WIDTH
     rows.append(Row("sparse_mla fp8 cache", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops",
                     {} if one is None else {"one-pass kernel": one},
                     _rate_note(ms, flops, nbytes, machine)))
     return rows
+
+
+def _one_pass():
+    """The one-pass sparse kernel (benchmarks/alternatives/mla_one_pass.py)."""
+    try:
+        from benchmarks.alternatives.mla_one_pass import sparse_mla_one_pass
+    except ImportError:  # run as a script from benchmarks/
+        from alternatives.mla_one_pass import sparse_mla_one_pass
+    return sparse_mla_one_pass
 
 
 # launch configs: the one-pass kernel (mla.py: sparse with 1 or 2 key splits, dense), then the
@@ -175,19 +185,23 @@ def _sweep_call(mla, pool, table, row_len, idx, cfg, stats=None):
     q = pool.q[:, : cfg.pop("heads", HEADS)]
     if cfg.pop("two_pass", False):
         from k31c.lowering.triton import mla_two_pass
+        if cfg.pop("scores_only", False):     # the first pass alone (not the result: not compared)
+            mla_two_pass.scores_pass(mla_two_pass.plan(q.shape[1], cfg), q, pool.cache, table,
+                                     pool.row_req, idx, SM_SCALE)
+            return q.new_zeros(q.shape[0], q.shape[1], DV), q.new_zeros(q.shape[:2])
         return mla_two_pass.launch(q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV,
                                    config=cfg)
     if cfg.pop("contiguous", False):
         idx = (row_len[:, None] - TOPK + torch.arange(TOPK, device="cuda")).to(torch.int32)
     if cfg.pop("dense", False):
-        return mla._launch(q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
-                           config=cfg, stats=stats)
-    return mla._launch(q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
-                       config=cfg, stats=stats)
+        return mla.launch(q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
+                          config=cfg, stats=stats)
+    return mla.launch(q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
+                      config=cfg, stats=stats)
 
 
 def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
-    """Launch configurations of both kernels at one context (for tuning mla._plan)."""
+    """Launch configurations of both kernels at one context (for tuning mla.plan, mla_two_pass.plan)."""
     from k31c.lowering.triton import mla
 
     pool = Pool(ctx)
@@ -230,10 +244,10 @@ def compile_only(which: int) -> None:
     if which >= 0:
         _sweep_call(mla, pool, table, row_len, idx, SWEEP[which])
     else:
-        mla.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
+        one_pass = _one_pass()
+        one_pass(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
         two_pass.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
-        mla.sparse_mla(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx,
-                       SM_SCALE, DV)
+        one_pass(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx, SM_SCALE, DV)
         mla.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
     torch.cuda.synchronize()
 

@@ -1,5 +1,6 @@
-"""Benchmark of the Triton top-k and the fused indexer + top-k at K3.1 Pro shapes (issue 4,
-spec/performance.md §8 goals G2 and G3).
+"""Benchmark of the Triton top-k and the fused indexer + top-k comparison kernel
+(benchmarks/alternatives/indexer_topk_fused.py) at K3.1 Pro shapes (spec/performance.md §8
+goals G2 and G3).
 
 topk_select: 64 rows (B = 16 requests x R = 4 rows) of fp32 scores, k = 2048, contexts 16K..1M.
 Peers in the same run: torch.topk (sorted=False) on the same scores, the eager reference op, and
@@ -22,23 +23,13 @@ from __future__ import annotations
 import torch
 
 try:
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 except ImportError:  # run as a script from benchmarks/
-    from harness import Machine, Row, bytes_floor_ms, markdown, measure_machine, time_ms
+    from harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
 
 B, R, HEADS, DIM, BLOCK, K = 16, 4, 32, 128, 64, 2048
 N = B * R
 CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
-
-
-def graphed(fn):
-    """fn captured once in a CUDA graph; returns the replay (fn's output tensors are reused)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,7 +52,7 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
         got = topk.topk_select(scores, row_len, K)
         exact = same_sets(got, ref)
         peers = {"k31c eager": time_ms(lambda: topk.topk_select(scores, row_len, K)),
-                 "torch.topk": time_ms(graphed(lambda: torch.topk(scores, K, dim=1, sorted=False))),
+                 "torch.topk": graph_ms(lambda: torch.topk(scores, K, dim=1, sorted=False)),
                  "reference eager": time_ms(lambda: torch.ops.k31c.topk_select(scores, row_len, K),
                                             warmup=1, reps=5)}
         try:
@@ -70,7 +61,7 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
                                                       reps=5)
         except Exception as e:  # noqa: BLE001  (a peer that does not compile is reported, not fatal)
             print(f"torch.compile of the reference failed at {ctx}: {type(e).__name__}: {e}")
-        ms = time_ms(graphed(lambda: topk.topk_select(scores, row_len, K)))
+        ms = graph_ms(lambda: topk.topk_select(scores, row_len, K))
         vs_topk = peers["torch.topk"] / ms
         note = f"{vs_topk:.1f}x torch.topk; sets {'==' if exact else '!='} reference"
         if kind == "random":
@@ -104,7 +95,11 @@ class IndexPool:
 
 def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
-    from k31c.lowering.triton import indexer, indexer_topk, topk
+    from k31c.lowering.triton import indexer, topk
+    try:
+        from benchmarks.alternatives.indexer_topk_fused import lightning_indexer_topk_fused as fused
+    except ImportError:  # run as a script from benchmarks/
+        from alternatives.indexer_topk_fused import lightning_indexer_topk_fused as fused
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -119,17 +114,17 @@ def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         def pair():
             return topk.topk_select(indexer.lightning_indexer(*args), row_len, K)
 
-        got = indexer_topk.lightning_indexer_topk_fused(*args, K)
+        got = fused(*args, K)
         agree = same_sets(got, pair())           # same FP8 scoring as the Triton scan
         ref = torch.ops.k31c.lightning_indexer_topk(*args, K)   # fp32 q: FP8 q moves a few picks
         overlap = torch.isin(got + (torch.arange(N, device="cuda") * (ctx + 1))[:, None],
                              ref + (torch.arange(N, device="cuda") * (ctx + 1))[:, None]).float().mean()
-        peers = {"k31c eager": time_ms(lambda: indexer_topk.lightning_indexer_topk_fused(*args, K)),
-                 "unfused pair (triton)": time_ms(graphed(pair)),
-                 "scan only (triton)": time_ms(graphed(lambda: indexer.lightning_indexer(*args))),
+        peers = {"k31c eager": time_ms(lambda: fused(*args, K)),
+                 "unfused pair (triton)": graph_ms(pair),
+                 "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
-        ms = time_ms(graphed(lambda: indexer_topk.lightning_indexer_topk_fused(*args, K)))
+        ms = graph_ms(lambda: fused(*args, K))
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
                 f"sets {'==' if agree else '!='} triton indexer + topk_select; "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")

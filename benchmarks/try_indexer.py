@@ -94,10 +94,11 @@ def _oracle_check(pool: Pool, args) -> None:
 
 def main() -> None:
     from k31c.lowering.triton import indexer as tix
+    from k31c.lowering.triton.device import sm_count
 
     start = time.time()
     machine = measure_machine()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))     # what the launchers size their grids for
     print(f"# {machine.name}: copy {machine.copy_gbps:.0f} GB/s, {sms} SMs")
     configs = variants(sms)
     pool = Pool(max(CONTEXTS))

@@ -1,15 +1,15 @@
-"""KDA decode: fused (old) vs split (kda_decode_split) variants vs fla, at G8's shape.
+"""KDA decode: the one-kernel comparison (benchmarks/alternatives/kda_decode_fused.py) vs the
+registered three-launch kernels (k31c/lowering/triton/kda_decode.py) vs fla, at G8's shape.
 
 B = 16 requests, H = 96, K = V = 128, bf16 activations, fp32 state, R = 1 and 4 rows per request.
-First checks at the real shape that the split variant agrees with the fused one and with the
+First checks at the real shape that the registered kernels agree with the fused one and with the
 reference op (out, conv window, state; R = 4 also the snapshots), then times under CUDA-graph
-replay (bench_kda.graph_ms): fused at its tiles, split at several (BV, warps), the split's three
-launches alone (prep / state / norm), and fla's fused_recurrent_kda. One line per case.
-Split is the launcher's default variant since the 2026-11-29 run of this script (numbers in
-kda_decode_split.py); `k31c bench kernels` (bench_kda.py) times the default against the fused
-variant and fla; this script keeps the real-shape cross-check and the per-launch breakdown.
+replay (harness.graph_ms): fused at its tiles, the registered kernels at several (BV, warps),
+their three launches alone (prep / state / norm), and fla's fused_recurrent_kda. One line per
+case. `k31c bench kernels` (bench_kda.py) times the default against the fused kernel and fla;
+this script keeps the real-shape cross-check and the per-launch breakdown.
 
-Run: PYTHONPATH=.:/tmp/vend python benchmarks/try_kda.py   (fla from /tmp/vend; optional)
+Run: PYTHONPATH=.:<fla-core> python benchmarks/try_kda.py   (fla optional)
 """
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ import torch
 try:
     from benchmarks.bench_kda import (ACT, B_DECODE, EPS, LB, H, K, P, W, args, decode_bytes,
                                       fla_decode_peers, graph_ms, layer, tokens)
+    from benchmarks.alternatives.kda_decode_fused import kda_decode_fused
 except ImportError:  # run from benchmarks/
     from bench_kda import (ACT, B_DECODE, EPS, LB, H, K, P, W, args, decode_bytes,
                            fla_decode_peers, graph_ms, layer, tokens)
+    from alternatives.kda_decode_fused import kda_decode_fused
 
 import k31c.graph.ops.kda  # noqa: F401  (registers torch.ops.k31c.kda_decode)
 from k31c.lowering.triton.kda_decode import launch_kda_decode
@@ -55,9 +57,9 @@ def check(tok, lay, slots, R):
     names = ("out", "conv_state", "recurrent", "snap_conv", "snap_state")
     snap = R > 1
     ref = run_once(torch.ops.k31c.kda_decode, tok, lay, slots, R, snap)
-    fused = run_once(partial(launch_kda_decode, variant="fused"), tok, lay, slots, R, snap)
+    fused = run_once(kda_decode_fused, tok, lay, slots, R, snap)
     for bv, nw in ((None, None), (32, 4), (128, 8)):       # None: the launcher's per-R default
-        fn = partial(launch_kda_decode, variant="split", block_v=bv, num_warps=nw)
+        fn = partial(launch_kda_decode, block_v=bv, num_warps=nw)
         got = run_once(fn, tok, lay, slots, R, snap)
         for name, g, f, r in zip(names, got, fused, ref):
             d_f = (g.float() - f.float()).abs().max().item()
@@ -104,29 +106,30 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"R={R} fla unavailable: {type(e).__name__}: {str(e)[:160]}")
 
-        def case(label, snap=False, **kw):
+        def case(label, snap=False, fused=False, **kw):
             lay = clone(base)
             sn = snaps(R) if snap else (None, None)
-            return timed(f"R={R} {label}", lambda: launch_kda_decode(
-                *args(tok, lay), lin, R, LB, EPS, *sn, **kw), fla, floor)
+            fn = kda_decode_fused if fused else launch_kda_decode
+            return timed(f"R={R} {label}", lambda: fn(*args(tok, lay), lin, R, LB, EPS, *sn, **kw),
+                         fla, floor)
 
         for bv, nw in FUSED:
-            case(f"fused BV={bv} w={nw}", variant="fused", block_v=bv, num_warps=nw)
+            case(f"fused BV={bv} w={nw}", fused=True, block_v=bv, num_warps=nw)
         res = {}
         for bv, nw in SPLIT:
-            res[bv, nw] = case(f"split BV={bv} w={nw}", variant="split", block_v=bv, num_warps=nw)
+            res[bv, nw] = case(f"split BV={bv} w={nw}", block_v=bv, num_warps=nw)
         ok = {c: t for c, t in res.items() if t}
         if ok:
             bv, nw = min(ok, key=ok.get)
             for st in ("p", "s", "n") if bv < K else ("p", "s"):   # BV = K: norm in "s"
-                case(f"  split BV={bv} w={nw} only {st}", variant="split", block_v=bv,
+                case(f"  split BV={bv} w={nw} only {st}", block_v=bv,
                      num_warps=nw, stages=st)
             if R > 1:
-                case(f"split BV={bv} w={nw} rolled", variant="split", block_v=bv,
+                case(f"split BV={bv} w={nw} rolled", block_v=bv,
                      num_warps=nw, unroll_rows=False)
-                case(f"split BV={bv} w={nw} +snapshots", snap=True, variant="split", block_v=bv,
+                case(f"split BV={bv} w={nw} +snapshots", snap=True, block_v=bv,
                      num_warps=nw)
-                case("fused BV=64 w=4 +snapshots", snap=True, variant="fused", block_v=64,
+                case("fused BV=64 w=4 +snapshots", snap=True, fused=True, block_v=64,
                      num_warps=4)
     print(f"total {time.time() - t0:.0f} s")
 

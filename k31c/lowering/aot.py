@@ -28,75 +28,18 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, Optional
 
+from .aot_spec import AotShapes, AotSpec
 from .registry import kernels_for
 from .targets import get_target
 
-# Streaming multiprocessors / compute units: the launch planners size grids (and a few
-# constexprs, e.g. top-k's chunk count) from them.
-DEVICE_SMS = {"h200": 132, "mi350x": 256}
-
-_PTR_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv",
-              "uint8": "u8", "int32": "i32", "int64": "i64"}   # torch dtype name -> Triton type
 _BINARY = {"hip": "hsaco", "cuda": "cubin"}
 _TEXT = {"hip": "amdgcn", "cuda": "ptx"}
 
 
 class AotBuildError(RuntimeError):
     """One or more kernels did not compile; the message lists every failure."""
-
-
-@dataclass(frozen=True)
-class AotShapes:
-    """The shapes the launch plans are made for (K3.1 Pro serving)."""
-    cfg: object                            # K31Config (preset "k3.1-pro")
-    sms: int                               # SMs / CUs of the target GPU
-    block_size: int = 64                   # paged cache block (latent and index planes)
-    batch: int = 16                        # decode requests
-    rows_per_request: tuple[int, ...] = (1, 4)   # plain decode, 4-row verification
-    context: int = 131072                  # keys a row sees (indexer / top-k width)
-    prefill_requests: int = 1              # requests in one KDA prefill launch
-    backend: str = "cuda"                  # Triton backend compiled for ("cuda", "hip")
-
-
-class AotSpec(NamedTuple):
-    """One launch to build: what `kernel[grid](...)` compiles at run time."""
-    kernel: object                         # the @triton.jit function
-    signature: dict                        # arg name -> "*bf16", "i32", "fp32", "constexpr"
-    constexprs: dict                       # constexpr arg name -> value
-    num_warps: int
-    num_stages: Optional[int]              # None: the backend's default (the launcher passes none)
-    variant: str                           # what distinguishes this launch ("fp8,R=4")
-    ops: tuple[str, ...]                   # the k31c ops whose launchers make it
-    family: str = ""                       # the kernel module whose aot_specs() lists it
-
-
-def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
-                num_stages: Optional[int] = None) -> AotSpec:
-    """An AotSpec with the full signature: constexprs by name, pointers from `types` (a torch
-    dtype per pointer argument: every `*_ptr` argument must be listed), other scalars from
-    `types` as Triton type strings ("fp32", "i64"), "i32" when unlisted."""
-    import torch  # lazily: `k31c --help` builds this command's parser without importing torch
-    names = list(kernel.arg_names)
-    unknown = (set(constexprs) | set(types)) - set(names)
-    if unknown:
-        raise ValueError(f"{kernel.__name__}: no arguments named {sorted(unknown)}")
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(types.get(name), torch.dtype):
-            signature[name] = "*" + _PTR_TYPES[str(types[name]).removeprefix("torch.")]
-        elif name.endswith("_ptr"):
-            raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
-        else:
-            signature[name] = types.get(name, "i32")
-    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
-    if missing:
-        raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
-    return AotSpec(kernel, signature, dict(constexprs), num_warps, num_stages, variant,
-                   tuple([ops] if isinstance(ops, str) else ops))
 
 
 @dataclass
@@ -128,8 +71,7 @@ class BuiltKernel:
 
 def default_shapes(target_name: str) -> AotShapes:
     from k31c.config import preset
-    return AotShapes(cfg=preset("k3.1-pro"), sms=DEVICE_SMS[target_name],
-                     backend=get_target(target_name).triton_backend)
+    return AotShapes(cfg=preset("k3.1-pro"), target=get_target(target_name))
 
 
 def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
@@ -326,7 +268,8 @@ def _cuda_registers(cubin: bytes) -> tuple[Optional[int], Optional[int]]:
 # ---- helpers --------------------------------------------------------------------------------
 
 def _require_compiler_mode() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    from .triton.device import interpreting
+    if interpreting():
         raise ValueError("TRITON_INTERPRET=1: Triton runs kernels in its interpreter and cannot "
                          "compile them; unset it to build kernels ahead of time")
 

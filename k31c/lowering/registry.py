@@ -25,7 +25,7 @@ _KERNELS: dict[tuple[str, str], Kernel] = {}
 
 
 def register(op: str, targets: tuple[str, ...], backend: str = "triton"):
-    """Decorator: `@register("k31c::sparse_mla", ("h200", "mi350x"))` on the launcher."""
+    """Decorator: `@register("k31c::sparse_mla", targets.GPU_TARGETS)` on the launcher."""
     if not op.startswith("k31c::"):
         raise ValueError(f"kernels implement k31c ops; got '{op}'")
 
@@ -54,4 +54,5 @@ def kernels_for(target: str) -> dict[str, Kernel]:
 def _load_kernels(target: str) -> None:
     """Import the kernel modules of a target lazily (Triton/IREE are imported only when asked)."""
     if get_target(target).triton_backend is not None:
-        from . import triton  # noqa: F401  (registers on import)
+        from .triton import register_all
+        register_all()

@@ -1,4 +1,9 @@
-"""Compile targets: what each one runs on and how its kernels are built (DESIGN §5)."""
+"""Compile targets: every fact about a target in one record (DESIGN §5).
+
+A new GPU is one `Target` below (and its name in `GPU_TARGETS` when the Triton kernels should be
+registered for it): the launchers, the AOT build, the `lower` pass and the runtime read what they
+need from the record, never from a table of their own.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,16 +18,46 @@ class Target:
     triton_backend: Optional[str] = None     # GPUTarget backend for AOT builds ("cuda", "hip")
     triton_arch: Optional[object] = None     # GPUTarget arch (90, "gfx950")
     warp_size: int = 32
+    sm_count: int = 4                        # SMs / CUs the launchers size grids for (the CPU:
+                                             # what the Triton interpreter's grids stand for)
+    dense_codegen: str = "inductor"          # who compiles the dense (non-k31c) ops
+    fast_dot_precision: str = "ieee"         # tl.dot input_precision of fp32 operands where a
+                                             # kernel asks for fast dots ("tf32" on NVIDIA;
+                                             # Triton 3.7's AMD backend has no tf32 on gfx950)
+    default_variants: tuple[tuple[str, str], ...] = ()   # (op, kernel variant) where an op has several
     device_graphs: bool = False              # replay decode as CUDA/HIP graphs
+    graph_streams: int = 1                   # streams one captured device graph may use
     runnable_here: bool = True               # False: artifacts are built and inspected, not run
+    device_names: tuple[str, ...] = ()       # substrings of torch.cuda.get_device_name() that
+                                             # identify this GPU when a launcher runs on it
+
+    def dot_precision(self, fast: bool) -> str:
+        """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""
+        return self.fast_dot_precision if fast else "ieee"
+
+    def variant(self, op: str, default: str) -> str:
+        """The kernel variant this target runs for `op` ("k31c::lightning_indexer"): the one the
+        record names, else `default` (the launcher's own)."""
+        return dict(self.default_variants).get(op, default)
 
 
 TARGETS = {
     "cpu": Target("cpu", "cpu", "host"),
-    "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, 32, device_graphs=True),
-    "mi350x": Target("mi350x", "cuda", "gfx950", "hip", "gfx950", 64, device_graphs=True,
-                     runnable_here=False),
+    "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
+                   fast_dot_precision="tf32",
+                   default_variants=(("k31c::lightning_indexer", "tma"),),
+                   device_graphs=True, graph_streams=3, device_names=("H200",)),
+    # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
+    # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
+    # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.
+    "mi350x": Target("mi350x", "cuda", "gfx950", "hip", "gfx950", warp_size=64, sm_count=256,
+                     dense_codegen="iree",
+                     default_variants=(("k31c::lightning_indexer", "tma"),),
+                     device_graphs=True, graph_streams=1, runnable_here=False,
+                     device_names=("MI350", "MI355")),
 }
+
+GPU_TARGETS: tuple[str, ...] = tuple(n for n, t in TARGETS.items() if t.triton_backend is not None)
 
 
 def get_target(name: str) -> Target:

@@ -17,8 +17,6 @@ from ..lowering.registry import lookup
 from .graph_utils import info, is_k31c, is_marker_node
 from .manager import PassResult, register_pass
 
-DENSE_CODEGEN = {"cpu": "inductor", "h200": "inductor", "mi350x": "iree"}
-
 
 def kernel_name(kernel) -> str:
     return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
@@ -45,7 +43,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             fallbacks[op] += 1
     ctx.state["kernels"] = dict(kernels)
     ctx.state["fallbacks"] = dict(fallbacks)
-    ctx.state["dense_codegen"] = DENSE_CODEGEN.get(target.name, "inductor")
+    ctx.state["dense_codegen"] = ctx.target.dense_codegen
     notes = [f"{op} -> {name} x{n}" for (op, name), n in sorted(kernels.items())]
     if fallbacks:
         notes.append("reference fallbacks on " + target.name + ": "

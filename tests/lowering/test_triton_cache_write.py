@@ -10,6 +10,7 @@ import torch
 import k31c.graph.ops.cache_write  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import (gather_index_keys, index_row_bytes, quantize_index_fp8)
 from k31c.lowering.triton import cache_write as tcw
+from benchmarks.alternatives import mla_cache_write_fp8 as fp8_latent
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
@@ -154,7 +155,7 @@ def test_index_key_norm_write_plain(device):
 
 def _fp8_latent_oracle(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """Naive per-token loop writing the 656-byte fp8_ds_mla row."""
-    flat = cache.view(-1, tcw.FP8_LATENT_ROW_BYTES)
+    flat = cache.view(-1, fp8_latent.FP8_LATENT_ROW_BYTES)
     for i, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
@@ -167,13 +168,14 @@ def _fp8_latent_oracle(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Ten
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mla_cache_write_fp8(device):
+    """The fp8_ds_mla latent write (benchmarks/alternatives: no k31c op uses the layout yet)."""
     gen = torch.Generator().manual_seed(6)
-    cache = torch.randint(0, 256, (3, 4, tcw.FP8_LATENT_ROW_BYTES), generator=gen, dtype=torch.uint8).to(device)
+    cache = torch.randint(0, 256, (3, 4, fp8_latent.FP8_LATENT_ROW_BYTES), generator=gen, dtype=torch.uint8).to(device)
     rows = (torch.randn(9, 576, generator=gen) * 2).to(device)
     slots = _slots(9, 12, gen, device)
     ref = cache.cpu().clone()
     _fp8_latent_oracle(ref, rows.cpu(), slots.cpu())   # on CPU: torch divides by 448 exactly there
-    tcw.mla_cache_write_fp8(cache, rows, slots)
+    fp8_latent.mla_cache_write_fp8(cache, rows, slots)
     assert torch.equal(cache.cpu(), ref)
 
 

@@ -5,6 +5,8 @@ decode/verify layouts (B x R rows with increasing lengths) and prefill-like layo
 of rows per request, tiles spanning requests). The -inf pattern must match exactly. Both kernels
 run: "gather" (indexer.py) and "tma" (indexer_tma.py, one cache block per step).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes, quantize_index_fp8, dequantize_index_fp8
 from k31c.lowering.triton import indexer as tix
 from k31c.lowering.triton import indexer_tma
+from k31c.lowering.triton.device import target_of, using_target
 
 VARIANTS = ["gather", "tma"]
 
@@ -174,8 +177,9 @@ def test_tma_falls_back_where_the_layout_does_not_fit(tma_launches):
 
 @pytest.mark.parametrize("kind", ["fp8", "bfloat16"])
 def test_registered_launcher_runs_the_tma_kernel(kind, tma_launches, monkeypatch):
-    """The registered launcher takes the tma kernel (as on CUDA and ROCm); variant="gather" still
-    runs the gather kernel; both agree with the reference."""
+    """The registered launcher takes the target's default variant (tma on h200 and mi350x; the
+    CPU's record names none, so the launcher's own, tma); variant="gather" still runs the gather
+    kernel, as does a target record that names it; all agree with the reference."""
     gen = torch.Generator().manual_seed(18)
     row_req, row_len = _decode_rows([45, 100, 7], r=2)
     args = _problem(kind, heads=4, d=32, block_size=16, max_blocks=8, row_req=row_req,
@@ -186,9 +190,10 @@ def test_registered_launcher_runs_the_tma_kernel(kind, tma_launches, monkeypatch
     assert tma_launches == [16]
     _assert_scores(tix.launch_indexer(*args, variant="gather"), ref, rtol=tol, atol=tol)
     assert tma_launches == [16]
-    monkeypatch.setitem(tix._DEFAULT_VARIANT, "cuda", "gather")   # the per-backend switch
-    monkeypatch.setitem(tix._DEFAULT_VARIANT, "hip", "gather")
-    _assert_scores(tix.lightning_indexer(*args), ref, rtol=tol, atol=tol)
+    here = target_of(args[0].device)      # the target record's default variant is the switch
+    gather_target = dataclasses.replace(here, default_variants=(("k31c::lightning_indexer", "gather"),))
+    with using_target(gather_target):
+        _assert_scores(tix.lightning_indexer(*args), ref, rtol=tol, atol=tol)
     assert tma_launches == [16]
 
 

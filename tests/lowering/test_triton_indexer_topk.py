@@ -1,5 +1,6 @@
-"""The lowering of k31c::lightning_indexer_topk: the registered scan-then-select pair and the fused
-kernel kept beside it, both vs the reference op (interpreter on CPU, compiled on CUDA).
+"""The lowering of k31c::lightning_indexer_topk, the registered scan-then-select pair, and the fused
+comparison kernel (benchmarks/alternatives/indexer_topk_fused.py), both vs the reference op
+(interpreter on CPU, compiled on CUDA).
 
 Inputs are test_triton_topk's exact-grid index caches (every score exact in fp32, ties abound), so
 the selected sets must equal the reference's exactly; the CPU shrinks top-k's constants so the
@@ -11,11 +12,12 @@ import torch
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import indexer, indexer_topk, topk
+from benchmarks.alternatives.indexer_topk_fused import lightning_indexer_topk_fused
 from test_triton_topk import _indexer_inputs, _same_sets   # the exact-grid input builder
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-LAUNCHERS = {"pair": indexer_topk.lightning_indexer_topk, "fused": indexer_topk.lightning_indexer_topk_fused}
+LAUNCHERS = {"pair": indexer_topk.lightning_indexer_topk, "fused": lightning_indexer_topk_fused}
 
 
 pytestmark = pytest.mark.usefixtures("small_topk_constants")   # tests/lowering/conftest.py

@@ -2,7 +2,8 @@
 inputs: outputs, the written-back conv windows and recurrent states, and the per-row snapshots.
 
 On CPU the kernels run under the Triton interpreter at small shapes (H=2, K=16/32, W=4); on a GPU
-the same tests also run at K3 shapes (96 heads x 128) in bf16."""
+the same tests also run at K3 shapes (96 heads x 128) in bf16. The one-kernel decode the
+benchmarks compare with (benchmarks/alternatives/kda_decode_fused.py) has its tests here too."""
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ from functools import partial
 
 from k31c.lowering.triton.kda_decode import decode_tile, kda_decode, launch_kda_decode
 from k31c.lowering.triton.kda_prefill import kda_prefill, launch_kda_prefill
+from benchmarks.alternatives.kda_decode_fused import kda_decode_fused
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"        # small shapes: the GPU when there is one
@@ -76,17 +78,15 @@ def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad
             close(name, g, w, dtype)
 
 
-# the registered launcher (split variant by default) and the fused variant
+# the registered launcher
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("lb", [-5.0, None])
-@pytest.mark.parametrize("variant", ["default", "fused"])
-def test_decode_small(rows, lb, variant):
-    fn = kda_decode if variant == "default" else partial(launch_kda_decode, variant=variant)
+def test_decode_small(rows, lb):
     check_decode(H=2, K=16, B=3, rows=rows, lb=lb, snaps=rows > 1, dtype=torch.float32,
-                 device=DEV, seed=rows + (lb is None), fn=fn)
+                 device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("knobs", [{}, {"variant": "split", "block_v": 8}, {"variant": "fused"}])
+@pytest.mark.parametrize("knobs", [{}, {"block_v": 8}])
 def test_decode_padding_rows_with_garbage_inputs(knobs):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
@@ -108,20 +108,19 @@ def test_decode_padding_rows_with_garbage_inputs(knobs):
 
 @pytest.mark.parametrize("lb", [-5.0, None])
 def test_decode_value_tiles(lb):
-    # fused: 4 programs per head meet in the gated norm; the last to arrive writes the head's tail
+    # 4 state programs per head, the gated norm as its own launch
     check_decode(H=2, K=32, B=3, rows=3, lb=lb, snaps=True, dtype=torch.float32, device=DEV,
-                 seed=12, fn=partial(launch_kda_decode, variant="fused", block_v=8))
+                 seed=12, fn=partial(launch_kda_decode, block_v=8))
 
 
 def test_decode_k32_snapshots_fp16():
     check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=11, fn=partial(launch_kda_decode, variant="fused", block_v=16))
+                 seed=11, fn=partial(launch_kda_decode, block_v=16))
 
 
 def test_decode_tile_defaults():
-    # per-R defaults measured on the H200 (kda_decode docstring); explicit knobs win
+    # per-R defaults measured on the H200 (BENCHMARKS.md, KDA); explicit knobs win
     assert decode_tile(1, 128) == (32, 4) and decode_tile(4, 128) == (32, 2)
-    assert decode_tile(1, 128, "fused") == (32, 4) and decode_tile(4, 128, "fused") == (64, 4)
     assert decode_tile(4, 128, block_v=16) == (16, 2)
     assert decode_tile(1, 128, num_warps=8) == (32, 8)
     assert decode_tile(1, 32) == (32, 4)                       # capped at K
@@ -132,51 +131,48 @@ def test_decode_tile_defaults():
 
 
 @pytest.mark.parametrize("rows,tile", [(1, (32, 4)), (4, (32, 2))])
-def test_registered_launcher_runs_split_default(rows, tile, monkeypatch):
-    # the registered `k31c::kda_decode` launcher takes the split variant at the per-R tile
-    import k31c.lowering.triton.kda_decode_split as split
+def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
+    # the registered `k31c::kda_decode` launcher runs all three launches at the per-R tile
+    import k31c.lowering.triton.kda_decode as kd
     seen = {}
 
-    def fake(*a, block_v, num_warps, **kw):
-        seen.update(tile=(block_v, num_warps), knobs=kw)
+    def fake(p, *a):
+        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows)
         return a[0]
-    monkeypatch.setattr(split, "launch_split", fake)
+    monkeypatch.setattr(kd, "_run", fake)
     gen = torch.Generator().manual_seed(3)
     params, conv, state = make_layer(1, 128, 2, torch.float32, "cpu", gen)
     tok = make_tokens(2 * rows, 1, 128, torch.float32, "cpu", gen)
     kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                torch.tensor([0, 1]), rows, -5.0, EPS, None, None)
-    assert seen == dict(tile=tile, knobs={})
+    assert seen == dict(tile=tile, stages="psn", unroll=True)
 
 
-# split variant: prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
+# prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
 @pytest.mark.parametrize("rows,snaps", [(1, False), (1, True), (4, False), (4, True)])
 @pytest.mark.parametrize("block_v", [8, 32])
 def test_decode_split(rows, snaps, block_v):
     check_decode(H=2, K=32, B=3, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.float32, device=DEV,
                  seed=20 + rows + block_v, num_slots=5,
-                 fn=partial(launch_kda_decode, variant="split", block_v=block_v))
+                 fn=partial(launch_kda_decode, block_v=block_v))
 
 
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=31, fn=partial(launch_kda_decode, variant="split", block_v=8, norm_rows=4,
-                                     unroll_rows=False))
+                 seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
 
 
-def test_decode_rejects_bad_variant():
-    with pytest.raises(ValueError, match="variant"):
+def test_decode_rejects_bad_stages():
+    with pytest.raises(ValueError, match="stages"):
         check_decode(H=2, K=16, B=2, rows=1, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=0, fn=partial(launch_kda_decode, variant="fast"))
+                     device=DEV, seed=0, fn=partial(launch_kda_decode, stages="pxn"))
 
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
 @pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
-@pytest.mark.parametrize("variant", ["fused", "split"])
-def test_decode_k3_shapes_cuda(rows, snaps, variant):
+def test_decode_k3_shapes_cuda(rows, snaps):
     check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=rows, num_slots=20,
-                 fn=partial(launch_kda_decode, variant=variant))
+                 device="cuda", seed=rows, num_slots=20, fn=kda_decode)
 
 
 def test_decode_rejects_bad_layout():
@@ -189,6 +185,43 @@ def test_decode_rejects_bad_layout():
     with pytest.raises(ValueError, match="rows"):
         kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                    torch.tensor([0, 1]), 3, -5.0, EPS, None, None)
+
+
+# ---- the one-kernel comparison (benchmarks/alternatives/kda_decode_fused.py) -----------------
+
+@pytest.mark.parametrize("rows,lb", [(1, -5.0), (2, None), (4, -5.0)])
+def test_fused_decode_small(rows, lb):
+    check_decode(H=2, K=16, B=3, rows=rows, lb=lb, snaps=rows > 1, dtype=torch.float32,
+                 device=DEV, seed=rows + (lb is None), fn=kda_decode_fused)
+
+
+def test_fused_decode_value_tiles_fp16():
+    # 2 programs per head meet in the gated norm; the last to arrive writes the head's tail
+    check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
+                 seed=11, fn=partial(kda_decode_fused, block_v=16))
+
+
+def test_fused_decode_padding_rows_with_garbage_inputs():
+    H, K, B, rows = 2, 16, 3, 2
+    gen = torch.Generator().manual_seed(21)
+    params, conv, state = make_layer(H, K, 6, torch.float32, DEV, gen)
+    tok = make_tokens(B * rows, H, K, torch.float32, DEV, gen)
+    slots = torch.randperm(6, generator=gen)[:B].to(DEV)
+    slots[1] = -1
+    for t in tok.values():
+        t[rows:2 * rows] = float("nan")
+    got = run_decode(kda_decode_fused, tok, params, conv, state, slots, rows, -5.0, True)
+    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
+    assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
+    for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
+        close(name, g, w, torch.float32)
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
+def test_fused_decode_k3_shapes_cuda(rows, snaps):
+    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
+                 device="cuda", seed=rows, num_slots=20, fn=kda_decode_fused)
 
 
 # ---- kda_prefill -----------------------------------------------------------------------------

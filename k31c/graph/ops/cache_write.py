@@ -151,7 +151,7 @@ def _check_float_2d(t: torch.Tensor, arg: str) -> None:
         raise ValueError(f"{arg}: expected a 2-D float tensor [N, width], got {t.dtype} {tuple(t.shape)}")
 
 
-def _check_mla_write(cache, rows, slot_mapping) -> None:
+def check_mla_write(cache, rows, slot_mapping) -> None:
     if cache.dim() != 3 or cache.dtype not in _FLOATS:
         raise ValueError(f"cache: expected float [num_blocks, block_size, Dl], got {cache.dtype} "
                          f"{tuple(cache.shape)}")
@@ -161,7 +161,7 @@ def _check_mla_write(cache, rows, slot_mapping) -> None:
     _check_slot_mapping(slot_mapping, rows.shape[0])
 
 
-def _check_index_write(cache, keys, slot_mapping) -> None:
+def check_index_write(cache, keys, slot_mapping) -> None:
     _check_float_2d(keys, "keys")
     index_cache_block_size(cache, keys.shape[1], "cache")
     _check_slot_mapping(slot_mapping, keys.shape[0])
@@ -179,7 +179,7 @@ def _written(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
 @torch.library.custom_op("k31c::mla_cache_write", mutates_args=("cache",))
 def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """cache.flatten(0, 1)[slot_mapping[i]] = rows[i] (cast to the cache dtype); slot < 0 skips."""
-    _check_mla_write(cache, rows, slot_mapping)
+    check_mla_write(cache, rows, slot_mapping)
     flat = cache.view(-1, cache.shape[2])
     keep = _written(slot_mapping, flat.shape[0])
     flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
@@ -187,7 +187,7 @@ def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch
 
 @mla_cache_write.register_fake
 def _(cache, rows, slot_mapping):
-    _check_mla_write(cache, rows, slot_mapping)
+    check_mla_write(cache, rows, slot_mapping)
 
 
 def _write_index_keys(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -208,17 +208,17 @@ def _write_index_keys(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: tor
 @torch.library.custom_op("k31c::index_cache_write", mutates_args=("cache",))
 def index_cache_write(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write indexer keys [N, d] to their slots: FP8-quantised for a uint8 cache, else cast."""
-    _check_index_write(cache, keys, slot_mapping)
+    check_index_write(cache, keys, slot_mapping)
     _write_index_keys(cache, keys, slot_mapping)
 
 
 @index_cache_write.register_fake
 def _(cache, keys, slot_mapping):
-    _check_index_write(cache, keys, slot_mapping)
+    check_index_write(cache, keys, slot_mapping)
 
 
-def _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping) -> None:
-    _check_index_write(cache, k_pre, slot_mapping)
+def check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping) -> None:
+    check_index_write(cache, k_pre, slot_mapping)
     d = k_pre.shape[1]
     for arg, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if t.dim() != 1 or t.shape[0] != d or t.dtype not in _FLOATS:
@@ -229,11 +229,11 @@ def _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping) -> None:
 def index_key_norm_write(cache: torch.Tensor, k_pre: torch.Tensor, ln_weight: torch.Tensor,
                          ln_bias: torch.Tensor, slot_mapping: torch.Tensor, eps: float) -> None:
     """index_cache_write(cache, LayerNorm_fp32(k_pre; ln_weight, ln_bias, eps), slot_mapping)."""
-    _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
+    check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
     keys = F.layer_norm(k_pre.float(), (k_pre.shape[1],), ln_weight.float(), ln_bias.float(), eps)
     _write_index_keys(cache, keys, slot_mapping)
 
 
 @index_key_norm_write.register_fake
 def _(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps):
-    _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
+    check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)

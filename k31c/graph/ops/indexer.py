@@ -32,7 +32,7 @@ def _check_block_table(block_table: torch.Tensor) -> None:
                          f"{tuple(block_table.shape)}")
 
 
-def _check_indexer(q, weights, index_cache, block_table, row_req, row_len) -> int:
+def check_indexer(q, weights, index_cache, block_table, row_req, row_len) -> int:
     """Checks shapes and dtypes; returns the cache's block size."""
     if q.dim() != 3 or q.dtype not in _FLOATS:
         raise ValueError(f"q: expected a float [N, H_I, d_I] tensor, got {q.dtype} {tuple(q.shape)}")
@@ -56,7 +56,7 @@ def _check_row_values(block_table: torch.Tensor, row_req: torch.Tensor, row_len:
 
 
 def indexer_scores(q, weights, index_cache, block_table, row_req, row_len) -> torch.Tensor:
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     capacity = block_table.shape[1] * block_size
     _check_row_values(block_table, row_req, row_len, capacity)
     scores = torch.full((q.shape[0], capacity), float("-inf"), dtype=torch.float32, device=q.device)
@@ -73,7 +73,7 @@ def indexer_scores(q, weights, index_cache, block_table, row_req, row_len) -> to
     return scores
 
 
-def _check_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> None:
+def check_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> None:
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores: expected float32 [N, S], got {scores.dtype} {tuple(scores.shape)}")
     if row_len.dtype != torch.int32 or tuple(row_len.shape) != (scores.shape[0],):
@@ -84,7 +84,7 @@ def _check_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> None:
 
 
 def select_topk(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
-    _check_topk(scores, row_len, k)
+    check_topk(scores, row_len, k)
     n, width = scores.shape
     if row_len.numel() and (bool((row_len < 0).any()) or bool((row_len > width).any())):
         raise ValueError(f"row_len: a length is outside 0..{width} (the scores' width)")
@@ -114,7 +114,7 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch
 
 @lightning_indexer.register_fake
 def _(q, weights, index_cache, block_table, row_req, row_len):
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     return q.new_empty((q.shape[0], block_table.shape[1] * block_size), dtype=torch.float32)
 
 
@@ -125,7 +125,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
 
 @topk_select.register_fake
 def _(scores, row_len, k):
-    _check_topk(scores, row_len, k)
+    check_topk(scores, row_len, k)
     return scores.new_empty((scores.shape[0], k), dtype=torch.int32)
 
 
@@ -139,7 +139,7 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
 
 @lightning_indexer_topk.register_fake
 def _(q, weights, index_cache, block_table, row_req, row_len, k):
-    _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     if not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     return q.new_empty((q.shape[0], k), dtype=torch.int32)

@@ -197,7 +197,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
                 chunk_size: int) -> torch.Tensor:
     """Prefill B requests' new tokens (rows cu_seqlens[b]..cu_seqlens[b+1]-1) onto their slots'
     conv window and recurrent state; write both back; return the gated-normed output [T, P]."""
-    T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                 conv_state, recurrent, slots, cu_seqlens, chunk_size)
     ids = _check_slot_values(slots, conv_state.shape[0])
     cu = cu_seqlens.tolist()
@@ -223,7 +223,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
     return out.flatten(-2).to(q.dtype)
 
 
-def _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+def check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                    conv_state, recurrent, slots, cu_seqlens, chunk_size):
     T, H, K, W = _check_common(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots)
@@ -238,7 +238,7 @@ def _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_w
 @kda_prefill.register_fake
 def _(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state, recurrent,
       slots, cu_seqlens, lower_bound, eps, chunk_size):
-    _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                    conv_state, recurrent, slots, cu_seqlens, chunk_size)
     return torch.empty_like(q)
 
@@ -256,7 +256,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     """Decode / verify: N = B*rows rows, request-major. Each request's rows run one after another
     from its committed slot state (§4.3, §4.7); the state after the last row is written to the slot
     and, with snapshots, the state after row r to snap_conv[b, r] / snap_state[b, r]."""
-    N, H, K, W = _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    N, H, K, W = check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, rows, snap_conv, snap_state)
     ids = _check_slot_values(slots, conv_state.shape[0])
     live = [r for r, s in enumerate(ids) if s >= 0]
@@ -288,7 +288,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tenso
     return out.flatten(-2).to(q.dtype)
 
 
-def _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+def check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                   conv_state, recurrent, slots, rows, snap_conv, snap_state):
     N, H, K, W = _check_common(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots)
@@ -310,6 +310,6 @@ def _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_we
 @kda_decode.register_fake
 def _(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state, recurrent,
       slots, rows, lower_bound, eps, snap_conv, snap_state):
-    _check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+    check_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                   conv_state, recurrent, slots, rows, snap_conv, snap_state)
     return torch.empty_like(q)

@@ -1,11 +1,16 @@
-"""Hand-written Triton kernels, registered for `h200` (and `mi350x` where portable).
+"""Hand-written Triton kernels, registered for every target in `targets.GPU_TARGETS`.
 
-Each module holds one kernel family: the @triton.jit kernel(s) and a launcher with the k31c op's
-exact signature, registered with lowering.registry. Importing this package registers them all.
+Each kernel module holds one kernel family: the @triton.jit kernel(s) and a launcher with the k31c
+op's exact signature, registered with lowering.registry. `register_all()` imports them (the
+registry calls it the first time a GPU target's kernels are asked for); the shared leaf modules
+(device, kda_common, mla_common, cache_write's FP8 helpers) register nothing.
 """
 import importlib
 
-_MODULES = ("cache_write", "indexer", "topk", "indexer_topk", "mla", "mla_two_pass", "kda_decode", "kda_prefill")
+KERNEL_MODULES = ("cache_write", "indexer", "topk", "indexer_topk", "mla", "mla_two_pass",
+                  "kda_decode", "kda_prefill")
 
-for _m in _MODULES:
-    importlib.import_module(f"{__name__}.{_m}")
+
+def register_all() -> None:
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"{__name__}.{name}")

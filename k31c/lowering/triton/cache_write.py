@@ -7,8 +7,6 @@ Registered launchers (the k31c ops' exact signatures):
   per block the e4m3 values token-major, then one fp32 scale per 128 values token-major.
 - `index_key_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps)`: LayerNorm in fp32
   fused in front of the same write.
-Extra (no k31c op yet): `mla_cache_write_fp8(cache, rows, slot_mapping)` into the 656-byte FP8
-latent row of vLLM's `fp8_ds_mla` (512 e4m3 + 4 fp32 scales + 64 bf16 rope values).
 
 Slots are device tensors (no host sync), so a slot outside the cache cannot raise here: the kernels
 skip it instead of writing out of bounds (the reference op raises on it).
@@ -19,20 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, _check_index_write,
-                                        _check_mla_write, _check_norm_write, index_cache_block_size,
+from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, check_index_write,
+                                        check_mla_write, check_norm_write, index_cache_block_size,
                                         index_scales_per_row)
+from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
+from k31c.lowering.targets import GPU_TARGETS
 
 _TOKENS_PER_PROGRAM = 16
 _LATENT_CHUNK = 128          # latent columns per program (576 = 4.5 chunks)
 
-FP8_LATENT_NOPE = 512        # fp8_ds_mla: quantised c_kv values per token
-FP8_LATENT_ROPE = 64         # fp8_ds_mla: bf16 rope values per token
-FP8_LATENT_ROW_BYTES = FP8_LATENT_NOPE + 4 * (FP8_LATENT_NOPE // SCALE_GROUP) + 2 * FP8_LATENT_ROPE  # 656
 
 
-# ---- shared FP8 helpers (also used by the indexer kernel) ------------------------------------
+# ---- shared FP8 helpers (also used by the indexer kernels) ------------------------------------
 
 @triton.jit
 def round_to_e4m3(y):
@@ -147,44 +144,17 @@ def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_
                  mask=mask)
 
 
-@triton.jit
-def _latent_write_fp8_kernel(cache_ptr, cache_f32_ptr, cache_bf16_ptr, rows_ptr, row_stride, col_stride,
-                             slot_ptr, n_rows, n_slots,
-                             TOKENS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                             ROW_BYTES: tl.constexpr):
-    """fp8_ds_mla row: bytes [0, NOPE) e4m3, then NOPE/128 fp32 scales, then ROPE bf16 values."""
-    GROUPS: tl.constexpr = NOPE // 128
-    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
-    live = (slot >= 0) & (slot < n_slots)
-    row_at = t.to(tl.int64)[:, None] * row_stride
-    base = slot * ROW_BYTES
-    cols = tl.arange(0, NOPE)
-    x = tl.load(rows_ptr + row_at + cols[None, :] * col_stride, mask=live[:, None], other=0.0).to(tl.float32)
-    groups = tl.reshape(x, (TOKENS, GROUPS, 128))
-    scale = e4m3_scale(tl.max(tl.abs(groups), axis=2))
-    values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, NOPE))
-    tl.store(cache_ptr + base[:, None] + cols[None, :],
-             values.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=live[:, None])
-    g = tl.arange(0, GROUPS)
-    tl.store(cache_f32_ptr + (base + NOPE)[:, None] // 4 + g[None, :], scale, mask=live[:, None])
-    r = tl.arange(0, ROPE)
-    rope = tl.load(rows_ptr + row_at + (NOPE + r)[None, :] * col_stride, mask=live[:, None], other=0.0)
-    tl.store(cache_bf16_ptr + (base + NOPE + 4 * GROUPS)[:, None] // 2 + r[None, :],
-             to_storage(rope.to(tl.float32), tl.bfloat16), mask=live[:, None])
-
-
 # ---- launchers -------------------------------------------------------------------------------
 
-def _require_contiguous(cache: torch.Tensor) -> None:
+def require_contiguous(cache: torch.Tensor) -> None:
     if not cache.is_contiguous():
         raise ValueError("cache: the Triton cache writes need a contiguous cache tensor")
 
 
-@register("k31c::mla_cache_write", ("h200", "mi350x"))
+@register("k31c::mla_cache_write", GPU_TARGETS)
 def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _check_mla_write(cache, rows, slot_mapping)
-    _require_contiguous(cache)
+    check_mla_write(cache, rows, slot_mapping)
+    require_contiguous(cache)
     n, width = rows.shape
     if n == 0:
         return
@@ -194,15 +164,21 @@ def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch
                                TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK)
 
 
+def index_write_plan(d: int, fp8: bool, norm: bool) -> dict:
+    """The index-key write's constexprs for keys of width d (the launcher's and aot_specs')."""
+    groups = index_scales_per_row(d) if fp8 else 1
+    group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
+    return dict(TOKENS=_TOKENS_PER_PROGRAM, GROUP=group, GROUPS=triton.next_power_of_2(groups),
+                FP8=fp8, NORM=norm)
+
+
 def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm: bool) -> None:
-    _require_contiguous(cache)
+    require_contiguous(cache)
     n, d = keys.shape
     block_size = index_cache_block_size(cache, d, "cache")
     if n == 0:
         return
     fp8 = cache.dtype == torch.uint8
-    groups = index_scales_per_row(d) if fp8 else 1
-    group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
     if fp8 and (block_size * d) % 4:
         raise ValueError(f"cache: block_size*d = {block_size * d} is not a multiple of 4, so the "
                          "fp32 scales of the FP8 layout would be unaligned")
@@ -212,60 +188,30 @@ def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm
     grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
     _index_write_kernel[grid](cache, cache_f32, keys, keys.stride(0), keys.stride(1), ln_w, ln_b,
                               slot_mapping, n, cache.shape[0] * block_size, d, block_size,
-                              cache.stride(0), float(eps),
-                              TOKENS=_TOKENS_PER_PROGRAM, GROUP=group,
-                              GROUPS=triton.next_power_of_2(groups), FP8=fp8, NORM=norm)
+                              cache.stride(0), float(eps), **index_write_plan(d, fp8, norm))
 
 
-@register("k31c::index_cache_write", ("h200", "mi350x"))
+@register("k31c::index_cache_write", GPU_TARGETS)
 def index_cache_write(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _check_index_write(cache, keys, slot_mapping)
+    check_index_write(cache, keys, slot_mapping)
     _launch_index_write(cache, keys, None, None, slot_mapping, 0.0, norm=False)
 
 
-@register("k31c::index_key_norm_write", ("h200", "mi350x"))
+@register("k31c::index_key_norm_write", GPU_TARGETS)
 def index_key_norm_write(cache: torch.Tensor, k_pre: torch.Tensor, ln_weight: torch.Tensor,
                          ln_bias: torch.Tensor, slot_mapping: torch.Tensor, eps: float) -> None:
-    _check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
+    check_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping)
     _launch_index_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps, norm=True)
 
 
-def mla_cache_write_fp8(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Latent rows [N, 576] into an FP8 latent cache uint8 [num_blocks, block_size, 656].
-
-    Per token: 512 e4m3 values of c_kv (scale = max(amax, 1e-4)/448 per 128 values, as the index
-    keys), the 4 fp32 scales, then the 64 rope values as bf16. Slot < 0 skips the row.
-    """
-    if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != FP8_LATENT_ROW_BYTES:
-        raise ValueError(f"cache: expected uint8 [num_blocks, block_size, {FP8_LATENT_ROW_BYTES}], "
-                         f"got {cache.dtype} {tuple(cache.shape)}")
-    _require_contiguous(cache)
-    width = FP8_LATENT_NOPE + FP8_LATENT_ROPE
-    if rows.dim() != 2 or rows.shape[1] != width or not rows.dtype.is_floating_point:
-        raise ValueError(f"rows: expected a float [N, {width}] tensor, got {rows.dtype} {tuple(rows.shape)}")
-    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (rows.shape[0],):
-        raise ValueError(f"slot_mapping: expected int64 [{rows.shape[0]}], got {slot_mapping.dtype} "
-                         f"{tuple(slot_mapping.shape)}")
-    n = rows.shape[0]
-    if n == 0:
-        return
-    grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
-    _latent_write_fp8_kernel[grid](cache, cache.view(torch.float32), cache.view(torch.bfloat16), rows,
-                                   rows.stride(0), rows.stride(1), slot_mapping, n,
-                                   cache.shape[0] * cache.shape[1], TOKENS=_TOKENS_PER_PROGRAM,
-                                   NOPE=FP8_LATENT_NOPE, ROPE=FP8_LATENT_ROPE,
-                                   ROW_BYTES=FP8_LATENT_ROW_BYTES)
-
-
-__all__ = ["mla_cache_write", "index_cache_write", "index_key_norm_write", "mla_cache_write_fp8",
+__all__ = ["mla_cache_write", "index_cache_write", "index_key_norm_write",
            "round_to_e4m3", "e4m3_scale", "quantize_e4m3", "FP8_MAX", "FP8_MIN_AMAX"]
 
 
 def aot_specs(shapes) -> list:
-    """The launches of the registered launchers at `shapes` (lowering.aot.AotShapes), for the
+    """The launches of the registered launchers at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build: the latent write, and the index-key write (FP8 uint8 and BF16 caches,
-    with and without the LayerNorm) with the constexprs `_launch_index_write` picks."""
-    from k31c.lowering.aot import kernel_spec
+    with and without the LayerNorm) with `index_write_plan`'s constexprs."""
     cfg = shapes.cfg
     dt = cfg.torch_dtype
     specs = [kernel_spec(_latent_write_kernel, "k31c::mla_cache_write", f"{dt}".split(".")[-1],
@@ -275,13 +221,10 @@ def aot_specs(shapes) -> list:
     ln_dt = torch.float32                     # the indexer's key LayerNorm is kept in fp32
     for fp8 in (True, False):
         cache_dt = torch.uint8 if fp8 else torch.bfloat16
-        groups = index_scales_per_row(d) if fp8 else 1
-        group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
         for norm, op in ((False, "k31c::index_cache_write"), (True, "k31c::index_key_norm_write")):
             specs.append(kernel_spec(
                 _index_write_kernel, op, f"{'fp8' if fp8 else 'bf16'}{',norm' if norm else ''}",
-                dict(TOKENS=_TOKENS_PER_PROGRAM, GROUP=group, GROUPS=triton.next_power_of_2(groups),
-                     FP8=fp8, NORM=norm),
+                index_write_plan(d, fp8, norm),
                 dict(cache_ptr=cache_dt, cache_f32_ptr=torch.float32 if fp8 else cache_dt, keys_ptr=dt,
                      ln_w_ptr=ln_dt if norm else dt, ln_b_ptr=ln_dt if norm else dt,   # else: keys
                      slot_ptr=torch.int64, eps="fp32")))

@@ -15,13 +15,14 @@ Work split:
   kernel: 3·SMs / tiles), so a batch of one request still fills the GPU. Lengths, requests and blocks are read
   on the device; the grid depends only on static shapes (CUDA-graph safe).
 
-The registered launcher runs the second kernel, indexer_tma.py (`variant="tma"`: one cache block
-a step through a TMA tensor descriptor, q quantised by the hardware conversion with a true
-division, q_rcp=False), and this module's gather kernel where the cache layout does not fit a
-descriptor (`indexer_tma.tma_supported`); `variant="gather"` still runs it. On the H200 the TMA
-kernel took 109 us at 128K (1.45x the bytes floor) where this one took 137 us (1.82x); the table
-is in indexer_tma.py, the latest run in BENCHMARKS.md. On ROCm (mi350x) the TMA kernel
-AOT-compiles for gfx950 and is the default there too (`_DEFAULT_VARIANT`), not yet timed.
+The registered launcher runs the target's default variant (`Target.variant`; "tma" on h200
+and mi350x): indexer_tma.py, one cache block a step through a TMA tensor descriptor, q quantised
+by the hardware conversion with a true division (q_rcp=False). Where the cache layout does not fit
+a descriptor (`indexer_tma.tma_supported`: a head dim that is not a power of two, blocks above 256
+keys, an FP8 cache with d < 32 on the GPU, an unaligned cache) it runs this module's gather kernel,
+which `variant="gather"` also selects. The TMA kernel was measured the faster (BENCHMARKS.md,
+indexer). `plan` derives the launch configuration of either kernel; the launcher and `aot_specs`
+both read it.
 
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
 (row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
@@ -35,19 +36,27 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.indexer import _check_indexer
+from dataclasses import dataclass
+
+from k31c.graph.ops.indexer import check_indexer
+from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
-from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
+from k31c.lowering.targets import GPU_TARGETS, Target
+from k31c.lowering.triton import indexer_tma
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
+                                               score_keys)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
+_OP = "k31c::lightning_indexer"
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
 _CPU_KEYS_PER_STEP = 32
 _MIN_STEPS_PER_PROGRAM = 8  # fewer steps and the per-program q load/quantisation stops paying
-_PROGRAMS_PER_SM = 4        # grid ≈ 2 rounds of the 2 resident programs per SM (measured best
-                            # on the H200 at 128K and 1M; a lone request gets them all)
-_TMA_PROGRAMS_PER_SM = 3    # tma grid target (the measured default; with q_rcp=False sm_90a
-                            # gives 255 registers at R=4, so 2 are resident: 1.5 rounds)
+_PROGRAMS_PER_SM = 4        # grid ≈ 2 rounds of the 2 resident programs per SM (the fastest
+                            # measured on the H200; a lone request gets them all)
+_TMA_PROGRAMS_PER_SM = 3    # tma grid target (with q_rcp=False sm_90a gives 255 registers at
+                            # R=4, so 2 are resident: 1.5 rounds)
 
 
 @triton.jit
@@ -79,12 +88,8 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
     if HEAD_DOT:
         w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
 
-    r = tl.arange(0, OUT)
-    rows = first_row + r
-    row_ok = (r < ROWS) & (rows < n_rows)
-    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
-    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
-    out_row = out_ptr + rows.to(tl.int64) * capacity
+    row_ok, req_of_row, len_of_row, out_row = rows_of_tile(row_req_ptr, row_len_ptr, out_ptr,
+                                                           first_row, n_rows, capacity, ROWS, OUT)
     minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
 
     for j in range(ROWS):
@@ -130,23 +135,84 @@ def _tile_rows(n_rows: int, n_req: int, h_pad: int) -> tuple[int, int]:
     return rows, rows_pad
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@dataclass(frozen=True)
+class IndexerPlan:
+    """The launch configuration of one lightning_indexer call shape, for either kernel."""
+    variant: str          # "gather" or "tma"
+    on_gpu: bool
+    fp8: bool             # FP8 (uint8) cache
+    quant_q: bool         # q quantised to e4m3 like the keys
+    dot_dtype: object     # tl.dot operand type
+    heads: int
+    h_pad: int
+    d: int
+    rows: int             # rows per tile
+    rows_pad: int
+    keys: int             # keys per step (the block size for tma)
+    splits: int           # programs per tile along the keys
+    num_warps: int
+    num_stages: int
+    head_dot: bool        # the weighted head sum as a second tl.dot
+    hw_quant: bool        # gather: hardware e4m3 conversion of q
+
+    @property
+    def out(self) -> int:
+        return max(16, self.rows_pad) if self.head_dot else self.rows_pad
+
+    def common_constexprs(self, block_size: int) -> dict:
+        return dict(ROWS=self.rows, ROWS_PAD=self.rows_pad, H=self.heads, H_PAD=self.h_pad,
+                    D=self.d, BLOCK_SIZE=block_size, TAIL=(4096 if self.on_gpu else 256) // self.out,
+                    FP8_CACHE=self.fp8, QUANT_Q=self.quant_q, DOT_DTYPE=self.dot_dtype,
+                    HEAD_DOT=self.head_dot,
+                    HEAD_DTYPE=tl.float32 if self.dot_dtype == tl.float32 else tl.bfloat16,
+                    OUT=self.out, NUM_STAGES=self.num_stages)
+
+    def gather_constexprs(self, block_size: int) -> dict:
+        return dict(self.common_constexprs(block_size), D_PAD=max(16, triton.next_power_of_2(self.d)),
+                    KEYS=self.keys, HW_CVT=bool(self.hw_quant and self.quant_q and self.on_gpu))
 
 
-# The kernel the registered launcher takes, per Triton backend. The tma kernel AOT-compiles for
-# gfx950 too (Triton 3.7.1: its descriptor loads become masked pointer loads there, as gfx950 has
-# no TMA unit); not yet timed on the MI350X: "gather" here is the switch if it loses.
-_DEFAULT_VARIANT = {"cuda": "tma", "hip": "tma"}
-
-
-def _default_variant(backend: str | None = None) -> str:
-    """`_DEFAULT_VARIANT` of the backend (None: this torch's, "hip" when torch.version.hip)."""
-    if backend is None:
-        backend = "hip" if torch.version.hip is not None else "cuda"
-    return _DEFAULT_VARIANT[backend]
+def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, block_size: int,
+         cache_dtype: torch.dtype, q_width: int | None = None, *, tma_ok: bool = True,
+         keys_per_step=None, splits=None, quant_q=None, exact_dot=False, head_dot=False,
+         num_warps=None, num_stages=5, variant=None, hw_quant=False,
+         programs_per_sm=None) -> IndexerPlan:
+    """cache_dtype: uint8 for the FP8 layout; tma_ok: whether the cache can be read by the TMA
+    kernel (`indexer_tma.tma_supported`); the knobs as `launch_indexer`'s."""
+    if variant is None:
+        variant = target.variant(_OP, "tma")
+    if variant not in ("gather", "tma"):
+        raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
+    on_gpu = target.device == "cuda"
+    fp8 = cache_dtype == torch.uint8
+    if quant_q is None:
+        quant_q = fp8 and on_gpu
+    if not on_gpu or exact_dot or cache_dtype == torch.float32:
+        dot_dtype = tl.float32            # the interpreter's 16-bit and fp8 dots are not trusted
+    elif fp8:
+        # an FP8 tl.dot needs an inner size >= 32; below it, bf16 holds e4m3 values exactly
+        dot_dtype = tl.float8e4nv if quant_q and d >= 32 else tl.bfloat16
+    else:
+        dot_dtype = tl.bfloat16 if cache_dtype == torch.bfloat16 else tl.float16
+    if fp8 and not quant_q and dot_dtype == tl.bfloat16:
+        dot_dtype = tl.float32            # unquantised q must keep its precision against e4m3 keys
+    h_pad = triton.next_power_of_2(heads)
+    rows, rows_pad = _tile_rows(n, n_req, h_pad)
+    if variant == "tma" and not tma_ok:
+        variant = "gather"
+    keys = block_size if variant == "tma" else (
+        keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP))
+    tiles = triton.cdiv(n, rows)
+    if splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
+        if variant == "tma":   # no rounding up: 3 x SMs programs (168 registers with q_rcp: one round)
+            target_programs = (programs_per_sm or _TMA_PROGRAMS_PER_SM) * target.sm_count // tiles
+        else:
+            target_programs = triton.cdiv((programs_per_sm or _PROGRAMS_PER_SM) * target.sm_count, tiles)
+        splits = max(1, min(target_programs, triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
+    if num_warps is None and variant == "gather":
+        num_warps = 8 if rows_pad * h_pad > 128 else 4
+    return IndexerPlan(variant, on_gpu, fp8, quant_q, dot_dtype, heads, h_pad, d, rows, rows_pad,
+                       keys, splits, num_warps, num_stages, head_dot, hw_quant)
 
 
 def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
@@ -160,16 +226,13 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     head_dot: sum the heads with a second (bf16 on the GPU) tl.dot instead of on the ALUs.
     variant: "gather" (this module's kernel, KEYS keys a step through pointer loads) or "tma"
     (indexer_tma: one cache block a step through a tensor descriptor; falls back to "gather" where
-    the layout does not allow it); keys_per_step is then the block size. None: `_default_variant`. hw_quant: the gather
-    kernel quantises q with the hardware conversion (the tma kernel always does on the GPU).
-    programs_per_sm: the grid target when splits is None. q_rcp, maxnreg: tma only (see
-    indexer_tma.launch_indexer_tma; q_rcp=False, a true division per element, was measured the
-    faster)."""
-    if variant is None:
-        variant = _default_variant()
-    if variant not in ("gather", "tma"):
+    the layout does not allow it); keys_per_step is then the block size. None: the target's
+    default (`Target.variant`). hw_quant: the gather kernel quantises q with the hardware
+    conversion (the tma kernel always does on the GPU). programs_per_sm: the grid target when
+    splits is None. q_rcp, maxnreg: tma only (see indexer_tma.launch_indexer_tma)."""
+    if variant is not None and variant not in ("gather", "tma"):
         raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
-    block_size = _check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     require_unit_stride(block_table=block_table, row_req=row_req, row_len=row_len)
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"splits: expected a positive integer or None, got {splits!r}")
@@ -187,58 +250,29 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
     if n == 0 or capacity == 0:
         return scores
-    on_gpu = q.device.type == "cuda"
-    if quant_q is None:
-        quant_q = fp8 and on_gpu
-    if not on_gpu or exact_dot or index_cache.dtype == torch.float32:
-        dot_dtype = tl.float32            # the interpreter's 16-bit and fp8 dots are not trusted
-    elif fp8:
-        # an FP8 tl.dot needs an inner size >= 32; below it, bf16 holds e4m3 values exactly
-        dot_dtype = tl.float8e4nv if quant_q and q.shape[2] >= 32 else tl.bfloat16
-    else:
-        dot_dtype = tl.bfloat16 if index_cache.dtype == torch.bfloat16 else tl.float16
-    if fp8 and not quant_q and dot_dtype == tl.bfloat16:
-        dot_dtype = tl.float32            # unquantised q must keep its precision against e4m3 keys
-    h_pad = triton.next_power_of_2(heads)
-    rows, rows_pad = _tile_rows(n, block_table.shape[0], h_pad)
-    if variant == "tma":
-        from k31c.lowering.triton import indexer_tma
-        if not indexer_tma.tma_supported(index_cache, d, block_size):
-            variant = "gather"
-    keys = block_size if variant == "tma" else (
-        keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP))
-    tiles = triton.cdiv(n, rows)
-    if splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
-        if variant == "tma":   # no rounding up: 3 x SMs programs (168 registers with q_rcp: one round)
-            target = (programs_per_sm or _TMA_PROGRAMS_PER_SM) * _sm_count(q.device) // tiles
-        else:
-            target = triton.cdiv((programs_per_sm or _PROGRAMS_PER_SM) * _sm_count(q.device), tiles)
-        splits = max(1, min(target, triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
-    if variant == "tma":
+    p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
+             index_cache.dtype, tma_ok=indexer_tma.tma_supported(index_cache, d, block_size),
+             keys_per_step=keys_per_step, splits=splits, quant_q=quant_q, exact_dot=exact_dot,
+             head_dot=head_dot, num_warps=num_warps, num_stages=num_stages, variant=variant,
+             hw_quant=hw_quant, programs_per_sm=programs_per_sm)
+    if p.variant == "tma":
         return indexer_tma.launch_indexer_tma(
             q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
-            rows=rows, rows_pad=rows_pad, splits=splits, quant_q=quant_q, dot_dtype=dot_dtype,
-            head_dot=head_dot, num_warps=num_warps, num_stages=num_stages, q_rcp=q_rcp, maxnreg=maxnreg)
-    if num_warps is None:
-        num_warps = 8 if rows_pad * h_pad > 128 else 4
-    out = max(16, rows_pad) if head_dot else rows_pad
-    head_dtype = tl.float32 if dot_dtype == tl.float32 else tl.bfloat16
+            rows=p.rows, rows_pad=p.rows_pad, splits=p.splits, quant_q=p.quant_q,
+            dot_dtype=p.dot_dtype, head_dot=p.head_dot, num_warps=p.num_warps,
+            num_stages=p.num_stages, q_rcp=q_rcp, maxnreg=maxnreg)
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
-    if fp8 and on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
+    if fp8 and p.on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
         index_cache = index_cache.view(torch.float8_e4m3fn)
-    grid = (tiles, splits)
-    _indexer_kernel[grid](
+    _indexer_kernel[(triton.cdiv(n, p.rows), p.splits)](
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
         index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
-        row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
-        ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK_SIZE=block_size, KEYS=keys, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
-        QUANT_Q=quant_q, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot, HEAD_DTYPE=head_dtype, OUT=out,
-        NUM_STAGES=num_stages, HW_CVT=bool(hw_quant and quant_q and on_gpu), num_warps=num_warps)
+        row_req, row_len, scores, n, block_table.shape[0], capacity, p.splits,
+        **p.gather_constexprs(block_size), num_warps=p.num_warps)
     return scores
 
 
-@register("k31c::lightning_indexer", ("h200", "mi350x"))
+@register(_OP, GPU_TARGETS)
 def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                       block_table: torch.Tensor, row_req: torch.Tensor,
                       row_len: torch.Tensor) -> torch.Tensor:
@@ -246,44 +280,26 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch
 
 
 def aot_specs(shapes) -> list:
-    """The launches of `lightning_indexer` on the GPU at `shapes` (lowering.aot.AotShapes), for
-    the ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
-    R rows per request; the constexprs as `launch_indexer` derives them with its defaults: the
-    tma kernel where `_default_variant` picks it (shapes.backend), else the gather kernel."""
-    from k31c.lowering.aot import kernel_spec
-    from k31c.lowering.triton import indexer_tma
+    """The launches of `lightning_indexer` on the GPU at `shapes` (aot_spec.AotShapes), for the
+    ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
+    R rows per request; constexprs from `plan` with the launcher's defaults: the tma kernel
+    where the target's default variant is tma, else the gather kernel."""
     cfg = shapes.cfg
     heads, d = cfg.index_n_heads, cfg.index_head_dim
-    h_pad = triton.next_power_of_2(heads)
-    tma = _default_variant(shapes.backend) == "tma"
     specs = []
     for fp8 in (True, False):
         cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
-        dot_dtype = tl.float8e4nv if fp8 else tl.bfloat16
         ptrs = dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32,
                     cache_f32_ptr=torch.float32 if fp8 else cache_dt, table_ptr=torch.int32,
                     row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32)
         tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
-            rows, rows_pad = _tile_rows(shapes.batch * r, shapes.batch, h_pad)
-            out = rows_pad                                           # head_dot off
-            warps = 8 if rows_pad * h_pad > 128 else 4
-            common = dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d,
-                          BLOCK_SIZE=shapes.block_size, TAIL=4096 // out, FP8_CACHE=fp8, QUANT_Q=fp8,
-                          DOT_DTYPE=dot_dtype, HEAD_DOT=False, HEAD_DTYPE=tl.bfloat16, OUT=out,
-                          NUM_STAGES=5)
-            if tma:      # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
-                # the [blocks, block_stride] cache viewed as [rows, D]; one box = one block's keys
-                stride = shapes.block_size * (d + 4 if fp8 else d)
-                desc = f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{shapes.block_size},{d}]>"
-                specs.append(kernel_spec(
-                    indexer_tma._indexer_tma_kernel, "k31c::lightning_indexer", f"{tag},R={r}",
-                    dict(common, ROWS_PER_BLOCK=stride // d, HW_CVT=True, Q_RCP=False),
-                    dict(ptrs, k_desc=desc), num_warps=warps))
+            p = plan(shapes.target, shapes.batch * r, heads, d, shapes.batch, shapes.context,
+                     shapes.block_size, torch.uint8 if fp8 else torch.bfloat16)
+            if p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
+                specs.append(indexer_tma.aot_spec(p, shapes.block_size, ptrs, f"{tag},R={r}", _OP))
             else:
-                specs.append(kernel_spec(
-                    _indexer_kernel, "k31c::lightning_indexer", f"{tag},R={r}",
-                    dict(common, D_PAD=max(16, triton.next_power_of_2(d)), KEYS=_GPU_KEYS_PER_STEP,
-                         HW_CVT=False),
-                    dict(ptrs, cache_ptr=cache_dt), num_warps=warps))
+                specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}",
+                                         p.gather_constexprs(shapes.block_size),
+                                         dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps))
     return specs

@@ -1,7 +1,7 @@
 """What both lightning-indexer kernels share (indexer.py gathers keys row by row; indexer_tma.py
 bulk-copies whole cache blocks): the hardware e4m3 quantisation of q, the query tile loaded once
-per program, and the scoring of one block of keys against it (ReLU, head weights, key scale,
-row-length mask, store). Inlined into each kernel by Triton."""
+per program, the tile's rows and requests, and the scoring of one block of keys against it (ReLU,
+head weights, key scale, row-length mask, store). Inlined into each kernel by Triton."""
 from __future__ import annotations
 
 import triton
@@ -16,10 +16,10 @@ def e4m3_hw(x, scale, RCP: tl.constexpr):
     conversion (cvt.rn.satfinite, nearest-even), as the reference quantises.
 
     RCP: the quotient as y0 = x · (1/scale) plus one FMA correction, y0 + (x - y0·scale)/scale,
-    instead of a division per element (each a branchy div.rn sequence: ~1000 instructions and
-    no overlap across a [128, 128] tile); it equalled x / scale on all of 0.5M random values
-    checked on the CPU. ptxas then wants 255 registers for the prologue, so the launcher caps
-    them (maxnreg 168: 3 programs per SM; a few hundred one-time spills in the prologue)."""
+    instead of a division per element (each a branchy div.rn sequence, no overlap across a
+    [128, 128] tile); the same values as x / scale (BENCHMARKS.md, indexer). ptxas then wants 255
+    registers for the prologue, so the launcher caps them (maxnreg 168: 3 programs per SM, a few
+    one-time spills in the prologue)."""
     if RCP:
         inv = tl.div_rn(1.0, scale)[:, None]
         y0 = x * inv
@@ -57,6 +57,19 @@ def query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_st
     else:
         q_t = tl.trans(q.to(DOT_DTYPE))
     return q_t, w
+
+
+@triton.jit
+def rows_of_tile(row_req_ptr, row_len_ptr, out_ptr, first_row, n_rows, capacity, ROWS: tl.constexpr,
+              OUT: tl.constexpr):
+    """The tile's rows (OUT slots, the first ROWS used): which exist, their requests, their
+    visible lengths (capped at the row capacity) and their score rows."""
+    r = tl.arange(0, OUT)
+    rows = first_row + r
+    row_ok = (r < ROWS) & (rows < n_rows)
+    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
+    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
+    return row_ok, req_of_row, len_of_row, out_ptr + rows.to(tl.int64) * capacity
 
 
 @triton.jit

@@ -16,33 +16,15 @@ one paged-cache block (BLOCK_SIZE keys, 64 on K3.1 Pro) instead of a gather of K
   values agree; the emulation and a division per element made the gather kernel's prologue
   ~6000 SASS instructions a thread (this one: ~2600), paid by every program.
 
-Estimate (H200, per 64-key block per SM, at ~17 B/cycle/SM of HBM): bytes 64·132 + 4 rows·64·4
-= 9.5 KB ≈ 550 cycles; FP8 MMA 64·128·128 MACs ≈ 256 cycles at 4096 MAC/cycle; issue 323 SASS
-instructions x 4 warps over 4 schedulers ≈ 323 cycles (the gather kernel: 745 per 128 keys at
-253 registers, 2 programs per SM; this one, built with q_rcp and its register cap, 168
-registers, 3 programs per SM; the q_rcp=False default takes 255, see below). Compiled for sm_90
-with Triton 3.7 on the CPU (SASS counted from cuobjdump); the H200 timings are below.
-
 Epilogue as in the gather kernel: ReLU, × w (q's scale folded in), sum over heads (or a second
 tl.dot, HEAD_DOT), × the key's fp32 scale (after the head sum: ReLU(s·x) = s·ReLU(x), s > 0),
 -inf past each row's length.
 
 Needs: D a power of two with D · elem_bytes a multiple of 16, BLOCK_SIZE a power of two <= 256,
-block_stride a multiple of D (the launcher falls back to the gather kernel otherwise).
-Status: the default of the registered `k31c::lightning_indexer` (indexer.py), with q_rcp=False.
-Measured 2026-11-29 on the H200 (`PYTHONPATH=. python benchmarks/try_indexer.py`, CUDA-graph
-replay, B16 x R4, 32 x 128 FP8 cache; floor = bytes over the measured copy bandwidth), us:
-
-    context   gather kernel    tma q_rcp   tma div_rn (q_rcp=False)   tma q_rcp stages=7
-    16K        30.5             31.9        27.4                       31.3
-    128K      137.3 (1.82x)    115.5       109.0 (1.45x)              114.1
-    1M        831.0 (1.38x)    799.2       779.4 (1.30x)              756.5 (1.26x)
-
-(128K also, with q_rcp: 8 warps 191, stages=4 160.5.) The stages columns ran with q_rcp: stages=7
-beats div_rn at 1M only, so the default stays 5 stages; div_rn with 7 stages is not yet timed.
-Without RCP the launcher sets no register cap: the sm_90a AOT build (fp8, R=4) then uses 255
-registers and 104 B of stack, so 2 programs fit an SM. Scores equalled the gather kernel's
-(max rel diff 0) and the reference op's to 3.1e-4. AOT: compiles for sm_90a and gfx950.
+block_stride a multiple of D (the launcher falls back to the gather kernel otherwise). Without
+q_rcp the launcher sets no register cap (sm_90a then gives 255 registers at R=4: 2 programs per
+SM). Compiles for sm_90a and gfx950 (gfx950 has no TMA unit: its descriptor loads become masked
+pointer loads). The estimate behind the design and the measured sweeps are in BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -50,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.lowering.triton.indexer_tile import fill_tail, head_weights, query_tile, score_keys
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
+                                               score_keys)
 
 
 @triton.jit
@@ -75,12 +59,8 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
     if HEAD_DOT:
         w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
 
-    r = tl.arange(0, OUT)
-    rows = first_row + r
-    row_ok = (r < ROWS) & (rows < n_rows)
-    req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
-    len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
-    out_row = out_ptr + rows.to(tl.int64) * capacity
+    row_ok, req_of_row, len_of_row, out_row = rows_of_tile(row_req_ptr, row_len_ptr, out_ptr,
+                                                           first_row, n_rows, capacity, ROWS, OUT)
     minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
     offs = tl.arange(0, BLOCK_SIZE)
 
@@ -149,23 +129,46 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
         rows_per_block = index_cache.stride(0) // d          # = block_size for [blocks, bs, d]
     total_rows = index_cache.shape[0] * rows_per_block
     k_desc = TensorDescriptor(base, [total_rows, d], [d, 1], [block_size, d])
-    out = max(16, rows_pad) if head_dot else rows_pad
-    head_dtype = tl.float32 if dot_dtype == tl.float32 else tl.bfloat16
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
-    m = rows_pad * h_pad
-    if num_warps is None:
-        num_warps = 8 if m > 128 else 4        # [BLOCK_SIZE, m] fp32 accumulator in registers
+    num_warps = _num_warps(rows_pad, h_pad, num_warps)
     extra = {}
     if maxnreg is None:
-        maxnreg = 168 if (q_rcp and quant_q and num_warps == 4 and m <= 128) else 0
+        maxnreg = 168 if (q_rcp and quant_q and num_warps == 4 and rows_pad * h_pad <= 128) else 0
     if on_gpu and maxnreg:
         extra["maxnreg"] = maxnreg
     _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
         k_desc, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
         row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
-        ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, BLOCK_SIZE=block_size,
-        ROWS_PER_BLOCK=rows_per_block, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
-        QUANT_Q=quant_q, HW_CVT=on_gpu, Q_RCP=q_rcp, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot,
-        HEAD_DTYPE=head_dtype, OUT=out, NUM_STAGES=num_stages, num_warps=num_warps, **extra)
+        **_constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8,
+                      quant_q, q_rcp, dot_dtype, head_dot, num_stages),
+        num_warps=num_warps, **extra)
     return scores
+
+
+def _num_warps(rows_pad: int, h_pad: int, num_warps: int | None) -> int:
+    if num_warps is None:      # [BLOCK_SIZE, rows_pad * h_pad] fp32 accumulator in registers
+        return 8 if rows_pad * h_pad > 128 else 4
+    return num_warps
+
+
+def _constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8, quant_q,
+                q_rcp, dot_dtype, head_dot, num_stages) -> dict:
+    out = max(16, rows_pad) if head_dot else rows_pad
+    return dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, BLOCK_SIZE=block_size,
+                ROWS_PER_BLOCK=rows_per_block, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
+                QUANT_Q=quant_q, HW_CVT=on_gpu, Q_RCP=q_rcp, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot,
+                HEAD_DTYPE=tl.float32 if dot_dtype == tl.float32 else tl.bfloat16, OUT=out,
+                NUM_STAGES=num_stages)
+
+
+def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str):
+    """The AOT build of the launch `indexer.plan` describes (p, an IndexerPlan for the GPU) with
+    q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys."""
+    stride = block_size * (p.d + 4 if p.fp8 else p.d)
+    desc = f"tensordesc<{'fp8e4nv' if p.fp8 else 'bf16'}[{block_size},{p.d}]>"
+    return kernel_spec(
+        _indexer_tma_kernel, op, variant,
+        _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
+                    p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages),
+        dict(ptrs, k_desc=desc), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps))

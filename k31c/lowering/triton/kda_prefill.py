@@ -20,21 +20,26 @@ Two launches (three when the state pass splits V):
 
 Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
 requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
+`plan` picks the launch configuration once; the launcher and `aot_specs` both read it.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ...graph.ops.kda import L2_NORM_EPS, _check_prefill
-from ..registry import register
-from .dot_precision import dot_precision
-from .kda_decode import check_kda_layout, conv_silu_rows, kda_gate_math, row_of, window_rows
-from .unit_stride import require_unit_stride
+from k31c.graph.ops.kda import check_prefill
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.registry import register
+from k31c.lowering.targets import GPU_TARGETS, Target
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, kda_gate_math,
+                                             row_of, window_rows)
+from k31c.lowering.triton.unit_stride import require_unit_stride
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
-_L2_EPS = tl.constexpr(L2_NORM_EPS)
 _SAFE_EXPONENT = 60.0                     # exp(±60) stays well inside fp32/bf16 range
 
 
@@ -102,8 +107,8 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
                                P, W)
             v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
                                True, P, W)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + _L2_EPS)[:, None] * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + _L2_EPS)[:, None]
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
             f = tl.load(f_ptr + tb * P + (rows[:, None] * P + ch[None, :]), mask=rv[:, None],
                         other=0.0)
             g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,
@@ -285,7 +290,50 @@ def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 
-@register("k31c::kda_prefill", ("h200", "mi350x"))
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The launch configuration of one `kda_prefill` call shape."""
+    B: int                   # requests
+    C: int                   # chunk size
+    K: int                   # head dim (= V)
+    W: int                   # conv kernel width
+    lower_bound: float | None
+    scratch: torch.dtype     # bf16 inputs: bf16 scratch and MMAs (as fla); else fp32, exact products
+    precision: str           # tl.dot input_precision
+    block_v: int             # value channels per state program (< K: a norm launch follows)
+    chunk_warps: int = 4
+    state_warps: int = 8
+    state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
+
+    def chunk_constexprs(self) -> dict:
+        lb = self.lower_bound
+        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
+                    HAS_LOWER_BOUND=lb is not None,
+                    SAFE_DIAG=lb is not None and -lb * (BC // 2) <= _SAFE_EXPONENT,
+                    PREC=self.precision)
+
+    def state_constexprs(self) -> dict:
+        return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
+                    WB=triton.next_power_of_2(max(self.W - 1, 1)),
+                    BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
+
+
+def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
+         lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
+         block_v: int | None = None, state_stages: int = 1) -> PrefillPlan:
+    C = chunk_size
+    if C < BC or C & (C - 1):
+        raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
+    BV = min(block_v or K, K)
+    if BV < 16 or BV & (BV - 1):
+        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    return PrefillPlan(B, C, K, W, lower_bound, scratch,
+                       target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
+                       state_warps, state_stages)
+
+
+@register("k31c::kda_prefill", GPU_TARGETS)
 def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                 beta: torch.Tensor, gate: torch.Tensor, conv_weight: torch.Tensor,
                 A_log: torch.Tensor, dt_bias: torch.Tensor, o_norm_weight: torch.Tensor,
@@ -303,45 +351,34 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        state_stages: int = 1) -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch."""
-    T, H, K, W = _check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
-                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
+    T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                               conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
-    C = chunk_size
-    if C < BC or C & (C - 1):
-        raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
     B = slots.shape[0]
+    p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
+             state_warps, block_v, state_stages)
+    C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
         t.contiguous() for t in (conv_weight, A_log, dt_bias, o_norm_weight))
-    # bf16 inputs: bf16 MMAs (as fla); fp32/fp16 inputs: fp32 scratch and exact fp32 products
-    dt = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    prec = dot_precision(fast=dt == torch.bfloat16)
     n_chunks_max = (T + B * (C - 1)) // C               # Σ ceil(len_b / C) over any split of T
     NB = C // BC
     qg, kg, w, u = (torch.empty(T, H, K, device=q.device, dtype=dt) for _ in range(4))
     aqk = torch.empty(T, H, C, device=q.device, dtype=dt)
     ge = torch.empty(n_chunks_max, NB, H, K, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    BP = triton.next_power_of_2(B + 1)
-    safe_diag = lower_bound is not None and -lower_bound * (BC // 2) <= _SAFE_EXPONENT
     lb = 0.0 if lower_bound is None else float(lower_bound)
     if n_chunks_max > 0:
         _kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
-            qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5,
-            C=C, BC=BC, K=K, W=W, BP=BP, HAS_LOWER_BOUND=lower_bound is not None,
-            SAFE_DIAG=safe_diag, PREC=prec, num_warps=chunk_warps)
-    BV = min(block_v or K, K)
-    if BV < 16 or BV & (BV - 1):
-        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+            qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
+            num_warps=p.chunk_warps)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
-    # one software-pipeline stage by default: pipelining 5 chunk tiles at BV = K overflows smem
     _kda_state_kernel[(B, H, K // BV)](
         qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
-        conv_state, recurrent, slots, cu_seqlens, B, H, float(eps),
-        C=C, BC=BC, K=K, BV=BV, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=BP, PREC=prec,
-        num_warps=state_warps, num_stages=state_stages)
+        conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
+        num_warps=p.state_warps, num_stages=p.state_stages)
     if BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
                                                     float(eps), K=K, BT=16, num_warps=4)
@@ -349,31 +386,25 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
 
 
 def aot_specs(shapes) -> list:
-    """The launches of `kda_prefill` at `shapes` (lowering.aot.AotShapes), for the ahead-of-time
-    build: the chunk pass and the state pass with `launch_kda_prefill`'s defaults (V not split,
-    so no norm launch); dtypes as the KDA block passes them."""
-    from k31c.lowering.aot import kernel_spec
+    """The launches of `kda_prefill` at `shapes` (aot_spec.AotShapes), for the ahead-of-time
+    build: the chunk pass and the state pass from `plan`'s defaults (V not split, so no norm
+    launch); dtypes as the KDA block passes them."""
     cfg = shapes.cfg
-    dt, f32 = cfg.torch_dtype, torch.float32
-    C, K, W, B = cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size, shapes.prefill_requests
-    scratch = torch.bfloat16 if dt == torch.bfloat16 else torch.float32
-    prec = dot_precision(scratch == torch.bfloat16, shapes.backend)
-    lb = cfg.gate_lower_bound
-    bp = triton.next_power_of_2(B + 1)
+    dt, f32, B = cfg.torch_dtype, torch.float32, shapes.prefill_requests
+    p = plan(shapes.target, B, cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size,
+             dt, cfg.gate_lower_bound)
+    scratch = p.scratch
     chunk = kernel_spec(
-        _kda_chunk_kernel, "k31c::kda_prefill", f"B={B}",
-        dict(C=C, BC=BC, K=K, W=W, BP=bp, HAS_LOWER_BOUND=lb is not None,
-             SAFE_DIAG=lb is not None and -lb * (BC // 2) <= _SAFE_EXPONENT, PREC=prec),
+        _kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
         dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32, a_log_ptr=f32,
              dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64, cu_ptr=torch.int32, qg_ptr=scratch,
              kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              lower_bound="fp32", scale="fp32"),
-        num_warps=4)
+        num_warps=p.chunk_warps)
     state = kernel_spec(
-        _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={K}",
-        dict(C=C, BC=BC, K=K, BV=K, W=W, WB=triton.next_power_of_2(max(W - 1, 1)), BP=bp, PREC=prec),
+        _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
              conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
-        num_warps=8, num_stages=1)
+        num_warps=p.state_warps, num_stages=p.state_stages)
     return [chunk, state]

@@ -1,66 +1,40 @@
-"""One-pass Triton kernels for `k31c::dense_mla` and `k31c::sparse_mla` (absorbed-form MLA decode,
-spec/model.md §5.4, §6.3). The dense launcher is registered for h200 and mi350x; the sparse one is
-not (the two-pass kernel, mla_two_pass.py, measured faster) and stays for comparison.
+"""One-pass Triton kernel for `k31c::dense_mla` (absorbed-form MLA decode, spec/model.md §5.4,
+§6.3), registered for every GPU target; its sparse mode (keys from index lists) is a comparison
+for the registered two-pass sparse kernel (mla_two_pass.py), launched by the benchmarks.
 
 One program owns (query row t, a tile of heads, a split of the keys). Per step it gathers BN latent
 rows of row t's request ONCE into shared memory and uses them for every head of its tile: as keys
 (all Dl columns) and, the first dv columns, as values (MQA: heads share the row). Softmax is online
-in fp32 (log2 domain). Keys are positions `indices[t, j]` (sparse; -1 = empty) or `0..row_len[t]-1`
-(dense); a position p of request b lives in slot `block_table[b, p // bs] * bs + p % bs`.
+in fp32 (log2 domain). Keys are positions `0..row_len[t]-1` (dense) or `indices[t, j]` (sparse;
+-1 = empty); a position p of request b lives in slot `block_table[b, p // bs] * bs + p % bs`.
 
-Heads are tiled without padding to a power of two above Hq: 96 heads run as one 64-head tile
-(MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same launch (head tiles
-vary fastest in the grid) so the programs that share a row's gathers run side by side and the
-second read hits L2. When rows x head tiles cannot fill the GPU the keys are split
+Heads are tiled without padding to a power of two above Hq (mla_common.head_tiles): 96 heads run
+as one 64-head tile (MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same
+launch (head tiles vary fastest in the grid) so the programs that share a row's gathers run side
+by side and the second read hits L2. When rows x head tiles cannot fill the GPU the keys are split
 (flash-decoding): each split writes its normalised partial output and LSE, and a small kernel
 merges them by LSE. Sparse index lists are first resolved to physical slots by a small kernel,
 so the attention loop has one level of indirection, which Triton's pipeliner can run ahead.
 
-Where it stands (H200, B16 x R4, 96 heads, k = 2048): ~0.30-0.44 ms, 8-12x the bf16 compute
-floor; dense ~5.8x. One 184 KB / 255-register program per SM leaves nothing to hide the gather
-latency behind, and Triton's pipeliner issues each gather after the previous block's math
-(`python benchmarks/bench_mla.py --sweep` prints registers, spills and shared memory per launch
-config). A warp-specialised producer/consumer kernel is the next step.
-
-Tried and measured on the H200 (sweep at 128K, 2026-11-29, default 307 us): value columns split
-over two programs (half the accumulator each: 357-483 us), slot loads left to Triton's pipeliner
-(387 us), 32-head tiles with 4 warps (496-576 us), 64-key blocks (346 us). None beat the default;
-the limit is the serial QK -> softmax -> PV chain of one program per SM, not registers.
+One program per SM holds a [heads, 512] fp32 accumulator, and the QK -> softmax -> PV chain of
+each step runs serially in it: that chain, not registers, is what bounds this kernel
+(BENCHMARKS.md, MLA).
 
 Everything the kernels read about lengths, slots and indices is a device tensor and the grid is a
-function of static shapes only, so the launchers are CUDA-graph safe (no host sync).
+function of static shapes only, so the launcher is CUDA-graph safe (no host sync). `plan` picks
+the launch configuration; the launcher and `aot_specs` both read it.
 """
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ..registry import register
-from .dot_precision import dot_precision
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_CACHE_DTYPES = _FLOATS + (torch.float8_e4m3fn,)   # FP8 latent rows are upcast on load (no scale)
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _slots_kernel(idx_ptr, bt_ptr, row_req_ptr, slots_ptr, n_keys, stride_in, stride_btb,
-                  stride_sn, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """Physical slot of every selected position (-1 stays -1): the sparse index lists resolved
-    once, so the attention loop has a single level of indirection to pipeline."""
-    t = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < n_keys
-    pos = tl.load(idx_ptr + t.to(tl.int64) * stride_in + offs, mask=in_range, other=-1)
-    b = tl.load(row_req_ptr + t)
-    blk = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + tl.maximum(pos, 0) // BLOCK_SIZE,
-                  mask=pos >= 0, other=0)
-    slot = tl.where(pos >= 0, blk * BLOCK_SIZE + tl.maximum(pos, 0) % BLOCK_SIZE, -1)
-    tl.store(slots_ptr + t.to(tl.int64) * stride_sn + offs, slot, mask=in_range)
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.registry import register
+from k31c.lowering.targets import GPU_TARGETS, Target
+from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, head_tiles, resolve_slots
 
 
 @triton.jit
@@ -215,31 +189,16 @@ def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_h
     tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
 
 
-# ---- launch planning -----------------------------------------------------------------------------
+# ---- launch plan ------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _head_tiles(n_heads: int, big: int, min_tile: int) -> tuple[int, int, int]:
-    """(BIG_HT, N_BIG, SMALL_HT): full tiles of `big` heads, then one power-of-two tile for the rest
-    (96 = 64 + 32: no head is padded unless the rest is not a power of two)."""
-    n_big = n_heads // big
-    rest = n_heads - n_big * big
-    small = max(min_tile, triton.next_power_of_2(rest)) if rest else big
-    if n_big == 0:   # fewer heads than one big tile: a single small tile
-        return small, 1, small
-    return big, n_big, small
-
-
-def _plan(q: torch.Tensor, n_work_keys: int, dense: bool, config: dict | None) -> dict:
+def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int, dense: bool,
+         config: dict | None = None, small: bool | None = None) -> dict:
+    """Tiles, warps, stages and key splits; `config` overrides any of them (tuning, tests).
+    small: the interpreter's small tiles (None: when interpreting or off the GPU)."""
     cfg = dict(config or {})
-    if _interpreted() or q.device.type != "cuda":
+    if small is None:
+        small = interpreting() or target.device != "cuda"
+    if small:
         cfg.setdefault("big_ht", 16)
         cfg.setdefault("bn", 16)
         cfg.setdefault("num_warps", 4)
@@ -250,13 +209,13 @@ def _plan(q: torch.Tensor, n_work_keys: int, dense: bool, config: dict | None) -
     cfg.setdefault("bn", 32)
     cfg.setdefault("num_warps", 8)
     cfg.setdefault("num_stages", 3)     # row gathers issued two blocks ahead of their math
-    big, n_big, small = _head_tiles(q.shape[1], cfg["big_ht"], cfg["min_tile"])
-    n_tiles = n_big + (1 if q.shape[1] > n_big * big else 0)
-    cfg.update(big=big, n_big=n_big, small=small, n_tiles=n_tiles)
+    big, n_big, small_ht = head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
+    n_tiles = n_big + (1 if n_heads > n_big * big else 0)
+    cfg.update(big=big, n_big=n_big, small=small_ht, n_tiles=n_tiles)
     if "splits" not in cfg:
         # enough programs for a few waves; never a split shorter than a few key blocks
-        sms = 1 if q.device.type != "cuda" else _num_sms(q.device.index or 0)
-        programs = max(1, q.shape[0] * n_tiles)
+        sms = target.sm_count
+        programs = max(1, n_rows * n_tiles)
         # dense: ~4 waves (long rows); sparse: one wave, split only when rows x tiles are few
         want = -(-(4 * sms) // programs) if dense else max(1, round(sms / programs))
         most = max(1, n_work_keys // (4 * cfg["bn"]))
@@ -264,14 +223,27 @@ def _plan(q: torch.Tensor, n_work_keys: int, dense: bool, config: dict | None) -
     return cfg
 
 
-def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv, config=None,
-            stats: dict | None = None):
-    """Both ops. `config` overrides the launch plan (tuning, tests); `stats`, when given, receives
-    the compiled kernel's registers / spills / shared memory (GPU only)."""
+def _constexprs(cfg: dict, dv: int, width: int, block_size: int, dense: bool, final: bool,
+                precision: str) -> dict:
+    return dict(DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),  # tl.dot: K >= 16
+                BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=block_size,
+                BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=cfg["bn"],
+                DENSE=dense, FINAL=final, PRECISION=precision)
+
+
+_MERGE_HEADS = 8        # heads per merge program
+
+
+def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv, config=None,
+           stats: dict | None = None):
+    """The one-pass kernel over all keys below row_len (indices None) or over the listed keys
+    (row_len None), on checked arguments. `config` overrides the launch plan (tuning, tests);
+    `stats`, when given, receives the compiled kernel's registers / spills / shared memory (GPU
+    only)."""
     n, n_heads, width = q.shape
     dense = indices is None
     n_keys = block_table.shape[1] * latent_cache.shape[1] if dense else indices.shape[1]
-    cfg = _plan(q, n_keys, dense, config)
+    cfg = plan(target_of(q.device), n, n_heads, n_keys, dense, config)
     splits = cfg["splits"]
     bn = cfg["bn"]
     keys_per_split = -(-(-(-n_keys // splits)) // bn) * bn
@@ -288,118 +260,62 @@ def _launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, d
     if dense:
         idx = row_req                                          # unused pointer in dense mode
     else:
-        idx = torch.empty_like(indices)                        # slots, -1 = empty
-        slot_block = 256
-        _slots_kernel[(n, triton.cdiv(n_keys, slot_block))](
-            indices, block_table, row_req, idx, n_keys, indices.stride(0), block_table.stride(0),
-            idx.stride(0), BLOCK_SIZE=latent_cache.shape[1], BLOCK=slot_block, num_warps=4)
+        idx = resolve_slots(indices, block_table, row_req, latent_cache.shape[1])  # -1 = empty
     lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
-    precision = dot_precision(fast=q.dtype != torch.float32)
+    precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
     compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
         q, latent_cache, block_table, row_req, idx, lens, part, part_lse,
-        n_heads, n_keys, keys_per_split, float(sm_scale) * _LOG2E,
+        n_heads, n_keys, keys_per_split, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         block_table.stride(0), idx.stride(0),
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),    # tl.dot: K >= 16
-        BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=latent_cache.shape[1],
-        BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=bn, DENSE=dense,
-        FINAL=final, PRECISION=precision,
+        **_constexprs(cfg, dv, width, latent_cache.shape[1], dense, final, precision),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if stats is not None and compiled is not None:
         stats.update(cfg, regs=getattr(compiled, "n_regs", None),
                      spills=getattr(compiled, "n_spills", None),
                      shared=getattr(compiled.metadata, "shared", None))
     if not final:
-        hb = 8
-        _merge_splits_kernel[(n, triton.cdiv(n_heads, hb))](
+        _merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=hb, num_warps=4)
+            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4)
     return out, lse
 
 
-# ---- argument checks (shapes and dtypes only: nothing here reads device memory) -----------------
-
-def _check(q, latent_cache, block_table, row_req, dv, keys, keys_name) -> None:
-    if q.dim() != 3 or q.dtype not in _FLOATS or q.stride(2) != 1:
-        raise ValueError(f"q: expected a float [N, Hq, Dl] tensor with unit last stride, got "
-                         f"{q.dtype} {tuple(q.shape)} strides {q.stride()}")
-    if (latent_cache.dim() != 3 or latent_cache.dtype not in _CACHE_DTYPES
-            or latent_cache.stride(2) != 1):
-        raise ValueError(f"latent_cache: expected [num_blocks, block_size, Dl] (float or fp8 e4m3) "
-                         f"with unit last stride, got {latent_cache.dtype} {tuple(latent_cache.shape)}")
-    if latent_cache.shape[2] != q.shape[2]:
-        raise ValueError(f"q is {q.shape[2]} wide but latent_cache rows are "
-                         f"{latent_cache.shape[2]} wide")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
-        raise ValueError(f"block_table: expected contiguous-row int32 [B, max_blocks], got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}")
-    n = q.shape[0]
-    if row_req.dtype != torch.int32 or tuple(row_req.shape) != (n,) or not row_req.is_contiguous():
-        raise ValueError(f"row_req: expected contiguous int32 [{n}], got {row_req.dtype} "
-                         f"{tuple(row_req.shape)}")
-    if not isinstance(dv, int) or not 0 < dv <= q.shape[2]:
-        raise ValueError(f"dv must be an integer in 1..{q.shape[2]} (the row width), got {dv!r}")
-    if keys.dtype != torch.int32 or keys.shape[0] != n or keys.stride(-1) != 1:
-        raise ValueError(f"{keys_name}: expected int32 with {n} rows and unit last stride, got "
-                         f"{keys.dtype} {tuple(keys.shape)}")
-    devices = {t.device for t in (q, latent_cache, block_table, row_req, keys)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
-               row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-pass sparse kernel. Not registered: the two-pass kernel (mla_two_pass.py) measured
-    faster on the H200 and is `k31c::sparse_mla` for h200 and mi350x; this one stays as the
-    benchmark's comparison and the dense kernel's sparse twin."""
-    _check(q, latent_cache, block_table, row_req, dv, indices, "indices")
-    if indices.dim() != 2:
-        raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
-    return _launch(q, latent_cache, block_table, row_req, indices, None, sm_scale, dv)
-
-
-@register("k31c::dense_mla", ("h200", "mi350x"))
+@register("k31c::dense_mla", GPU_TARGETS)
 def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(q, latent_cache, block_table, row_req, dv, row_len, "row_len")
+    check_mla_args(q, latent_cache, block_table, row_req, dv, row_len, "row_len")
     if row_len.dim() != 1:
         raise ValueError(f"row_len: expected int32 [N], got {tuple(row_len.shape)}")
-    return _launch(q, latent_cache, block_table, row_req, None, row_len, sm_scale, dv)
+    return launch(q, latent_cache, block_table, row_req, None, row_len, sm_scale, dv)
 
 
 def aot_specs(shapes) -> list:
-    """The launches of the dense launcher on the GPU at `shapes` (lowering.aot.AotShapes), for the
+    """The launches of the dense launcher on the GPU at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build, with one split (FINAL: output written directly) and with several
-    (partials + merge); tiles from `_plan`'s GPU defaults. (Sparse: mla_two_pass.aot_specs.)"""
-    from types import SimpleNamespace
-
-    from k31c.lowering.aot import kernel_spec
+    (partials + merge); tiles from `plan`'s GPU defaults. (Sparse: mla_two_pass.aot_specs.)"""
     cfg = shapes.cfg
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
     n = shapes.batch * max(shapes.rows_per_request)
-    q = SimpleNamespace(device=torch.device("cuda"), shape=(n, heads, width))   # a GPU q, for _plan
-    block_v = max(16, triton.next_power_of_2(dv))
+    precision = shapes.target.dot_precision(dt != torch.float32)
     specs = []
     op = "k31c::dense_mla"
     for splits in (1, 2):
-        cfg_ = _plan(q, 0, True, {"splits": splits})
+        cfg_ = plan(shapes.target, n, heads, 0, True, {"splits": splits}, small=False)
         final = splits == 1
         specs.append(kernel_spec(
             _mla_kernel, op, f"dense,{'final' if final else 'split'}",
-            dict(DV=dv, DR=width - dv, BLOCK_V=block_v,
-                 BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=shapes.block_size,
-                 BIG_HT=cfg_["big"], N_BIG=cfg_["n_big"], SMALL_HT=cfg_["small"], BN=cfg_["bn"],
-                 DENSE=True, FINAL=final,
-                 PRECISION=dot_precision(dt != torch.float32, shapes.backend)),
+            _constexprs(cfg_, dv, width, shapes.block_size, True, final, precision),
             dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
             num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
-    specs.append(kernel_spec(_merge_splits_kernel, op, "merge", dict(DV=dv, BLOCK_V=block_v, HB=8),
+    block_v = max(16, triton.next_power_of_2(dv))
+    specs.append(kernel_spec(_merge_splits_kernel, op, "merge",
+                             dict(DV=dv, BLOCK_V=block_v, HB=_MERGE_HEADS),
                              dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
     return specs

@@ -16,13 +16,10 @@ Only the selected rows are read (twice: as keys, then as values); p is BF16 like
 flash-attention kernel, so the result matches the one-pass kernel to bf16 rounding. Empty slots
 (-1) get probability 0; a row without any key gives out = 0 and lse = +inf (the reference's rule).
 
-Where it stands (H200, B16 x R4, 96 heads, k = 2048, 2026-11-29): 149-170 us under CUDA-graph
-replay from 16K to 1M (4.3-4.9x the bf16 compute floor of 34.7 us; BENCHMARKS.md, whole-layer
-table), 0.25-0.34 ms by direct call, where the one-pass kernel takes 0.30-0.42 ms. Launch-config
-sweep at 128K (`python benchmarks/bench_mla.py --sweep`, direct calls): 128 value columns a
-program 267 us, 256 columns with 8 warps 238 us, 4 scores stages 248 us, 64-key score blocks
-283 us, 32-head tiles 395 us. Both passes gather the selected rows from HBM (2 x 151 MB of
-random 1152-byte rows), which is what keeps it above the compute floor.
+Both passes gather the selected rows from HBM, which is what keeps it above the compute floor
+(BENCHMARKS.md, MLA). `plan` picks the launch configuration; the launcher and `aot_specs` both
+read it. `scores_pass` and `values_pass` are the two launches (the benchmarks time the first
+alone).
 """
 from __future__ import annotations
 
@@ -30,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import register
-from .dot_precision import dot_precision
-from .mla import _check, _head_tiles, _interpreted, _slots_kernel
-
-_LOG2E = 1.4426950408889634
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.registry import register
+from k31c.lowering.targets import GPU_TARGETS
+from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, head_tiles, resolve_slots, slots_spec
 
 
 @triton.jit
@@ -166,10 +163,11 @@ def _values_kernel(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, 
                     stride_on, stride_oh, DV, DVC, BK, BK2, BLOCK_SIZE, SMALL_HT, PRECISION)
 
 
-def _plan(config: dict | None, small: bool | None = None) -> dict:
-    """Launch plan: GPU tiles, or small ones under the interpreter (`small` None: by the env)."""
+def plan(n_heads: int, config: dict | None = None, small: bool | None = None) -> dict:
+    """Launch plan: GPU tiles, or small ones under the interpreter (`small` None: by the env);
+    `config` overrides any of them (tuning, tests)."""
     cfg = dict(config or {})
-    small = _interpreted() if small is None else small
+    small = interpreting() if small is None else small
     cfg.setdefault("big_ht", 16 if small else 64)
     cfg.setdefault("min_tile", 1 if small else 16)      # tl.dot needs >= 16 on the GPU
     cfg.setdefault("bk", 16 if small else 128)           # keys per scores program
@@ -182,86 +180,101 @@ def _plan(config: dict | None, small: bool | None = None) -> dict:
     cfg.setdefault("stages_values", 1 if small else 3)
     if cfg["bk"] % cfg["bk2"]:
         raise ValueError(f"config: bk2={cfg['bk2']} must divide bk={cfg['bk']}")
+    big, n_big, small_ht = head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
+    cfg.update(big=big, n_big=n_big, small=small_ht,
+               n_tiles=n_big + (1 if n_heads > n_big * big else 0))
     return cfg
 
 
-@register("k31c::sparse_mla", ("h200", "mi350x"))
+def _tiles(cfg: dict, block_size: int, precision: str) -> dict:
+    return dict(BLOCK_SIZE=block_size, BIG_HT=cfg["big"], N_BIG=cfg["n_big"],
+                SMALL_HT=cfg["small"], PRECISION=precision)
+
+
+@register("k31c::sparse_mla", GPU_TARGETS)
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     return launch(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
 
 
+def check_sparse(q, latent_cache, block_table, row_req, indices, dv) -> None:
+    check_mla_args(q, latent_cache, block_table, row_req, dv, indices, "indices")
+    if indices.dim() != 2:
+        raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
+
+
 def launch(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
            row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float, dv: int,
            config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`k31c::sparse_mla`; `config` overrides the launch plan (tuning, tests)."""
-    _check(q, latent_cache, block_table, row_req, dv, indices, "indices")
-    if indices.dim() != 2:
-        raise ValueError(f"indices: expected int32 [N, k], got {tuple(indices.shape)}")
-    n, n_heads, width = q.shape
-    n_keys = indices.shape[1]
+    check_sparse(q, latent_cache, block_table, row_req, indices, dv)
+    n, n_heads, _ = q.shape
     out = q.new_empty((n, n_heads, dv))
     lse = q.new_empty((n, n_heads), dtype=torch.float32)
     if n == 0 or n_heads == 0:
         return out, lse
-    if n_keys == 0:
+    if indices.shape[1] == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    cfg = _plan(config)
-    big, n_big, small = _head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
-    n_tiles = n_big + (1 if n_heads > n_big * big else 0)
+    cfg = plan(n_heads, config)
+    scores = scores_pass(cfg, q, latent_cache, block_table, row_req, indices, sm_scale)
+    values_pass(cfg, scores, latent_cache, out, lse, dv)
+    return out, lse
+
+
+def scores_pass(cfg: dict, q, latent_cache, block_table, row_req, indices, sm_scale) -> tuple:
+    """The first launch (after the slots): p = exp2(S - m_blk) [row, key, head] and the per-block
+    max and sum; returns (slots, p, m_blk, l_blk, precision) for `values_pass`."""
+    n, n_heads, width = q.shape
+    n_keys = indices.shape[1]
     bs = latent_cache.shape[1]
-    slots = torch.empty_like(indices)
-    _slots_kernel[(n, triton.cdiv(n_keys, 256))](
-        indices, block_table, row_req, slots, n_keys, indices.stride(0), block_table.stride(0),
-        slots.stride(0), BLOCK_SIZE=bs, BLOCK=256, num_warps=4)
+    slots = resolve_slots(indices, block_table, row_req, bs)
     n_blocks = triton.cdiv(n_keys, cfg["bk"])
     p = q.new_empty((n, n_keys, n_heads))                       # exp2(s - m_blk), [row, key, head]
     m_blk = q.new_empty((n, n_blocks, n_heads), dtype=torch.float32)
     l_blk = torch.empty_like(m_blk)
-    precision = dot_precision(fast=q.dtype != torch.float32)
-    _scores_kernel[(n_tiles, n_blocks, n)](
-        q, latent_cache, slots, p, m_blk, l_blk, n_heads, n_keys, float(sm_scale) * _LOG2E,
+    precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
+    _scores_kernel[(cfg["n_tiles"], n_blocks, n)](
+        q, latent_cache, slots, p, m_blk, l_blk, n_heads, n_keys, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), slots.stride(0),
         p.stride(0), p.stride(1), m_blk.stride(0), m_blk.stride(1),
-        WIDTH=width, BD=cfg["bd"], BK=cfg["bk"], BLOCK_SIZE=bs, BIG_HT=big, N_BIG=n_big,
-        SMALL_HT=small, PRECISION=precision,
+        WIDTH=width, BD=cfg["bd"], BK=cfg["bk"], **_tiles(cfg, bs, precision),
         num_warps=cfg["warps_scores"], num_stages=cfg["stages_scores"])
-    if cfg.get("scores_only"):      # benchmarks: time the first pass alone
-        return out, lse
-    _values_kernel[(n_tiles, triton.cdiv(dv, cfg["dvc"]), n)](
-        latent_cache, slots, p, m_blk, l_blk, out, lse, n_heads, n_keys, n_blocks,
+    return slots, p, m_blk, l_blk, precision
+
+
+def values_pass(cfg: dict, scores: tuple, latent_cache, out, lse, dv: int) -> None:
+    """The second launch: O = V^T p merged over the key blocks, O / l and the LSE into out, lse."""
+    slots, p, m_blk, l_blk, precision = scores
+    n, n_keys, n_heads = p.shape
+    _values_kernel[(cfg["n_tiles"], triton.cdiv(dv, cfg["dvc"]), n)](
+        latent_cache, slots, p, m_blk, l_blk, out, lse, n_heads, n_keys, m_blk.shape[1],
         latent_cache.stride(0), latent_cache.stride(1), slots.stride(0), p.stride(0), p.stride(1),
         m_blk.stride(0), m_blk.stride(1), out.stride(0), out.stride(1),
-        DV=dv, DVC=cfg["dvc"], BK=cfg["bk"], BK2=cfg["bk2"], BLOCK_SIZE=bs, BIG_HT=big,
-        N_BIG=n_big, SMALL_HT=small, PRECISION=precision,
+        DV=dv, DVC=cfg["dvc"], BK=cfg["bk"], BK2=cfg["bk2"],
+        **_tiles(cfg, latent_cache.shape[1], precision),
         num_warps=cfg["warps_values"], num_stages=cfg["stages_values"])
-    return out, lse
 
 
 def aot_specs(shapes) -> list:
-    """The three launches (slots, scores, values) at `shapes` (lowering.aot.AotShapes) with the GPU
-    defaults of `_plan`, for the ahead-of-time build."""
-    from k31c.lowering.aot import kernel_spec
+    """The three launches (slots, scores, values) at `shapes` (aot_spec.AotShapes) with `plan`'s
+    GPU defaults, for the ahead-of-time build."""
     cfg = shapes.cfg
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
-    plan = _plan(None, small=False)
-    big, n_big, small = _head_tiles(heads, plan["big_ht"], plan["min_tile"])
+    p = plan(heads, None, small=False)
     op = "k31c::sparse_mla"
-    tiles = dict(BLOCK_SIZE=shapes.block_size, BIG_HT=big, N_BIG=n_big, SMALL_HT=small,
-                 PRECISION=dot_precision(dt != torch.float32, shapes.backend))
+    tiles = _tiles(p, shapes.block_size, shapes.target.dot_precision(dt != torch.float32))
     return [
-        kernel_spec(_slots_kernel, op, "slots", dict(BLOCK_SIZE=shapes.block_size, BLOCK=256),
-                    dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32)),
+        slots_spec(shapes, op),
         kernel_spec(_scores_kernel, op, "scores",
-                    dict(WIDTH=width, BD=plan["bd"], BK=plan["bk"], **tiles),
+                    dict(WIDTH=width, BD=p["bd"], BK=p["bk"], **tiles),
                     dict(q_ptr=dt, cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
                          scale_log2="fp32"),
-                    num_warps=plan["warps_scores"], num_stages=plan["stages_scores"]),
+                    num_warps=p["warps_scores"], num_stages=p["stages_scores"]),
         kernel_spec(_values_kernel, op, "values",
-                    dict(DV=dv, DVC=plan["dvc"], BK=plan["bk"], BK2=plan["bk2"], **tiles),
+                    dict(DV=dv, DVC=p["dvc"], BK=p["bk"], BK2=p["bk2"], **tiles),
                     dict(cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt,
                          lse_ptr=f32),
-                    num_warps=plan["warps_values"], num_stages=plan["stages_values"]),
+                    num_warps=p["warps_values"], num_stages=p["stages_values"]),
     ]

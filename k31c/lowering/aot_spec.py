@@ -1,0 +1,63 @@
+"""What a kernel module tells the ahead-of-time build (lowering/aot.py): the shapes its launch
+plans are made for, and one `AotSpec` per launch its launchers make there.
+
+A leaf below both the kernels (which list their launches in `aot_specs(shapes)`) and aot.py
+(which imports the kernel modules only by name, through the registry).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+_PTR_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv",
+              "uint8": "u8", "int32": "i32", "int64": "i64"}   # torch dtype name -> Triton type
+
+
+@dataclass(frozen=True)
+class AotShapes:
+    """The shapes the launch plans are made for (K3.1 Pro serving) on one target."""
+    cfg: object                            # K31Config (preset "k3.1-pro")
+    target: object                         # targets.Target: SM count, backend, dot precision
+    block_size: int = 64                   # paged cache block (latent and index planes)
+    batch: int = 16                        # decode requests
+    rows_per_request: tuple[int, ...] = (1, 4)   # plain decode, 4-row verification
+    context: int = 131072                  # keys a row sees (indexer / top-k width)
+    prefill_requests: int = 1              # requests in one KDA prefill launch
+
+
+class AotSpec(NamedTuple):
+    """One launch to build: what `kernel[grid](...)` compiles at run time."""
+    kernel: object                         # the @triton.jit function
+    signature: dict                        # arg name -> "*bf16", "i32", "fp32", "constexpr"
+    constexprs: dict                       # constexpr arg name -> value
+    num_warps: int
+    num_stages: Optional[int]              # None: the backend's default (the launcher passes none)
+    variant: str                           # what distinguishes this launch ("fp8,R=4")
+    ops: tuple[str, ...]                   # the k31c ops whose launchers make it
+    family: str = ""                       # the kernel module whose aot_specs() lists it
+
+def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
+                num_stages: Optional[int] = None) -> AotSpec:
+    """An AotSpec with the full signature: constexprs by name, pointers from `types` (a torch
+    dtype per pointer argument: every `*_ptr` argument must be listed), other scalars from
+    `types` as Triton type strings ("fp32", "i64"), "i32" when unlisted."""
+    import torch  # lazily: `k31c --help` builds this command's parser without importing torch
+    names = list(kernel.arg_names)
+    unknown = (set(constexprs) | set(types)) - set(names)
+    if unknown:
+        raise ValueError(f"{kernel.__name__}: no arguments named {sorted(unknown)}")
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(types.get(name), torch.dtype):
+            signature[name] = "*" + _PTR_TYPES[str(types[name]).removeprefix("torch.")]
+        elif name.endswith("_ptr"):
+            raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
+        else:
+            signature[name] = types.get(name, "i32")
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
+    return AotSpec(kernel, signature, dict(constexprs), num_warps, num_stages, variant,
+                   tuple([ops] if isinstance(ops, str) else ops))

@@ -1,0 +1,64 @@
+"""What a launcher asks about where it runs: which target's facts apply, and whether Triton
+interprets the kernels.
+
+A launcher is called at run time with tensors, not with a target. `target_of(device)` names the
+`Target` record whose facts (SM count, dot precision, default variants) it uses: the one set by
+`using_target` around the call when a caller knows better (a program built for a target), else
+the current device's: the `cpu` record for CPU tensors (the Triton interpreter); on a GPU the
+record of torch's backend (ROCm: "hip", CUDA: "cuda") whose `device_names` match the device's
+name, else that backend's first GPU target (h200 for CUDA, mi350x for ROCm). A new GPU is thus
+one record in targets.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+
+import torch
+
+from k31c.lowering.targets import GPU_TARGETS, Target, get_target
+
+_OVERRIDE: contextvars.ContextVar[Target | None] = contextvars.ContextVar("k31c_target", default=None)
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: @triton.jit functions run in Triton's CPU interpreter (no compiler)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def target_of(device: torch.device) -> Target:
+    """The target record a launcher takes its facts from for tensors on `device`."""
+    chosen = _OVERRIDE.get()
+    if chosen is not None and chosen.device == device.type:
+        return chosen
+    if device.type != "cuda":
+        return get_target("cpu")
+    return _gpu_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_target(index: int) -> Target:
+    backend = "hip" if torch.version.hip else "cuda"
+    candidates = [get_target(n) for n in GPU_TARGETS if get_target(n).triton_backend == backend]
+    name = torch.cuda.get_device_name(index)
+    for t in candidates:
+        if any(part in name for part in t.device_names):
+            return t
+    return candidates[0]
+
+
+@contextlib.contextmanager
+def using_target(target: Target):
+    """Launchers called inside take `target`'s facts for tensors on its device type."""
+    token = _OVERRIDE.set(target)
+    try:
+        yield target
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs / CUs to size a grid for, from the target record (the CPU: the interpreter's stand-in)."""
+    return target_of(device).sm_count

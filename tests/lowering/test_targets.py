@@ -1,0 +1,70 @@
+"""The Target records: every target fact in one place, read by the registry, the launchers (through
+triton/device.py), the AOT build and the lower pass."""
+import dataclasses
+
+import pytest
+import torch
+
+from k31c.lowering.aot import default_shapes
+from k31c.lowering.registry import kernels_for
+from k31c.lowering.targets import GPU_TARGETS, TARGETS, get_target
+from k31c.lowering.triton import device
+
+
+def test_gpu_targets_are_the_records_with_a_triton_backend():
+    assert GPU_TARGETS == ("h200", "mi350x")
+    assert all(get_target(n).triton_backend for n in GPU_TARGETS)
+    assert get_target("cpu").triton_backend is None and "cpu" not in GPU_TARGETS
+    with pytest.raises(ValueError, match="unknown target 'b300'"):
+        get_target("b300")
+
+
+def test_target_facts():
+    h200, mi350x, cpu = (get_target(n) for n in ("h200", "mi350x", "cpu"))
+    assert (h200.sm_count, mi350x.sm_count) == (132, 256)
+    assert (h200.warp_size, mi350x.warp_size) == (32, 64)
+    assert (h200.dense_codegen, mi350x.dense_codegen, cpu.dense_codegen) == ("inductor", "iree", "inductor")
+    assert (h200.graph_streams, mi350x.graph_streams) == (3, 1)      # HIP: single-stream capture
+    assert h200.device_graphs and mi350x.device_graphs and not cpu.device_graphs
+    assert h200.dot_precision(fast=True) == "tf32" and mi350x.dot_precision(fast=True) == "ieee"
+    assert h200.dot_precision(fast=False) == "ieee"
+    assert h200.variant("k31c::lightning_indexer", "gather") == "tma"
+    assert cpu.variant("k31c::lightning_indexer", "gather") == "gather"   # no record: the launcher's
+
+
+def test_every_triton_kernel_registers_for_every_gpu_target():
+    ops = {n: set(kernels_for(n)) for n in GPU_TARGETS}
+    assert ops["h200"] == ops["mi350x"] and len(ops["h200"]) == 10
+    assert kernels_for("cpu") == {}
+
+
+def test_aot_shapes_carry_the_target():
+    for name in GPU_TARGETS:
+        shapes = default_shapes(name)
+        assert shapes.target is TARGETS[name]
+
+
+def test_launchers_take_the_current_devices_record():
+    assert device.target_of(torch.device("cpu")) is get_target("cpu")
+    assert device.sm_count(torch.device("cpu")) == get_target("cpu").sm_count
+    other = dataclasses.replace(get_target("cpu"), sm_count=7)
+    with device.using_target(other):
+        assert device.sm_count(torch.device("cpu")) == 7
+        assert device.target_of(torch.device("meta")) is get_target("cpu")   # not its device type
+    assert device.target_of(torch.device("cpu")) is get_target("cpu")
+
+
+def test_a_gpu_is_matched_by_name_else_its_backends_first_target(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    names = {0: "NVIDIA H200", 1: "NVIDIA B200", 2: "AMD Instinct MI350X"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    device._gpu_target.cache_clear()
+    try:
+        assert device.target_of(torch.device("cuda", 0)).name == "h200"
+        assert device.target_of(torch.device("cuda", 1)).name == "h200"     # unknown: CUDA's first
+        monkeypatch.setattr(torch.version, "hip", "6.4")
+        device._gpu_target.cache_clear()
+        assert device.target_of(torch.device("cuda", 2)).name == "mi350x"
+        assert device.target_of(torch.device("cuda", 1)).name == "mi350x"   # ROCm's first
+    finally:
+        device._gpu_target.cache_clear()
