@@ -148,7 +148,7 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         raise UsageError(f"option {e}") from None
     streams = compile_opts["streams"]
     if streams is None:
-        compile_opts["streams"] = getattr(target, "graph_streams", 3)
+        compile_opts["streams"] = target.graph_streams
     elif isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise UsageError(f"option streams must be a positive integer (1: one stream), got {streams!r}")
     return compile_opts, pass_opts

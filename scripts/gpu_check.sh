@@ -4,7 +4,7 @@
 #   1. the compiled-program tests on the GPU (tests/runtime: tiny float32/bfloat16 and bench
 #      configs against eager, every pass switched off, profile of a replayed step),
 #   2. the kernels' real-shape tests (tests/lowering), unless --no-kernels,
-#   3. with --bench, `k31c bench e2e` (benchmarks/bench_e2e.py) into $OUT or ./bench-e2e.md.
+#   3. with --bench, `k31c bench e2e` (benchmarks/e2e.py) into $OUT or ./bench-e2e.md.
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
 set -uo pipefail
@@ -27,6 +27,6 @@ if [ "$kernels" = 1 ]; then
     "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py || status=1
 fi
 if [ "$bench" = 1 ]; then
-    "$PY" benchmarks/e2e.py --out "${OUT:-.}/bench-e2e.md" || status=1
+    "$PY" -m k31c bench e2e --out "${OUT:-.}/bench-e2e.md" || status=1
 fi
 exit $status

@@ -14,7 +14,8 @@ def add(sub) -> None:
     p = sub.add_parser("bench", help="run device benchmarks (needs a GPU)",
                        description="Benchmarks live in the repository's benchmarks/ folder; each "
                                    "prints measured times beside floors measured in the same run.")
-    p.add_argument("suite", choices=["kernels"], help="kernels: every Triton kernel family")
+    p.add_argument("suite", choices=["kernels", "e2e"],
+                   help="kernels: every Triton kernel family; e2e: the bench config's decode step end to end")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the suite (--only, --out)")
     p.set_defaults(run=run)
 
