@@ -73,10 +73,14 @@ class Captured:
     dims: dict[str, str] = field(default_factory=dict)   # sympy symbol name -> "B" / "T"
     seconds: float = 0.0
     leaf_checks: Optional[list] = None     # flat_step_inputs' compiled shape checks (built on first use)
+    _weights: Optional[list] = None
 
     @property
     def weights(self) -> list[torch.Tensor]:
-        return [i.tensor for i in self.inputs if i.is_weight]
+        """The weight inputs, in order (the model's live tensors; listed once, read every step)."""
+        if self._weights is None:
+            self._weights = [i.tensor for i in self.inputs if i.is_weight]
+        return self._weights
 
 
 def check_model(model) -> K31ForCausalLM:

@@ -134,8 +134,11 @@ class DecodeGraphs:
         return out
 
     def _persistent_ptrs(self, flat: list) -> tuple:
+        """Addresses of the cache pools (the step inputs after the first per-step one that are not
+        per-step); weights are the model's own tensors, fixed for the compiled model's life."""
         per_step = set(self.inputs.per_step)
-        return tuple(t.data_ptr() for i, t in enumerate(flat) if i not in per_step and isinstance(t, torch.Tensor))
+        first = self.inputs.per_step[0]
+        return tuple(flat[i].data_ptr() for i in range(first, len(flat)) if i not in per_step)
 
     def static_inputs(self, batch: int, flat: list) -> StaticInputs:
         return StaticInputs(self.inputs, self._templates(batch, flat))
