@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from ..fsutil import write_atomic
 from .aot_spec import AotShapes, AotSpec
 from .registry import kernels_for
 from .targets import get_target
@@ -204,7 +205,7 @@ def write_outputs(built: list[BuiltKernel], out_dir: Path, target_name: str,
     entries = []
     for b in built:
         fname = _file_name(b)
-        _write_atomic(out_dir / fname, b.binary)
+        write_atomic(out_dir / fname, lambda f: f.write(b.binary))
         entry = {k: v for k, v in asdict(b).items() if k != "binary"}
         entry["file"] = fname
         entries.append(entry)
@@ -212,7 +213,8 @@ def write_outputs(built: list[BuiltKernel], out_dir: Path, target_name: str,
                 "triton": _triton_version(),
                 "families": "all" if families is None else sorted(families), "kernels": entries}
     path = out_dir / "manifest.json"
-    _write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
+    text = (json.dumps(manifest, indent=1) + "\n").encode()
+    write_atomic(path, lambda f: f.write(text))
     return path
 
 
@@ -276,17 +278,6 @@ def _require_compiler_mode() -> None:
 
 def _file_name(b: BuiltKernel) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", b.name.replace("/", ".")).strip("_") + "." + b.binary_kind
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
