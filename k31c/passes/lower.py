@@ -24,9 +24,11 @@ def kernel_name(kernel) -> str:
     return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
 
 
-@register_pass("lower")
+@register_pass("lower", stage="lower")
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Assign each k31c op its kernel for the target; count reference fallbacks."""
+    """Assign each k31c op its kernel for the target; count reference fallbacks.
+    stats: kernels ({(op, kernel name): ops}), fallbacks ({op: ops lowered to the reference on a
+    GPU target}), dense_codegen (what generates the dense ops)."""
     target = ctx.target
     on_gpu = target.device != "cpu"
     kernels, fallbacks = Counter(), Counter()
@@ -43,11 +45,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         kernels[(op, name)] += 1
         if kernel is None and on_gpu:
             fallbacks[op] += 1
-    ctx.state["kernels"] = dict(kernels)
-    ctx.state["fallbacks"] = dict(fallbacks)
-    ctx.state["dense_codegen"] = DENSE_CODEGEN.get(target.name, "inductor")
     notes = [f"{op} -> {name} x{n}" for (op, name), n in sorted(kernels.items())]
     if fallbacks:
         notes.append("reference fallbacks on " + target.name + ": "
                      + ", ".join(f"{op} x{n}" for op, n in sorted(fallbacks.items())))
-    return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes)
+    return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes,
+                      stats={"kernels": dict(kernels), "fallbacks": dict(fallbacks),
+                             "dense_codegen": DENSE_CODEGEN.get(target.name, "inductor")})

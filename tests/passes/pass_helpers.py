@@ -69,11 +69,11 @@ def run_graph(gm, weights, x, meta, cache):
         return gm(*weights, *pytree.tree_leaves((x, meta, cache)))[0]
 
 
-def passes(gm, names=None, target="cpu", options=None, stop_after=None):
+def passes(gm, names=None, target="cpu", options=None, stop_after=None, disable=()):
     """Run a pipeline on a copy of `gm`; returns (graph, records, context)."""
     gm = clone_graph(gm)
     ctx = make_context(target, "test")
-    records = run_pipeline(gm, resolve(names, options), ctx, stop_after=stop_after)
+    records = run_pipeline(gm, resolve(names, options, disable=disable), ctx, stop_after=stop_after)
     return gm, records, ctx
 
 
