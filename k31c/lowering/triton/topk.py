@@ -53,6 +53,8 @@ TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 8192, 8          # sampled keys per long row, in runs of 8 adjacent positions
 FB_PROGRAMS = 128               # programs of each fallback pass (each takes 1/128 of a row)
 ROW_STATE = 8                   # int32 words of per-row state
+DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
+last_paths: list[str] = []
 
 # per-row state words
 _CNT = tl.constexpr(0)      # candidates appended
@@ -380,6 +382,27 @@ def _finish(src: tuple, row_len, out, ws, k: int, cap: int, chunk: int, n_chunks
                                          NP=FB_PROGRAMS, **fb_args)
     _fb_emit_kernel[(FB_PROGRAMS,)](*common, out, out.stride(0), ws["state"], ws["fb"], NP=FB_PROGRAMS,
                                     **fb_args)
+    if DEBUG_PATHS:
+        last_paths[:] = row_paths(ws, row_len, k, cap)
+
+
+def row_paths(ws, row_len, k: int, cap: int) -> list[str]:
+    """The path each row of a finished call took, read back from its workspace: "direct"
+    (row_len <= k), "all" (row_len <= cap: every position a candidate), "sampled" (a sampled
+    threshold, settled from the buffer), "ties" (the buffer plus keys at the threshold), "fallback"."""
+    state = ws["state"].view(-1, ROW_STATE).cpu()
+    listed = set(ws["fb"][1:1 + int(ws["fb"][0])].tolist())
+    paths = []
+    for row, n in enumerate(row_len.tolist()):
+        if int(state[row, 4]) == 1:                       # _MODE
+            paths.append("direct")
+        elif row in listed:
+            paths.append("fallback")
+        elif int(state[row, 0]) < k:                      # _CNT: fewer candidates than k
+            paths.append("ties")
+        else:
+            paths.append("all" if n <= cap else "sampled")
+    return paths
 
 
 _SCORE_TILE, _REFINE_TILE = 2048, 2048
