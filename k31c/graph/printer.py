@@ -134,9 +134,12 @@ def _meta(node) -> str:
 
 
 def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
-                 dims: Optional[dict[str, str]] = None, only_k31c: bool = False) -> str:
+                 dims: Optional[dict[str, str]] = None, only_k31c: bool = False,
+                 layer: Optional[int] = None) -> str:
     """The canonical text. `only_k31c`: just the k31c ops and stream markers (what lowering
-    decides per target), without inputs, weights and dense ops."""
+    decides per target), without inputs, weights and dense ops. `layer`: just the ops of that
+    decoder layer (`meta["k31c"]["layer"]`, set by annotate_layers), without inputs and weights.
+    Names and symbols are those of the whole graph either way."""
     sym = _Symbols(dims)
     names = node_names(gm)
     lines = ["# k31c graph" + (f": {title}" if title else "")]
@@ -148,7 +151,8 @@ def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
         elif node.op == "output":
             output = f"output {_arg(node.args[0], names, sym)}"
         else:
-            if only_k31c and not is_k31c(node):
+            if (only_k31c and not is_k31c(node)) or \
+                    (layer is not None and (node.meta.get("k31c") or {}).get("layer") != layer):
                 _value_type(node.meta.get("val"), sym)       # keep s0, s1, ... numbering stable
                 continue
             args = [_arg(a, names, sym) for a in node.args]
@@ -157,7 +161,7 @@ def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
             stream = (node.meta.get("k31c") or {}).get("stream", 0)
             body.append(f"  {names[node]} = {op_name(node.target)}({', '.join(args)})"
                         + (f" : {typ}" if typ else "") + f"  stream={stream}" + _meta(node))
-    if not only_k31c:
+    if not only_k31c and layer is None:
         lines += ["inputs:"] + inputs + ["weights:"] + weights
     lines += ["nodes:"] + body + [output]
     return "\n".join(lines) + "\n"
