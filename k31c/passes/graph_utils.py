@@ -1,4 +1,5 @@
-"""Small graph helpers the passes share: k31c metadata, op tests, slices, mutation, ordering."""
+"""Small graph helpers the passes share: k31c metadata, marker tests, slices, mutation, ordering
+(whether a node is a k31c op: `k31c.graph.ops.is_k31c`)."""
 from __future__ import annotations
 
 import heapq
@@ -9,7 +10,6 @@ import torch
 
 from ..errors import CompilerError
 from ..graph.capture import module_path
-from ..graph.ops import is_k31c  # noqa: F401  (the one test of "is this a k31c op", re-exported)
 from ..graph.ops.streams import is_marker
 
 K31C = torch.ops.k31c

@@ -13,8 +13,9 @@ from collections import Counter
 
 import torch
 
+from ..graph.ops import is_k31c
 from ..lowering.registry import lookup
-from .graph_utils import info, is_k31c, is_marker_node
+from .graph_utils import info, is_marker_node
 from .manager import PassResult, register_pass
 
 DENSE_CODEGEN = {"cpu": "inductor", "h200": "inductor", "mi350x": "iree"}

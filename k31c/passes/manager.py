@@ -118,15 +118,15 @@ def _load_all() -> None:
         if not mod.startswith("_"):
             importlib.import_module(f"{__package__}.{mod}")
     _loaded = True
-    for info in _REGISTRY.values():
-        unknown = [a for a in info.after if a not in _REGISTRY]
-        if unknown:
-            raise CompilerError(f"pass '{info.name}' runs after {unknown}, which are not registered")
 
 
 def registered() -> dict[str, PassInfo]:
     """Every registered pass: the default pipeline's in its order, then the others by name."""
     _load_all()
+    for info in _REGISTRY.values():
+        unknown = [a for a in info.after if a not in _REGISTRY]
+        if unknown:
+            raise CompilerError(f"pass '{info.name}' runs after {unknown}, which are not registered")
     rank = {n: i for i, n in enumerate(DEFAULT_PIPELINE)}
     return {n: _REGISTRY[n] for n in sorted(_REGISTRY, key=lambda n: (rank.get(n, len(rank)), n))}
 

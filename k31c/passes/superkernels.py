@@ -12,7 +12,8 @@ import operator
 
 import torch
 
-from .graph_utils import info, is_k31c, region_of, stream_of
+from ..graph.ops import is_k31c
+from .graph_utils import info, region_of, stream_of
 from .manager import PassResult, register_pass
 
 

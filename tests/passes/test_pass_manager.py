@@ -162,3 +162,14 @@ def test_a_pass_must_return_a_pass_result(captured):
 def test_registration_errors():
     with pytest.raises(CompilerError, match="unknown stage 'cleanup'"):
         register_pass("test_bad_stage", stage="cleanup")
+
+    @register_pass("test_after_nothing", stage="verify", after=("canonicalise",))
+    def after_nothing(gm, ctx):
+        """Follows a pass that does not exist."""
+        return PassResult(0, False)
+
+    try:
+        with pytest.raises(CompilerError, match=r"'test_after_nothing' runs after \['canonicalise'\]"):
+            registered()
+    finally:
+        manager._REGISTRY.pop("test_after_nothing")
