@@ -1,7 +1,7 @@
 """annotate_layers, lit-style: every op gets its decoder layer and block kind."""
 import re
 
-from lit_helpers import FileCheck, lines_with
+from lit_helpers import FileCheck
 
 
 def test_layers_and_kinds(lit):
