@@ -95,12 +95,11 @@ def plain_layer(iq, iw, icache, table, row_req, row_len, q, cache):
 
 def _kernels():
     from k31c.lowering.registry import lookup
-    from k31c.passes.lower import kernel_name
     ks = {op: lookup(f"k31c::{op}", TARGET) for op in ("lightning_indexer_topk", "sparse_mla", "dense_mla")}
     missing = [op for op, k in ks.items() if k is None]
     if missing:
         raise RuntimeError(f"no {TARGET} kernel registered for {missing}")
-    return {op: k.fn for op, k in ks.items()}, kernel_name(ks["lightning_indexer_topk"])
+    return {op: k.fn for op, k in ks.items()}, ks["lightning_indexer_topk"].name
 
 
 def _try_ms(what: str, fn, **kw):

@@ -43,11 +43,12 @@ import torch
 from .errors import UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
+from .graph.ops import is_k31c
 from .graph.ops.streams import is_marker
-from .lowering.build import DENSE_CODEGENS, build_program
+from .lowering.build import DENSE_CODEGENS, build_program, op_name
 from .lowering.program import Program as KernelProgram
 from .lowering.targets import Target, get_target
-from .passes.manager import DEFAULT_PIPELINE, PassContext, PassRecord, Pipeline, get_pass, resolve, run_pipeline
+from .passes.manager import PassContext, PassRecord, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
 from .runtime.graphs import DEFAULT_BUCKETS, DecodeGraphs, StepInputs, check_buckets
@@ -180,14 +181,24 @@ def _progress(message: str) -> None:
         print(f"\r\033[Kk31c: {message}", end="", file=sys.stderr, flush=True)
 
 
+def _changed_options(pipeline: Pipeline) -> dict:
+    """Pass options that differ from their defaults (every pass has at least `enabled`)."""
+    from .passes.manager import registered
+    passes = registered()
+    out = {}
+    for name, opts in pipeline.options.items():
+        changed = {k: v for k, v in opts.items() if passes[name].options.get(k) != v}
+        if changed:
+            out[name] = changed
+    return out
+
+
 def _reference_counts(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
     """(op, "reference") per k31c op of a graph a whole-graph executor runs (no kernel bound)."""
     counts: dict[tuple[str, str], int] = {}
     for n in gm.graph.nodes:
-        t = n.target
-        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "k31c" \
-                and not is_marker(t):
-            key = (f"k31c::{t._schema.name.split('::')[-1]}", "reference")
+        if is_k31c(n) and not is_marker(n.target):
+            key = (op_name(n.target), "reference")
             counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -199,8 +210,7 @@ class CompiledModel:
         self.pipeline = pipeline
         self.options = compile_opts
         self.executor = compile_opts["executor"]
-        self.report = CompileReport(target.name, pipeline.names,
-                                    {**compile_opts, **{k: v for k, v in pipeline.options.items() if v}})
+        self.report = CompileReport(target.name, pipeline.names, {**compile_opts, **_changed_options(pipeline)})
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
@@ -347,10 +357,7 @@ def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = N
     compile_opts, pass_opts = split_options(options, t)
     if isinstance(disable, str):
         disable = [disable]
-    for name in disable:
-        get_pass(name)
-    names = [p for p in (DEFAULT_PIPELINE if passes is None else passes) if p not in set(disable)]
-    return CompiledModel(model, t, resolve(names, pass_opts), compile_opts)
+    return CompiledModel(model, t, resolve(passes, pass_opts, disable=disable), compile_opts)
 
 
 # ---- torch.compile(backend="k31c") ---------------------------------------------------------------

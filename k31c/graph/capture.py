@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from .model import K31ForCausalLM
-from .step import Caches, KDASnapshots, StepMeta
+from .step import Caches, KDASnapshots, StepMeta, step_meta
 
 STEP_MODES = ("prefill", "decode")
 
@@ -151,13 +151,10 @@ def example_step(step: StepKind, meta: StepMeta, caches: Caches):
     dev = meta.slot_mapping.device
     B = 2
     n = 6 if step.mode == "prefill" else B * step.rows
-    i32, i64 = torch.int32, torch.int64
-    ex_meta = StepMeta(slot_mapping=torch.arange(n, dtype=i64, device=dev),
-                       block_table=torch.zeros(B, meta.block_table.shape[1], dtype=i32, device=dev),
-                       row_req=torch.zeros(n, dtype=i32, device=dev),
-                       row_len=torch.ones(n, dtype=i32, device=dev),
-                       kda_slots=torch.arange(B, dtype=i64, device=dev),
-                       cu_seqlens=torch.arange(B + 1, dtype=i32, device=dev))
+    ex_meta = step_meta(slot_mapping=torch.arange(n, device=dev),
+                        block_table=torch.zeros(B, meta.block_table.shape[1], device=dev),
+                        row_req=torch.zeros(n, device=dev), row_len=torch.ones(n, device=dev),
+                        kda_slots=torch.arange(B, device=dev), cu_seqlens=torch.arange(B + 1, device=dev))
     snaps = None
     if step.snapshots:
         snaps = [KDASnapshots(torch.empty(B, step.rows, *st.conv.shape[1:], dtype=st.conv.dtype, device=dev),
@@ -165,7 +162,7 @@ def example_step(step: StepKind, meta: StepMeta, caches: Caches):
                                           device=dev))
                  for st in caches.kda]
     ex_caches = Caches(list(caches.mla), list(caches.kda), snaps)
-    return torch.zeros(n, dtype=i64, device=dev), ex_meta, ex_caches
+    return torch.zeros(n, dtype=torch.int64, device=dev), ex_meta, ex_caches
 
 
 def _dynamic_shapes(step: StepKind, caches: Caches):

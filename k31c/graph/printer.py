@@ -18,6 +18,7 @@ import sympy
 import torch
 
 from .capture import module_path
+from .ops import is_k31c
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64",
            torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2", torch.int64: "i64",
@@ -70,9 +71,11 @@ class _Symbols:
         return self.expr(d.node.expr) if isinstance(d, torch.SymInt) else str(d)
 
 
-def node_names(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+def node_names(gm) -> dict[torch.fx.Node, str]:
+    """The canonical name of every node of a graph (or graph module), as dumps print them."""
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     names, seen = {}, {}
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op == "placeholder":
             base = node.meta.get("k31c_input", node.name)
             names[node] = ("@" if node.meta.get("k31c_weight") else "%") + base
@@ -85,6 +88,14 @@ def node_names(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
         seen[base] = k + 1
         names[node] = "%" + (base if k == 0 else f"{base}#{k}")
     return names
+
+
+def display_name(node: torch.fx.Node) -> str:
+    """A node's name as the dumps print it (`%layers.3.self_attn.indexer.k_norm/layer_norm`,
+    `%meta.slot_mapping`, `@lm_head.weight`): what error messages call it."""
+    if node.op == "output":
+        return "output"
+    return node_names(node.graph).get(node, node.name)
 
 
 def _value_type(val, sym: _Symbols) -> str:
@@ -123,9 +134,12 @@ def _meta(node) -> str:
 
 
 def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
-                 dims: Optional[dict[str, str]] = None, only_k31c: bool = False) -> str:
+                 dims: Optional[dict[str, str]] = None, only_k31c: bool = False,
+                 layer: Optional[int] = None) -> str:
     """The canonical text. `only_k31c`: just the k31c ops and stream markers (what lowering
-    decides per target), without inputs, weights and dense ops."""
+    decides per target), without inputs, weights and dense ops. `layer`: just the ops of that
+    decoder layer (`meta["k31c"]["layer"]`, set by annotate_layers), without inputs and weights.
+    Names and symbols are those of the whole graph either way."""
     sym = _Symbols(dims)
     names = node_names(gm)
     lines = ["# k31c graph" + (f": {title}" if title else "")]
@@ -137,8 +151,8 @@ def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
         elif node.op == "output":
             output = f"output {_arg(node.args[0], names, sym)}"
         else:
-            if only_k31c and not (isinstance(node.target, torch._ops.OpOverload)
-                                  and node.target.namespace == "k31c"):
+            if (only_k31c and not is_k31c(node)) or \
+                    (layer is not None and (node.meta.get("k31c") or {}).get("layer") != layer):
                 _value_type(node.meta.get("val"), sym)       # keep s0, s1, ... numbering stable
                 continue
             args = [_arg(a, names, sym) for a in node.args]
@@ -147,7 +161,7 @@ def format_graph(gm: torch.fx.GraphModule, *, title: str = "",
             stream = (node.meta.get("k31c") or {}).get("stream", 0)
             body.append(f"  {names[node]} = {op_name(node.target)}({', '.join(args)})"
                         + (f" : {typ}" if typ else "") + f"  stream={stream}" + _meta(node))
-    if not only_k31c:
+    if not only_k31c and layer is None:
         lines += ["inputs:"] + inputs + ["weights:"] + weights
     lines += ["nodes:"] + body + [output]
     return "\n".join(lines) + "\n"

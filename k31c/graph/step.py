@@ -26,6 +26,23 @@ class StepMeta:
     cu_seqlens: torch.Tensor     # [B+1] int32: row offsets per request (prefill); arange(B+1)*R (decode)
 
 
+META_DTYPES = {"slot_mapping": torch.int64, "block_table": torch.int32, "row_req": torch.int32,
+               "row_len": torch.int32, "kda_slots": torch.int64, "cu_seqlens": torch.int32}
+
+
+def step_meta(*, slot_mapping, block_table, row_req, row_len, kda_slots, cu_seqlens,
+              device=None) -> StepMeta:
+    """The one way to build a StepMeta: each field from a tensor or a (nested) list of ints, cast
+    to its dtype (META_DTYPES) on `device` (default: where a tensor field already is, else cpu)."""
+    fields = dict(slot_mapping=slot_mapping, block_table=block_table, row_req=row_req, row_len=row_len,
+                  kda_slots=kda_slots, cu_seqlens=cu_seqlens)
+    if device is None:
+        device = next((v.device for v in fields.values() if isinstance(v, torch.Tensor)), "cpu")
+    return StepMeta(**{name: (v.to(device=device, dtype=META_DTYPES[name]) if isinstance(v, torch.Tensor)
+                              else torch.tensor(v, dtype=META_DTYPES[name], device=device))
+                       for name, v in fields.items()})
+
+
 @dataclass
 class MLALayerCache:
     """One MLA layer's share of the flat block pool (blocks are shared by all layers).

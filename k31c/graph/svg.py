@@ -12,6 +12,7 @@ from xml.sax.saxutils import escape
 
 import torch
 
+from .ops import is_k31c
 from .ops.streams import is_marker
 from .printer import node_names, op_name
 
@@ -22,10 +23,6 @@ REGION_FILL = "#fff3b0"
 
 def _meta(node) -> dict:
     return node.meta.get("k31c") or {}
-
-
-def _is_k31c(node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "k31c"
 
 
 def _label(name: str, limit: int = 44) -> str:
@@ -76,7 +73,7 @@ def draw_svg(gm: torch.fx.GraphModule, title: str = "", layer: Optional[int] = N
     out += _events(nodes, x_of, y_of)
     for n in nodes:
         meta = _meta(n)
-        fill = "#e3c8f2" if is_marker(n.target) else ("#ffcc8a" if _is_k31c(n) else "#ffffff")
+        fill = "#e3c8f2" if is_marker(n.target) else ("#ffcc8a" if is_k31c(n) else "#ffffff")
         tip = escape(f"{names[n]} = {op_name(n.target)}  {meta}")
         out.append(f'<g><title>{tip}</title><rect x="{x_of(n)}" y="{y_of(n)}" width="{BOX_W}" '
                    f'height="{BOX_H}" rx="3" fill="{fill}" stroke="#555" stroke-width="0.6"/>'

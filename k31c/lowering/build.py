@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..errors import CompilerError, KernelBindError
+from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
 from .program import Dense, Kernel, Program, Record, Ref, Wait
 from .registry import lookup
@@ -31,17 +32,8 @@ DENSE_CODEGENS = ("inductor", "fx")
 K31C = torch.ops.k31c
 
 
-def kernel_name(kernel) -> str:
-    return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
-
-
 def op_name(target) -> str:
     return f"k31c::{target._schema.name.split('::')[-1]}"
-
-
-def _is_k31c(node: torch.fx.Node) -> bool:
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "k31c"
 
 
 def bind(target_op, target: Target) -> tuple[str, Callable]:
@@ -49,7 +41,7 @@ def bind(target_op, target: Target) -> tuple[str, Callable]:
     (on the CPU target the reference ops are the kernels)."""
     kernel = lookup(op_name(target_op), target.name) if target.device != "cpu" else None
     if kernel is not None:
-        return kernel_name(kernel), kernel.fn
+        return kernel.name, kernel.fn
     return "reference", target_op
 
 
@@ -153,7 +145,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
             elif node.target is K31C.event_wait.default:
                 steps.append(Wait(node.args[0], node.args[1]))
             continue                                  # region enter/exit: structure only
-        if not _is_k31c(node):
+        if not is_k31c(node):
             raise CompilerError(f"build: {node.name} ({node.target}) is neither in a dense piece nor a "
                                 "k31c op; partition should have placed it")
         kernel, fn = bind(node.target, target)

@@ -20,6 +20,11 @@ class Kernel:
     backend: str       # "triton", "iree", ...
     source: str        # module that defines it (goes into cache keys)
 
+    @property
+    def name(self) -> str:
+        """`<backend>:<module>.<function>`, as reports and graph dumps print it."""
+        return f"{self.backend}:{self.fn.__module__}.{self.fn.__name__}"
+
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
 

@@ -29,10 +29,12 @@ def kind_of(node: torch.fx.Node) -> str:
     return "residual"                       # AttnRes mixing and adds between blocks
 
 
-@register_pass("annotate_layers")
+@register_pass("annotate_layers", stage="prepare", after=("canonicalize",))
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Record each op's decoder layer, block kind, stream (0) and region (none)."""
+    """Record each op's decoder layer, block kind, stream (0) and region (none).
+    stats: ops (annotated), kinds ({kind: ops})."""
     count = changed = 0
+    kinds: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -42,5 +44,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         if any(meta.get(k) != v for k, v in new.items()):
             changed += 1
         meta.update(new)
+        kinds[new["kind"]] = kinds.get(new["kind"], 0) + 1
         count += 1
-    return PassResult(matches=count, changed=changed > 0, notes=[f"annotated {count} ops"])
+    return PassResult(matches=count, changed=changed > 0, notes=[f"annotated {count} ops"],
+                      stats={"ops": count, "kinds": dict(sorted(kinds.items()))})

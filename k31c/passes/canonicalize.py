@@ -51,9 +51,10 @@ def _noop_input(node: torch.fx.Node):
     return None
 
 
-@register_pass("canonicalize")
+@register_pass("canonicalize", stage="prepare")
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Remove trace checks and no-op casts/views, eliminate dead code, order stably."""
+    """Remove trace checks and no-op casts/views, eliminate dead code, order stably.
+    stats: checks, noops, dead (nodes removed of each kind), reordered (0/1)."""
     graph = gm.graph
     checks = noops = 0
     for node in list(graph.nodes):
@@ -73,4 +74,5 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
     notes = [f"removed {checks} trace checks, {noops} no-op casts/views, {dead} dead nodes"
              + ("; reordered" if reordered else "")]
     return PassResult(matches=checks + noops + dead, changed=bool(checks or noops or dead or reordered),
-                      notes=notes)
+                      notes=notes, stats={"checks": checks, "noops": noops, "dead": dead,
+                                          "reordered": int(reordered)})

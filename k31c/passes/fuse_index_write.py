@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.printer import display_name
 from .graph_utils import K31C, inherit, stream_of
 from .manager import PassResult, register_pass
 
@@ -29,9 +30,10 @@ def _layer_norm_args(ln: torch.fx.Node):
     return x, shape, weight, bias, eps
 
 
-@register_pass("fuse_index_write")
+@register_pass("fuse_index_write", stage="rewrite", after=("canonicalize", "indexer_prolog"))
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Replace LayerNorm → index_cache_write by index_key_norm_write."""
+    """Replace LayerNorm → index_cache_write by index_key_norm_write.
+    stats: fused, left (writes of a LayerNorm left unfused)."""
     graph, fused, notes = gm.graph, 0, []
     for write in [n for n in graph.nodes if n.target is K31C.index_cache_write.default]:
         cache, keys, slots = write.args
@@ -49,7 +51,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         elif stream_of(keys) != stream_of(write):
             why = f"the LayerNorm (stream {stream_of(keys)}) and the write (stream {stream_of(write)}) differ"
         if why:
-            notes.append(f"{write.name}: not fused: {why}")
+            notes.append(f"{display_name(write)}: not fused: {why}")
             continue
         cast = x if (isinstance(x, torch.fx.Node) and x.target is aten.to.dtype and len(x.users) == 1
                      and x.args[1] == torch.float32) else None
@@ -64,5 +66,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         if cast is not None:
             graph.erase_node(cast)
         fused += 1
+    left = len(notes)                     # one note per site left alone
     notes.insert(0, f"fused {fused} index-key writes")
-    return PassResult(matches=fused, changed=fused > 0, notes=notes)
+    return PassResult(matches=fused, changed=fused > 0, notes=notes,
+                      stats={"fused": fused, "left": left})

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.printer import display_name
 from .graph_utils import K31C, inherit, stream_of
 from .manager import PassResult, register_pass
 
 
-@register_pass("fuse_lightning_indexer")
+@register_pass("fuse_lightning_indexer", stage="rewrite", after=("indexer_prolog",))
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Replace lightning_indexer → topk_select by lightning_indexer_topk."""
+    """Replace lightning_indexer → topk_select by lightning_indexer_topk.
+    stats: fused, left (scoring → top-k pairs left unfused)."""
     graph, fused, notes = gm.graph, 0, []
     for topk in [n for n in graph.nodes if n.target is K31C.topk_select.default]:
         scores, row_len, k = topk.args
@@ -33,7 +35,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         elif stream_of(scores) != stream_of(topk):
             why = "scoring and top-k are on different streams"
         if why:
-            notes.append(f"{topk.name}: not fused: {why}")
+            notes.append(f"{display_name(topk)}: not fused: {why}")
             continue
         with graph.inserting_before(topk):
             new = graph.call_function(K31C.lightning_indexer_topk.default,
@@ -44,5 +46,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         graph.erase_node(topk)
         graph.erase_node(scores)
         fused += 1
+    left = len(notes)                     # one note per site left alone
     notes.insert(0, f"fused {fused} indexer score + top-k pairs")
-    return PassResult(matches=fused, changed=fused > 0, notes=notes)
+    return PassResult(matches=fused, changed=fused > 0, notes=notes,
+                      stats={"fused": fused, "left": left})

@@ -1,4 +1,5 @@
-"""Small graph helpers the passes share: k31c metadata, op tests, slices, mutation, ordering."""
+"""Small graph helpers the passes share: k31c metadata, marker tests, slices, mutation, ordering
+(whether a node is a k31c op: `k31c.graph.ops.is_k31c`)."""
 from __future__ import annotations
 
 import heapq
@@ -7,6 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..errors import CompilerError
 from ..graph.capture import module_path
 from ..graph.ops.streams import is_marker
 
@@ -28,11 +30,6 @@ def stream_of(node: torch.fx.Node) -> int:
 
 def region_of(node: torch.fx.Node) -> Optional[int]:
     return (node.meta.get("k31c") or {}).get("region")
-
-
-def is_k31c(node: torch.fx.Node) -> bool:
-    t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace == "k31c"
 
 
 def is_marker_node(node: torch.fx.Node) -> bool:
@@ -137,7 +134,7 @@ def stable_toposort(graph: torch.fx.Graph) -> bool:
             if waiting[u] == 0:
                 heapq.heappush(ready, (index[u], u.name, u))
     if len(order) != len(nodes):
-        raise ValueError("graph has a cycle; cannot order it")
+        raise CompilerError("canonicalize: the graph has a cycle; cannot order it")
     if order == nodes:
         return False
     cursor = order[0]

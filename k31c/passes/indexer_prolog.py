@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..graph.printer import display_name
 from .graph_utils import (INDEX_WRITES, INDEXER_OPS, K31C, exclusive_slice, info, insert_after,
                           region_of)
 from .manager import PassResult, register_pass
@@ -38,7 +39,7 @@ def _next_ids(graph: torch.fx.Graph) -> tuple[int, int]:
 
 def _plan(consumer: torch.fx.Node, order: dict):
     """The three branches of one indexer, or a string saying why it is left alone."""
-    where = f"{consumer.name}"
+    where = display_name(consumer)
     q, weights, cache = consumer.args[0], consumer.args[1], consumer.args[2]
     writes = [u for u in cache.users if u.target in INDEX_WRITES and u.args[0] is cache]
     if len(writes) != 1:
@@ -59,7 +60,7 @@ def _plan(consumer: torch.fx.Node, order: dict):
     jumped = [n for n in consumer.graph.nodes
               if order[anchor] < order[n] < order[write] and n not in side and cache in n.all_input_nodes]
     if jumped:
-        return f"{where}: {jumped[0].name} uses the index cache before its write; left alone"
+        return f"{where}: {display_name(jumped[0])} uses the index cache before its write; left alone"
     return branches, anchor
 
 
@@ -94,15 +95,16 @@ def _place(consumer, branches, anchor, region: int, event: int, order: dict) -> 
     insert_after(cursor, K31C.region_exit.default, (region,), stream=0, **marker)
 
 
-@register_pass("indexer_prolog")
+@register_pass("indexer_prolog", stage="schedule", after=("canonicalize", "annotate_layers"))
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Put each indexer's query, key and head-weight branches in one region on three streams."""
+    """Put each indexer's query, key and head-weight branches in one region on three streams.
+    stats: regions ([{region, layer, query, key, weights}]: ops per branch), left (indexers left alone)."""
     graph = gm.graph
     region, event = _next_ids(graph)
-    notes, regions = [], ctx.state.setdefault("indexer_regions", [])
+    notes, regions = [], []
     for consumer in [n for n in graph.nodes if n.target in INDEXER_OPS]:
         if region_of(consumer) is not None or any(region_of(a) is not None for a in consumer.all_input_nodes):
-            notes.append(f"{consumer.name}: already in a region; left alone")
+            notes.append(f"{display_name(consumer)}: already in a region; left alone")
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         plan = _plan(consumer, order)
@@ -115,7 +117,9 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
                         **{name: len(nodes) for name, nodes in branches.items()}})
         event += 1 + sum(1 for name, _ in SIDE_STREAMS if branches[name])
         region += 1
+    left = len(notes)                         # one note per indexer left alone
     notes.append(f"{len(regions)} indexer regions" +
                  "".join(f"; region {r['region']} (layer {r['layer']}): query {r['query']}, key {r['key']}, "
                          f"weights {r['weights']} ops" for r in regions))
-    return PassResult(matches=len(regions), changed=bool(regions), notes=notes)
+    return PassResult(matches=len(regions), changed=bool(regions), notes=notes,
+                      stats={"regions": regions, "left": left})

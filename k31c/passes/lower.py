@@ -13,18 +13,17 @@ from collections import Counter
 
 import torch
 
+from ..graph.ops import is_k31c
 from ..lowering.registry import lookup
-from .graph_utils import info, is_k31c, is_marker_node
+from .graph_utils import info, is_marker_node
 from .manager import PassResult, register_pass
 
 
-def kernel_name(kernel) -> str:
-    return f"{kernel.backend}:{kernel.fn.__module__}.{kernel.fn.__name__}"
-
-
-@register_pass("lower")
+@register_pass("lower", stage="lower")
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Assign each k31c op its kernel for the target; count reference fallbacks."""
+    """Assign each k31c op its kernel for the target; count reference fallbacks.
+    stats: kernels ({(op, kernel name): ops}), fallbacks ({op: ops lowered to the reference on a
+    GPU target}), dense_codegen (what generates the dense ops)."""
     target = ctx.target
     on_gpu = target.device != "cpu"
     kernels, fallbacks = Counter(), Counter()
@@ -36,16 +35,15 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             continue
         op = f"k31c::{node.target._schema.name.split('::')[-1]}"
         kernel = lookup(op, target.name)
-        name = kernel_name(kernel) if kernel is not None else "reference"
+        name = kernel.name if kernel is not None else "reference"
         info(node)["kernel"] = name
         kernels[(op, name)] += 1
         if kernel is None and on_gpu:
             fallbacks[op] += 1
-    ctx.state["kernels"] = dict(kernels)
-    ctx.state["fallbacks"] = dict(fallbacks)
-    ctx.state["dense_codegen"] = ctx.target.dense_codegen
     notes = [f"{op} -> {name} x{n}" for (op, name), n in sorted(kernels.items())]
     if fallbacks:
         notes.append("reference fallbacks on " + target.name + ": "
                      + ", ".join(f"{op} x{n}" for op, n in sorted(fallbacks.items())))
-    return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes)
+    return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes,
+                      stats={"kernels": dict(kernels), "fallbacks": dict(fallbacks),
+                             "dense_codegen": target.dense_codegen})

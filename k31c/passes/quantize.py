@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..graph.ops.cache_write import index_cache_block_size
-from ..graph.printer import dtype_name
+from ..errors import InputError, UsageError
+from ..graph.printer import display_name, dtype_name
 from .graph_utils import INDEX_WRITES, INDEXER_OPS, K31C, info, inherit, insert_after
 from .manager import PassResult, register_pass
 
@@ -46,15 +47,16 @@ def _cache_format(cache: torch.fx.Node, width: int) -> str:
         try:
             index_cache_block_size(val, width, cache.meta.get("k31c_input", cache.name))
         except ValueError as e:
-            raise ValueError(f"quantize: FP8 index cache does not fit {width}-wide keys: {e}") from None
+            raise InputError(f"quantize: FP8 index cache {display_name(cache)} does not fit {width}-wide "
+                             f"keys: {e}") from None
         return "fp8"
     return dtype_name(val.dtype)
 
 
 def _check_group(node: torch.fx.Node, width: int) -> None:
     if width % MX_GROUP:
-        raise ValueError(f"quantize: mxfp8_indexer needs the index head dim to be a multiple of "
-                         f"{MX_GROUP}; {node.name} has {width}")
+        raise UsageError(f"quantize: mxfp8_indexer needs the index head dim to be a multiple of "
+                         f"{MX_GROUP}; {display_name(node)} has {width}")
 
 
 def _width(node: torch.fx.Node) -> int:
@@ -79,9 +81,12 @@ def _split_fused_write(write: torch.fx.Node) -> torch.fx.Node:
     return ln
 
 
-@register_pass("quantize", {"mxfp8_indexer": False})
+@register_pass("quantize", stage="rewrite", after=("fuse_index_write", "fuse_lightning_indexer"),
+               options={"mxfp8_indexer": False})
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Record and validate cache formats; optionally MXFP8 quant-dequant of indexer q and k."""
+    """Record and validate cache formats; optionally MXFP8 quant-dequant of indexer q and k.
+    stats: index_cache, latent_cache (sorted formats seen), mxfp8_nodes (quant-dequant nodes
+    inserted), split_writes (fused index writes split back for MXFP8)."""
     graph, notes = gm.graph, []
     mxfp8 = ctx.opts("quantize").get("mxfp8_indexer", False)
     formats, split, inserted = {}, 0, 0
@@ -127,4 +132,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         notes.append(f"mxfp8 indexer q/k: {inserted} quant-dequant nodes"
                      + (f"; split {split} fused index writes (no fused MXFP8 key-write op)" if split else ""))
     return PassResult(matches=sum(len(f) for f in formats.values()) + inserted,
-                      changed=True if formats or inserted else False, notes=notes)
+                      changed=True if formats or inserted else False, notes=notes,
+                      stats={**{f"{what}_cache": sorted(fmts) for what, fmts in sorted(formats.items())},
+                             "mxfp8_nodes": inserted, "split_writes": split})

@@ -12,7 +12,8 @@ import operator
 
 import torch
 
-from .graph_utils import info, is_k31c, region_of, stream_of
+from ..graph.ops import is_k31c
+from .graph_utils import info, region_of, stream_of
 from .manager import PassResult, register_pass
 
 
@@ -25,9 +26,10 @@ def is_dense(node: torch.fx.Node) -> bool:
     return True
 
 
-@register_pass("superkernels")
+@register_pass("superkernels", stage="group", after=("indexer_prolog",))
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Mark maximal same-stream, same-region runs of dense ops."""
+    """Mark maximal same-stream, same-region runs of dense ops.
+    stats: superkernels, ops (in them), largest (op counts of the three largest)."""
     chains, current, key = [], [], None
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -45,7 +47,6 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         for node in chain:
             info(node)["superkernel"] = i
     sizes = sorted((len(c) for c in chains), reverse=True)
-    ctx.state["superkernels"] = [{"id": i, "stream": stream_of(c[0]), "ops": len(c)}
-                                 for i, c in enumerate(chains)]
     notes = [f"{len(chains)} superkernels over {sum(sizes)} ops; largest {sizes[:3]}"]
-    return PassResult(matches=len(chains), changed=bool(chains), notes=notes)
+    return PassResult(matches=len(chains), changed=bool(chains), notes=notes,
+                      stats={"superkernels": len(chains), "ops": sum(sizes), "largest": sizes[:3]})

@@ -8,7 +8,7 @@
   happens before `region_exit`), side streams are only used inside regions, regions are closed.
 - Every cache (any value written in place) is written by one op only.
 - A superkernel's ops share one stream and region.
-Errors name the node; the pass never changes the graph.
+Errors name nodes as the dumps do (`printer.display_name`); the pass never changes the graph.
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import GraphVerificationError
+from ..graph.printer import display_name
 from .graph_utils import K31C, is_marker_node, mutated_args, region_of, stream_of
 from .manager import PassResult, register_pass
-
-
 
 
 def _same(a, b) -> bool:
@@ -53,7 +52,7 @@ def repropagate(gm: torch.fx.GraphModule) -> int:
         if old is None:
             continue
         if not _same(old, node.meta.get("val")):
-            raise GraphVerificationError(f"verify: {node.name} changed its result from {old} to "
+            raise GraphVerificationError(f"verify: {display_name(node)} changed its result from {old} to "
                                          f"{node.meta.get('val')}")
         checked += 1
     return checked
@@ -100,36 +99,36 @@ def check_streams(gm: torch.fx.GraphModule) -> int:
             continue
         for a in node.all_input_nodes:
             if a in clocks.stamp and not clocks.before(a, s):
-                raise GraphVerificationError(f"verify: {node.name} (stream {s}) uses {a.name} from stream "
+                raise GraphVerificationError(f"verify: {display_name(node)} (stream {s}) uses {display_name(a)} from stream "
                                              f"{stream_of(a)} without waiting for an event after it")
             if a in written:
                 for other in accessed[a]:
                     if (mutated_args(other) or a in mutated_args(node)) and not clocks.before(other, s):
                         raise GraphVerificationError(
-                            f"verify: {node.name} (stream {s}) and {other.name} (stream {stream_of(other)}) "
-                            f"both use {a.name}, which one of them writes, without an event between them")
+                            f"verify: {display_name(node)} (stream {s}) and {display_name(other)} (stream {stream_of(other)}) "
+                            f"both use {display_name(a)}, which one of them writes, without an event between them")
                 accessed[a].append(node)
         for a in mutated_args(node):
             writers[a].append(node)
         clocks.tick(node, s)
         r = region_of(node)
         if s != 0 and r is None:
-            raise GraphVerificationError(f"verify: {node.name} runs on stream {s} outside any region")
+            raise GraphVerificationError(f"verify: {display_name(node)} runs on stream {s} outside any region")
         if r is not None:
             if r not in open_regions:
-                raise GraphVerificationError(f"verify: {node.name} is in region {r}, which is not open here")
+                raise GraphVerificationError(f"verify: {display_name(node)} is in region {r}, which is not open here")
             used[r][s] = node
     for value, ops in writers.items():
         if len(ops) > 1:
-            raise GraphVerificationError(f"verify: {value.name} is written by {len(ops)} ops "
-                                         f"({', '.join(o.name for o in ops)}); each cache is written once")
+            raise GraphVerificationError(f"verify: {display_name(value)} is written by {len(ops)} ops "
+                                         f"({', '.join(display_name(o) for o in ops)}); each cache is written once")
     return regions
 
 
 def _check_marker(node, s, clocks: _Clocks, open_regions, used) -> None:
     target, args = node.target, node.args
     if target in (K31C.event_record.default, K31C.event_wait.default) and args[1] != s:
-        raise GraphVerificationError(f"verify: {node.name} names stream {args[1]} but is placed on "
+        raise GraphVerificationError(f"verify: {display_name(node)} names stream {args[1]} but is placed on "
                                      f"stream {s}")
     clocks.tick(node, s)
     if target is K31C.event_record.default:
@@ -138,22 +137,22 @@ def _check_marker(node, s, clocks: _Clocks, open_regions, used) -> None:
             used[node.meta["k31c"]["region"]][s] = node
     elif target is K31C.event_wait.default:
         if args[0] not in clocks.events:
-            raise GraphVerificationError(f"verify: {node.name} waits for event {args[0]}, never "
+            raise GraphVerificationError(f"verify: {display_name(node)} waits for event {args[0]}, never "
                                          "recorded before")
         for stream, t in clocks.events[args[0]].items():
             clocks.clock[s][stream] = max(clocks.clock[s][stream], t)
     elif target is K31C.region_enter.default:
         if s != 0 or args[0] in open_regions:
-            raise GraphVerificationError(f"verify: {node.name} opens region {args[0]} twice or off stream 0")
+            raise GraphVerificationError(f"verify: {display_name(node)} opens region {args[0]} twice or off stream 0")
         open_regions[args[0]] = node
     elif target is K31C.region_exit.default:
         r = args[0]
         if r not in open_regions:
-            raise GraphVerificationError(f"verify: {node.name} exits region {r}, which is not open")
+            raise GraphVerificationError(f"verify: {display_name(node)} exits region {r}, which is not open")
         for stream, last in used[r].items():
             if stream != 0 and not clocks.before(last, 0):
                 raise GraphVerificationError(f"verify: region {r} exits before stream {stream} is joined "
-                                             f"(last op {last.name})")
+                                             f"(last op {display_name(last)})")
         del open_regions[r]
 
 
@@ -166,16 +165,18 @@ def check_superkernels(gm: torch.fx.GraphModule) -> int:
         place = (stream_of(node), region_of(node))
         if where.setdefault(sk, place) != place:
             raise GraphVerificationError(f"verify: superkernel {sk} spans streams/regions {where[sk]} and "
-                                         f"{place} (at {node.name})")
+                                         f"{place} (at {display_name(node)})")
     return len(where)
 
 
-@register_pass("verify")
+@register_pass("verify", stage="verify")
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Re-propagate fake tensors; check stream order, joined regions, single writers, superkernels."""
+    """Re-propagate fake tensors; check stream order, joined regions, single writers, superkernels.
+    stats: ops (re-propagated), regions (joined), superkernels (checked)."""
     checked = repropagate(gm)
     regions = check_streams(gm)
     kernels = check_superkernels(gm)
     return PassResult(matches=checked, changed=False,
+                      stats={"ops": checked, "regions": regions, "superkernels": kernels},
                       notes=[f"{checked} ops re-propagated; {regions} regions joined; {kernels} superkernels "
                              "on one stream each"])

@@ -8,7 +8,7 @@ import torch
 from k31c.config import preset
 from k31c.graph.blocks.kda import KimiDeltaAttention
 from k31c.graph.ops.kda import kda_chunked, kda_gate, kda_recurrence, l2_normalize
-from k31c.graph.step import KDALayerState, KDASnapshots, StepMeta
+from k31c.graph.step import KDALayerState, KDASnapshots, step_meta
 
 H, K, W = 2, 16, 4
 P = H * K
@@ -217,10 +217,8 @@ def block_and_state(lb, full_rank, dtype="float32", seed=0):
 
 def meta(slots, lens):
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    return StepMeta(slot_mapping=torch.zeros(0, dtype=torch.int64),
-                    block_table=torch.zeros(len(slots), 1, dtype=torch.int32),
-                    row_req=torch.zeros(0, dtype=torch.int32), row_len=torch.zeros(0, dtype=torch.int32),
-                    kda_slots=torch.tensor(slots), cu_seqlens=cu)
+    return step_meta(slot_mapping=[], block_table=torch.zeros(len(slots), 1), row_req=[], row_len=[],
+                     kda_slots=slots, cu_seqlens=cu)
 
 
 def test_block_parameter_names():

@@ -10,7 +10,7 @@ import torch
 from k31c.config import preset
 from k31c.graph.blocks.mla import GatedMLA
 from k31c.graph.ops.cache_write import index_row_bytes
-from k31c.graph.step import MLALayerCache, StepMeta
+from k31c.graph.step import MLALayerCache, step_meta
 
 LENGTHS = [1, 7, 16, 17, 48, 100]
 BLOCK = 16
@@ -59,11 +59,8 @@ class Pool:
             cu.append(len(pos))
         pos_t = torch.tensor(pos, dtype=torch.int64)
         blocks = self.table[torch.tensor(req)].long().gather(1, (pos_t // BLOCK).unsqueeze(1)).squeeze(1)
-        return StepMeta(slot_mapping=blocks * BLOCK + pos_t % BLOCK, block_table=self.table,
-                        row_req=torch.tensor(req, dtype=torch.int32),
-                        row_len=(pos_t + 1).to(torch.int32),
-                        kda_slots=torch.arange(self.table.shape[0]),
-                        cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+        return step_meta(slot_mapping=blocks * BLOCK + pos_t % BLOCK, block_table=self.table, row_req=req,
+                         row_len=pos_t + 1, kda_slots=torch.arange(self.table.shape[0]), cu_seqlens=cu)
 
 
 def run(block, cfg, lengths, x, form, index="float32"):

@@ -1,15 +1,33 @@
 """Fixtures shared by the lowering tests."""
 import pytest
-import torch
+
+SMALL_TOPK = dict(CAP=64, SAMPLES=64, FB_PROGRAMS=4)
 
 
 @pytest.fixture
 def small_topk_constants(monkeypatch):
-    """On the CPU, top-k's buffer, sample and fallback grid shrink so that a few hundred positions
-    already run the sampled threshold, the refine and the exact fallback (CUDA keeps the real
-    constants at the real shapes)."""
-    if not torch.cuda.is_available():
-        from k31c.lowering.triton import topk
-        monkeypatch.setattr(topk, "CAP", 64)
-        monkeypatch.setattr(topk, "SAMPLES", 64)
-        monkeypatch.setattr(topk, "FB_PROGRAMS", 4)
+    """Top-k's buffer, sample and fallback grid shrunk, on every device, so that a few hundred
+    positions already run the sampled threshold, the refine and the exact fallback, and each
+    test's rows take the same paths everywhere. Returns the real values."""
+    from k31c.lowering.triton import topk
+    real = {name: getattr(topk, name) for name in SMALL_TOPK}
+    for name, value in SMALL_TOPK.items():
+        monkeypatch.setattr(topk, name, value)
+    return real
+
+
+@pytest.fixture
+def real_topk_constants(small_topk_constants, monkeypatch):
+    """The real constants back, for the tests at K3.1 Pro shapes (after small_topk_constants)."""
+    from k31c.lowering.triton import topk
+    for name, value in small_topk_constants.items():
+        monkeypatch.setattr(topk, name, value)
+
+
+@pytest.fixture
+def topk_paths(monkeypatch):
+    """After a top-k launch, `topk_paths()` is the path each row took (topk.row_paths)."""
+    from k31c.lowering.triton import topk
+    monkeypatch.setattr(topk, "DEBUG_PATHS", True)
+    monkeypatch.setattr(topk, "last_paths", [])
+    return lambda: list(topk.last_paths)

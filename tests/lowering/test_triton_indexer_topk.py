@@ -3,8 +3,9 @@ comparison kernel (benchmarks/alternatives/indexer_topk_fused.py), both vs the r
 (interpreter on CPU, compiled on CUDA).
 
 Inputs are test_triton_topk's exact-grid index caches (every score exact in fp32, ties abound), so
-the selected sets must equal the reference's exactly; the CPU shrinks top-k's constants so the
-sampled threshold and the exact fallback both run at a few hundred positions.
+the selected sets must equal the reference's exactly; top-k's constants are shrunk on every device
+so the sampled threshold, the tie scan and the exact fallback run at a few hundred positions, and
+each test asserts the path every row took.
 """
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_op_lowers_to_the_pair(target):
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 @pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),
                                               ("fp8", "fallback")])
-def test_matches_reference(launcher, cache_kind, path, monkeypatch):
+def test_matches_reference(launcher, cache_kind, path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: long rows fall back
         monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(14)
@@ -52,10 +53,12 @@ def test_matches_reference(launcher, cache_kind, path, monkeypatch):
     row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
     got, args, row_len = _run(launcher, args, row_len, k)
     assert (got[3, 7:] == -1).all() and (got[3, :7] >= 0).all()     # row_len < k: -1 fill
+    long = "sampled" if path == "sampled" else "fallback"
+    assert topk_paths() == [long] * 3 + ["direct"] * 2 + ["all"] * 2 + [long] * 5
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_rows_of_mixed_requests(launcher):
+def test_rows_of_mixed_requests(launcher, topk_paths):
     """Rows of several requests in any order, zero-heavy rows and one all-zero row (tie rule)."""
     gen = torch.Generator().manual_seed(15)
     B, H, d, block_size, max_blocks, k = 4, 4, 16, 8, 20, 16
@@ -66,6 +69,9 @@ def test_rows_of_mixed_requests(launcher):
     weights[4] = 0.0
     row_len = torch.tensor([160, 3, 100, 16, 140, 33, 158, 159], dtype=torch.int32)
     _run(launcher, (q, weights, cache, bt, row_req), row_len, k)
+    # the all-zero row: the pair's select scans the ties at T; the fused kernel has no tie scan
+    zero_row = "ties" if launcher == "pair" else "fallback"
+    assert topk_paths() == ["sampled", "direct", "sampled", "direct", zero_row, "all", "sampled", "sampled"]
 
 
 def test_pair_is_the_two_launchers_and_not_the_reference(monkeypatch):
@@ -107,6 +113,7 @@ def test_rejects_bad_arguments(launcher):
 
 
 @pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
+@pytest.mark.usefixtures("real_topk_constants")
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_real_shapes(launcher):
     """16 requests x 4 rows, 32 heads x 128, FP8 keys, block 64, 128K context, k = 2048, bf16 q."""

@@ -41,8 +41,15 @@ def make_tokens(N, H, K, dtype, device, gen):
     return {n: t.to(device=device, dtype=dtype) for n, t in tok.items()}
 
 
+# Within 10x of the largest error measured (CPU interpreter and H200): fp16 small shapes reach
+# 3.8e-6 (the kernels accumulate in fp32 like the reference, so they differ by fp32 rounding
+# only); bf16 K3 shapes (H200 only) 3.1e-2 on prefill outputs, 7.8e-3 on decode outputs.
+TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float16: dict(atol=3e-5, rtol=3e-5),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
 def tol(dtype):
-    return dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    return TOL[dtype]
 
 
 def close(name, got, want, dtype):

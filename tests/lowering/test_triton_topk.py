@@ -1,10 +1,11 @@
 """Triton top-k and fused indexer top-k vs the k31c reference ops (interpreter on CPU, compiled on CUDA).
 
-Sets are compared exactly (the tie rule makes the selected set unique). On the CPU the kernel's
-constants are shrunk (candidate buffer 96, 64 samples, 4 fallback programs) so a few thousand
-positions already exercise every path: the direct refine (row_len <= buffer), the sampled
-threshold, and the exact radix fallback (sample misjudged, or masses of ties at the threshold).
-On CUDA the real constants run at the real shapes (64 rows, k = 2048, L up to 1M).
+Sets are compared exactly (the tie rule makes the selected set unique). On every device the
+kernel's constants are shrunk (candidate buffer 96, 64 samples, 4 fallback programs) so a few
+thousand positions already exercise every path, and each test asserts the path every row took
+(topk.row_paths): direct (row_len <= k), all (row_len <= buffer), the sampled threshold, the
+tie scan, and the exact radix fallback (sample misjudged, or masses of ties at the threshold).
+On CUDA the real constants also run at the real shapes (64 rows, k = 2048, L up to 1M).
 """
 import pytest
 import torch
@@ -32,17 +33,22 @@ def _check_topk(scores, row_len, k):
     _same_sets(topk.topk_select(scores, row_len, k), ref)
 
 
+def _direct(n):
+    return ["direct"] * n
+
+
 # ---- topk_select --------------------------------------------------------------------------------
 
-def test_topk_random_rows_and_lengths():
+def test_topk_random_rows_and_lengths(topk_paths):
     gen = torch.Generator().manual_seed(0)
     k, width = 16, 1500
     lengths = [0, 1, k - 1, k, k + 1, 95, 97, 700, width, width]   # around k and the buffer (96)
     scores = torch.randn(len(lengths), width, generator=gen) * 3
     _check_topk(scores.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k)
+    assert topk_paths() == _direct(4) + ["all"] * 2 + ["sampled"] * 4
 
 
-def test_topk_many_rows_fresh_inputs():
+def test_topk_many_rows_fresh_inputs(topk_paths):
     """Random widths, lengths and values drawn from a few levels (ties near the k-th) or not."""
     gen = torch.Generator().manual_seed(7)
     k, width = 16, 777
@@ -51,10 +57,13 @@ def test_topk_many_rows_fresh_inputs():
     row_len = torch.randint(0, width + 1, (24,), generator=gen).int()
     row_len[:4] = width
     _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
+    paths = topk_paths()
+    assert [i for i, p in enumerate(paths) if p == "ties"] == [0, 3, 6, 15, 18, 21]   # the tied rows
+    assert set(paths) == {"ties", "sampled", "all"}
 
 
 @pytest.mark.parametrize("path", ["sampled", "fallback"])
-def test_topk_tie_heavy_rows(path, monkeypatch):
+def test_topk_tie_heavy_rows(path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: all long rows fall back
         monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(1)
@@ -70,9 +79,11 @@ def test_topk_tie_heavy_rows(path, monkeypatch):
     scores = torch.stack(rows)
     row_len = torch.tensor([width, width, 1234, width, 600, width], dtype=torch.int32)
     _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
+    # sampled: every row but the half-zero one has fewer than k keys above T (the tie scan)
+    assert topk_paths() == (["ties"] * 4 + ["sampled", "ties"] if path == "sampled" else ["fallback"] * 6)
 
 
-def test_topk_sample_misjudged():
+def test_topk_sample_misjudged(topk_paths):
     """Large scores only where the sample never looks (too many candidates) or only where it does
     (too few): both rows must still come out exact."""
     gen = torch.Generator().manual_seed(2)
@@ -86,6 +97,7 @@ def test_topk_sample_misjudged():
     scores[1, sampled] += 10.0
     row_len = torch.full((2,), width, dtype=torch.int32)
     _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
+    assert topk_paths() == ["fallback", "fallback"]     # both thresholds were wrong: the exact passes
 
 
 def test_topk_rejects_bad_arguments():
@@ -97,6 +109,7 @@ def test_topk_rejects_bad_arguments():
 
 
 @gpu_only
+@pytest.mark.usefixtures("real_topk_constants")
 @pytest.mark.parametrize("width", [131072, 1048576])
 def test_topk_real_shapes(width):
     """64 rows (16 requests x 4 verification rows), k = 2048: random, ReLU-zero-heavy and
@@ -157,7 +170,7 @@ def _check_fused(args, row_len, k):
 
 @pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),
                                               ("fp8", "fallback")])
-def test_fused_matches_reference(cache_kind, path, monkeypatch):
+def test_fused_matches_reference(cache_kind, path, monkeypatch, topk_paths):
     if path == "fallback":
         monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(4)
@@ -165,9 +178,11 @@ def test_fused_matches_reference(cache_kind, path, monkeypatch):
     args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)
     row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
     _check_fused(args, row_len, k)
+    long = "sampled" if path == "sampled" else "fallback"
+    assert topk_paths() == [long] * 3 + _direct(2) + ["all"] * 2 + [long] * 5
 
 
-def test_fused_rows_of_mixed_requests():
+def test_fused_rows_of_mixed_requests(topk_paths):
     """Row groups that span several requests, in any order, with zero-heavy rows."""
     gen = torch.Generator().manual_seed(5)
     B, H, d, block_size, max_blocks, k = 4, 4, 16, 8, 20, 16
@@ -175,12 +190,14 @@ def test_fused_rows_of_mixed_requests():
     q, weights, cache, bt, row_req = _indexer_inputs(gen, B, 2, H, d, block_size, max_blocks,
                                                      torch.float16, "fp8", row_req)
     weights[:4] = -weights[:4].abs()           # all-negative weights: scores <= 0, many exact zeros
-    weights[4] = 0.0                           # a row of exact zeros: pure tie rule (fallback path)
+    weights[4] = 0.0                           # a row of exact zeros: pure tie rule (the tie scan)
     row_len = torch.tensor([160, 3, 100, 16, 140, 33, 158, 159], dtype=torch.int32)
     _check_fused((q, weights, cache, bt, row_req), row_len, k)
+    assert topk_paths() == ["sampled", "direct", "sampled", "direct", "ties", "all", "sampled", "sampled"]
 
 
 @gpu_only
+@pytest.mark.usefixtures("real_topk_constants")
 @pytest.mark.parametrize("cache_kind", ["fp8", torch.bfloat16])
 def test_fused_real_shapes(cache_kind):
     """K3.1 Pro: 16 requests x 4 rows, 32 heads x 128, block 64, 128K context, k = 2048, bf16 q."""

@@ -12,7 +12,7 @@ from torch.export import Dim
 from k31c.config import preset
 from k31c.graph.blocks.mla import GatedMLA
 from k31c.graph.capture import clone_graph, trace
-from k31c.graph.step import MLALayerCache, StepMeta
+from k31c.graph.step import MLALayerCache, step_meta
 from k31c.passes.manager import make_context, resolve, run_pipeline
 
 BLOCK, BLOCKS_PER_REQ, CACHED = 16, 4, 20
@@ -45,10 +45,9 @@ def step_inputs(cfg, batch=2, seed=0, fp8=False):
         index = torch.randn(nb, BLOCK, cfg.index_head_dim, generator=g)
     table = torch.arange(nb, dtype=torch.int32).view(batch, BLOCKS_PER_REQ)
     slots = table[:, CACHED // BLOCK].long() * BLOCK + CACHED % BLOCK
-    meta = StepMeta(slot_mapping=slots, block_table=table,
-                    row_req=torch.arange(batch, dtype=torch.int32),
-                    row_len=torch.full((batch,), CACHED + 1, dtype=torch.int32),
-                    kda_slots=torch.arange(batch), cu_seqlens=torch.arange(batch + 1, dtype=torch.int32))
+    meta = step_meta(slot_mapping=slots, block_table=table, row_req=torch.arange(batch),
+                     row_len=torch.full((batch,), CACHED + 1), kda_slots=torch.arange(batch),
+                     cu_seqlens=torch.arange(batch + 1))
     x = torch.randn(batch, cfg.hidden_size, generator=g)
     return x, meta, MLALayerCache(latent, index)
 
@@ -69,11 +68,11 @@ def run_graph(gm, weights, x, meta, cache):
         return gm(*weights, *pytree.tree_leaves((x, meta, cache)))[0]
 
 
-def passes(gm, names=None, target="cpu", options=None, stop_after=None):
+def passes(gm, names=None, target="cpu", options=None, stop_after=None, disable=()):
     """Run a pipeline on a copy of `gm`; returns (graph, records, context)."""
     gm = clone_graph(gm)
     ctx = make_context(target, "test")
-    records = run_pipeline(gm, resolve(names, options), ctx, stop_after=stop_after)
+    records = run_pipeline(gm, resolve(names, options, disable=disable), ctx, stop_after=stop_after)
     return gm, records, ctx
 
 

@@ -1,9 +1,11 @@
 """Graph goldens of the tiny model and structural checks beside them.
 
-tests/golden/<step>.cpu.txt is the whole graph after the default pipeline, as
-`k31c inspect --config tiny --step <step>` prints it. The targets differ only in what `lower`
-picks for each k31c op (checked below), so tests/golden/<step>.<gpu target>.txt holds just that:
-`k31c inspect --config tiny --step <step> --target <target> --k31c-only`.
+tests/golden/<step>.<target>.txt holds the k31c ops and stream markers of the whole graph after
+the default pipeline, as `k31c inspect --config tiny --step <step> --target <target> --k31c-only`
+prints it: what lowering decides per target. tests/golden/<step>.layer<N>.txt holds every op of
+one decoder layer of each kind on the CPU (the first KDA layer, the first MLA layer with its
+indexer region): `format_graph(gm, layer=N)`. The per-pass detail lives in the lit tests
+(tests/passes/test_<pass>_lit.py); the goldens catch any change of the end result.
 
 A golden differs: the test fails with a diff. If the change is intended, review the diff and
 rewrite the goldens with `pytest tests/passes/test_goldens.py --update-goldens`."""
@@ -15,6 +17,7 @@ import torch
 
 from k31c.config import preset
 from k31c.cli.inspect import inspect_graph, render, shape_model
+from k31c.graph.printer import format_graph
 from k31c.passes.graph_utils import INDEX_WRITES, info, stream_of
 from k31c.passes.verify import check_streams, check_superkernels
 
@@ -37,12 +40,11 @@ def graphs(tiny):
             for step in STEPS for target in TARGETS}
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("step", STEPS)
-def test_golden(graphs, step, target, update_goldens):
-    gm, captured = graphs[(step, target)]
-    text = render(gm, captured, "text", f"{step} target={target} after=verify", k31c_only=target != "cpu")
-    path = GOLDEN_DIR / f"{step}.{target}.txt"
+def layers_of_each_kind(cfg) -> tuple[int, int]:
+    return cfg.kda_layers[0], cfg.mla_layers[0]
+
+
+def check_golden(path: Path, text: str, what: str, update_goldens: bool) -> None:
     if update_goldens:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -54,8 +56,40 @@ def test_golden(graphs, step, target, update_goldens):
         diff = list(difflib.unified_diff(want.splitlines(), text.splitlines(), f"golden/{path.name}",
                                          "current graph", n=2, lineterm=""))
         shown = "\n".join(diff[:120]) + (f"\n... ({len(diff) - 120} more diff lines)" if len(diff) > 120 else "")
-        pytest.fail(f"the {step} graph for {target} differs from {path}:\n{shown}\n"
+        pytest.fail(f"{what} differs from {path}:\n{shown}\n"
                     "if intended, review and run pytest --update-goldens")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("step", STEPS)
+def test_golden_k31c_ops(graphs, step, target, update_goldens):
+    gm, captured = graphs[(step, target)]
+    text = render(gm, captured, "text", f"{step} target={target} after=verify", k31c_only=True)
+    check_golden(GOLDEN_DIR / f"{step}.{target}.txt", text, f"the {step} graph's k31c ops for {target}",
+                 update_goldens)
+
+
+@pytest.mark.parametrize("kind", ["kda", "mla"])
+@pytest.mark.parametrize("step", STEPS)
+def test_golden_layer(tiny, graphs, step, kind, update_goldens):
+    cfg, _ = tiny
+    layer = dict(zip(("kda", "mla"), layers_of_each_kind(cfg)))[kind]
+    gm, captured = graphs[(step, "cpu")]
+    text = format_graph(gm, title=f"{step} target=cpu after=verify layer={layer}", dims=captured.dims,
+                        layer=layer)
+    if kind == "mla":
+        assert "k31c.region_enter(" in text and "stream=1" in text and "stream=2" in text
+    else:
+        assert "k31c.kda_decode(" in text or "k31c.kda_prefill(" in text
+    check_golden(GOLDEN_DIR / f"{step}.layer{layer}.txt", text, f"layer {layer} of the {step} graph",
+                 update_goldens)
+
+
+def test_no_stale_goldens(tiny):
+    cfg, _ = tiny
+    expected = {f"{s}.{t}.txt" for s in STEPS for t in TARGETS} | \
+        {f"{s}.layer{n}.txt" for s in STEPS for n in layers_of_each_kind(cfg)}
+    assert {p.name for p in GOLDEN_DIR.iterdir()} == expected
 
 
 def _ops(gm, op):

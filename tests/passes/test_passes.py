@@ -5,6 +5,7 @@ import torch
 
 from pass_helpers import MLALayer, capture_layer, eager_and_graph, nodes, passes, step_inputs, tiny_cfg
 from k31c.graph.capture import clone_graph
+from k31c.graph.ops import is_k31c
 from k31c.passes.graph_utils import info, stable_toposort, stream_of
 from k31c.passes.manager import DEFAULT_PIPELINE
 from k31c.passes.quantize import mxfp8_quant_dequant
@@ -228,8 +229,7 @@ def test_superkernels_stay_on_one_stream(captured):
     assert len(groups) == records[-1].result.matches >= 3
     for members in groups.values():
         assert len({stream_of(n) for n in members}) == 1
-        assert not any(n.target.__class__ is torch._ops.OpOverload and n.target.namespace == "k31c"
-                       for n in members)
+        assert not any(is_k31c(n) for n in members)
     order = list(out.graph.nodes)
     for members in groups.values():                            # consecutive runs in graph order
         idx = [order.index(n) for n in members]
@@ -243,8 +243,7 @@ def test_lower_assigns_registry_kernels_and_counts_fallbacks(captured, target):
     out, records, ctx = passes(gm, target=target)
     expected_fallbacks = 0
     for n in out.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
-                or n.target.namespace != "k31c":
+        if not is_k31c(n):
             continue
         op = f"k31c::{n.target._schema.name.split('::')[-1]}"
         if op.split("::")[1] in ("region_enter", "region_exit", "event_record", "event_wait"):
@@ -254,7 +253,8 @@ def test_lower_assigns_registry_kernels_and_counts_fallbacks(captured, target):
         assert info(n)["kernel"] == ("reference" if kernel is None else f"{kernel.backend}:"
                                      f"{kernel.fn.__module__}.{kernel.fn.__name__}")
         expected_fallbacks += kernel is None and target != "cpu"
-    assert sum(ctx.state["fallbacks"].values()) == expected_fallbacks
+    assert sum(ctx.stats("lower")["fallbacks"].values()) == expected_fallbacks
+    assert ctx.state == ctx.stats("lower")             # the context's read-only view of the same
 
 
 def _verified(gm):

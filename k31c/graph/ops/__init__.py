@@ -21,5 +21,17 @@ Conventions shared by all ops (see graph/step.py for the row layout):
 """
 import importlib
 
+import torch
+
 for _m in ("cache_write", "indexer", "mla", "kda", "streams"):
     importlib.import_module(f"{__name__}.{_m}")
+
+
+def is_k31c_op(target) -> bool:
+    """Whether a call target is an op of this set (stream markers included)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "k31c"
+
+
+def is_k31c(node: torch.fx.Node) -> bool:
+    """Whether an FX node calls an op of this set (stream markers included)."""
+    return node.op == "call_function" and is_k31c_op(node.target)

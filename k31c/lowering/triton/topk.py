@@ -48,6 +48,8 @@ TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 8192, 8          # sampled keys per long row, in runs of 8 adjacent positions
 FB_PROGRAMS = 128               # programs of each fallback pass (each takes 1/128 of a row)
 ROW_STATE = 8                   # int32 words of per-row state
+DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
+last_paths: list[str] = []
 
 # per-row state words (public: selection pipelines over the same state read them)
 ST_CNT = tl.constexpr(0)      # candidates appended
@@ -399,6 +401,25 @@ class TopkPlan:
         return dict(zip(sizes, flat.split(list(sizes.values()))))
 
 
+def row_paths(ws, row_len, k: int, cap: int) -> list[str]:
+    """The path each row of a finished call took, read back from its workspace: "direct"
+    (row_len <= k), "all" (row_len <= cap: every position a candidate), "sampled" (a sampled
+    threshold, settled from the buffer), "ties" (the buffer plus keys at the threshold), "fallback"."""
+    state = ws["state"].view(-1, ROW_STATE).cpu()
+    listed = set(ws["fb"][1:1 + int(ws["fb"][0])].tolist())
+    paths = []
+    for row, n in enumerate(row_len.tolist()):
+        if int(state[row, ST_MODE.value]) == 1:
+            paths.append("direct")
+        elif row in listed:
+            paths.append("fallback")
+        elif int(state[row, ST_CNT.value]) < k:           # fewer candidates than k
+            paths.append("ties")
+        else:
+            paths.append("all" if n <= cap else "sampled")
+    return paths
+
+
 def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int = SCORE_TILE,
          programs: int = FILTER_PROGRAMS) -> TopkPlan:
     """The plan of `n_rows` rows of `width` keys (filter programs shared by `groups` row groups,
@@ -457,6 +478,8 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
                                            TILE=REFINE_TILE, num_warps=8)
     _fb_emit_kernel[(p.fb_programs,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
                                       ws["fb"], NP=p.fb_programs, TILE=REFINE_TILE, num_warps=8)
+    if DEBUG_PATHS:
+        last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
 
 

@@ -1,0 +1,57 @@
+"""Parameter counts from the config (graph/param_count.py) against the built model's, and the
+full-size model counted without building it."""
+import pytest
+import torch
+
+from k31c.config import preset
+from k31c.graph.model import K31ForCausalLM
+from k31c.graph.param_count import GROUPS, count_parameters
+
+
+def built_counts(cfg) -> dict[str, int]:
+    """The model on the meta device, its parameters grouped by name (as `k31c info` groups them)."""
+    with torch.device("meta"):
+        model = K31ForCausalLM(cfg)
+    groups = dict.fromkeys(GROUPS, 0)
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+        if ".indexer." in name:
+            part = "indexer"
+        elif ".experts." in name:
+            part = "routed experts"
+        elif ".self_attn." in name:
+            part = "attention (MLA)" if cfg.is_mla_layer(layer) else "KDA"
+        elif "embed_tokens" in name or "lm_head" in name:
+            part = "embedding + lm_head"
+        else:
+            part = "MLP / shared / router / norms"
+        groups[part] += p.numel()
+    return groups
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    dict(index_n_heads=None, index_head_dim=None, index_topk=None),                  # dense MLA
+    dict(gate_lower_bound=None, use_full_rank_gate=False, attn_res_block_size=None,   # Kimi Linear style
+         mla_use_output_gate=False, routed_expert_hidden_size=None, latent_moe_use_norm=False,
+         hidden_act="silu"),
+    dict(q_lora_rank=None, index_n_heads=None, index_head_dim=None, index_topk=None,
+         num_shared_experts=0, latent_moe_use_norm=False, first_k_dense_replace=3),
+    dict(num_experts=None),                                                          # no MoE at all
+])
+def test_counts_equal_the_built_models(changes):
+    cfg = preset("tiny").replace(**changes) if changes else preset("tiny")
+    assert count_parameters(cfg) == built_counts(cfg)
+
+
+def test_full_size_counted_from_the_config():
+    cfg = preset("k3.1-pro")
+    counts = count_parameters(cfg)
+    n = sum(counts.values())
+    assert len(cfg.mla_layers) == 24 and len(cfg.kda_layers) == 69
+    # routed experts: 92 MoE layers x 896 experts x 3 x 3072 x 3584
+    assert counts["routed experts"] == 92 * 896 * 3 * 3072 * 3584
+    assert 2.7e12 < n < 2.9e12, n
+    # indexer per MLA layer: wq_b 4096x1536 + wk 128x7168 + k_norm 2x128 + weights_proj 32x7168
+    assert counts["indexer"] == 24 * (4096 * 1536 + 128 * 7168 + 256 + 32 * 7168)
