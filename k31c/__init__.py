@@ -4,9 +4,9 @@ Re-exports the public names. The config names are plain Python; the rest import 
 set, so they are loaded on first use (`k31c.load_checkpoint` etc.): importing any k31c module
 stays cheap and never pulls in an optional backend.
 """
-import sys
 from importlib import import_module
 
+from . import dynamo_registry as _dynamo_registry
 from .config import PRESETS, ConfigError, K31Config, preset
 
 __version__ = "0.1.0"
@@ -35,17 +35,9 @@ def dynamo_backend(gm, example_inputs):
     return backend(gm, example_inputs)
 
 
-def register_dynamo_backend() -> None:
-    """Register "k31c" with Dynamo if Dynamo is loaded and does not know it yet. An installed k31c
-    is also found through its `torch_dynamo_backends` entry point (pyproject.toml); when Dynamo
-    has listed that entry point, it loads it itself on first lookup."""
-    registry = sys.modules.get("torch._dynamo.backends.registry")
-    if registry is None or "k31c" in registry._COMPILER_FNS or registry._BACKENDS.get("k31c") is not None:
-        return
-    registry.register_backend(compiler_fn=dynamo_backend, name="k31c")
+_dynamo_registry.register(dynamo_backend)
 
 
-register_dynamo_backend()
 
 
 def __getattr__(name: str):

@@ -395,9 +395,9 @@ dynamo_backend = backend()     # the default one, "k31c" (k31c.dynamo_backend ca
 
 
 def _register_backend() -> None:
-    import torch._dynamo.backends.registry  # noqa: F401  (loaded, so the package can register)
-    from . import register_dynamo_backend
-    register_dynamo_backend()
+    import torch._dynamo.backends.registry  # noqa: F401  (loaded, so the name can be registered)
+    from .dynamo_registry import register
+    register(dynamo_backend)
 
 
 _register_backend()
