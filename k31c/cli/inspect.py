@@ -98,17 +98,11 @@ def shape_model(cfg):
 
 def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
     """Step metadata and caches of the fixed inspection pool (values are never read)."""
-    import torch
-
-    from ..graph.step import StepMeta
+    from ..graph.step import step_meta
     from ..runtime.kv import CachePool
     pool = CachePool(cfg, index_cache=index_cache, device=device, **POOL)
-    i32, i64 = torch.int32, torch.int64
-    meta = StepMeta(slot_mapping=torch.zeros(1, dtype=i64, device=device),
-                    block_table=pool.block_table[:1], row_req=torch.zeros(1, dtype=i32, device=device),
-                    row_len=torch.ones(1, dtype=i32, device=device),
-                    kda_slots=torch.zeros(1, dtype=i64, device=device),
-                    cu_seqlens=torch.tensor([0, 1], dtype=i32, device=device))
+    meta = step_meta(slot_mapping=[0], block_table=pool.block_table[:1], row_req=[0], row_len=[1],
+                     kda_slots=[0], cu_seqlens=[0, 1], device=device)
     return meta, pool.caches()
 
 

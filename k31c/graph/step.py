@@ -99,10 +99,10 @@ def padding_step(batch: int, rows: int, max_blocks: int, device) -> tuple[torch.
     real batch's values are a prefix of the padded ones."""
     n = batch * rows
     i32, i64 = torch.int32, torch.int64
-    meta = StepMeta(slot_mapping=torch.full((n,), -1, dtype=i64, device=device),
-                    block_table=torch.full((batch, max_blocks), -1, dtype=i32, device=device),
-                    row_req=torch.arange(n, dtype=i32, device=device) // rows,
-                    row_len=torch.zeros(n, dtype=i32, device=device),
-                    kda_slots=torch.full((batch,), -1, dtype=i64, device=device),
-                    cu_seqlens=torch.arange(batch + 1, dtype=i32, device=device) * rows)
+    meta = step_meta(slot_mapping=torch.full((n,), -1, dtype=i64, device=device),
+                     block_table=torch.full((batch, max_blocks), -1, dtype=i32, device=device),
+                     row_req=torch.arange(n, dtype=i32, device=device) // rows,
+                     row_len=torch.zeros(n, dtype=i32, device=device),
+                     kda_slots=torch.full((batch,), -1, dtype=i64, device=device),
+                     cu_seqlens=torch.arange(batch + 1, dtype=i32, device=device) * rows)
     return torch.zeros(n, dtype=i64, device=device), meta

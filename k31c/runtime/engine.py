@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..graph.step import StepMeta
+from ..graph.step import StepMeta, step_meta
 from .kv import CachePool
 
 
@@ -50,12 +50,9 @@ class Engine:
             row_req += [b] * n
             row_len += list(range(s + 1, s + n + 1))
             cu.append(cu[-1] + n)
-        kda_slots = [pool.requests[r].slot for r in rids]
-        as_t = lambda v, dt: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
-        return StepMeta(slot_mapping=as_t(slot_mapping, torch.int64),
-                        block_table=pool.block_table[as_t(kda_slots, torch.int64)],
-                        row_req=as_t(row_req, torch.int32), row_len=as_t(row_len, torch.int32),
-                        kda_slots=as_t(kda_slots, torch.int64), cu_seqlens=as_t(cu, torch.int32))
+        kda_slots = torch.tensor([pool.requests[r].slot for r in rids], dtype=torch.int64, device=dev)
+        return step_meta(slot_mapping=slot_mapping, block_table=pool.block_table[kda_slots], row_req=row_req,
+                         row_len=row_len, kda_slots=kda_slots, cu_seqlens=cu, device=dev)
 
     @torch.no_grad()
     def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -1,32 +1,23 @@
-"""Parameter counts from the config (graph/param_count.py) against the built model's, and the
-full-size model counted without building it."""
+"""Parameter counts (graph/sizes.py: one layer of each kind on the meta device) against the whole
+built model's, and the full-size model counted without building it."""
 import pytest
 import torch
 
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
-from k31c.graph.param_count import GROUPS, count_parameters
+from k31c.graph.sizes import parameter_groups, part_of
 
 
 def built_counts(cfg) -> dict[str, int]:
-    """The model on the meta device, its parameters grouped by name (as `k31c info` groups them)."""
+    """The whole model on the meta device, its parameters grouped as `k31c info` groups them."""
     with torch.device("meta"):
         model = K31ForCausalLM(cfg)
-    groups = dict.fromkeys(GROUPS, 0)
+    groups: dict[str, int] = {}
     for name, p in model.named_parameters():
         parts = name.split(".")
         layer = int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
-        if ".indexer." in name:
-            part = "indexer"
-        elif ".experts." in name:
-            part = "routed experts"
-        elif ".self_attn." in name:
-            part = "attention (MLA)" if cfg.is_mla_layer(layer) else "KDA"
-        elif "embed_tokens" in name or "lm_head" in name:
-            part = "embedding + lm_head"
-        else:
-            part = "MLP / shared / router / norms"
-        groups[part] += p.numel()
+        part = part_of(name, layer is not None and cfg.is_mla_layer(layer))
+        groups[part] = groups.get(part, 0) + p.numel()
     return groups
 
 
@@ -42,12 +33,12 @@ def built_counts(cfg) -> dict[str, int]:
 ])
 def test_counts_equal_the_built_models(changes):
     cfg = preset("tiny").replace(**changes) if changes else preset("tiny")
-    assert count_parameters(cfg) == built_counts(cfg)
+    assert parameter_groups(cfg) == built_counts(cfg)
 
 
 def test_full_size_counted_from_the_config():
     cfg = preset("k3.1-pro")
-    counts = count_parameters(cfg)
+    counts = parameter_groups(cfg)
     n = sum(counts.values())
     assert len(cfg.mla_layers) == 24 and len(cfg.kda_layers) == 69
     # routed experts: 92 MoE layers x 896 experts x 3 x 3072 x 3584

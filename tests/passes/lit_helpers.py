@@ -14,7 +14,7 @@ from torch.testing import FileCheck  # noqa: F401  (re-exported for the lit file
 from k31c.config import preset
 from k31c.graph.capture import clone_graph
 from k31c.graph.printer import format_graph
-from k31c.inspect_cmd import inspect_graph, shape_model
+from k31c.cli.inspect import inspect_graph, shape_model
 from k31c.passes.manager import PassRecord, make_context, resolve, run_pipeline
 
 LIT_CONFIG = dict(num_hidden_layers=2, full_attn_layers=(2,))
