@@ -23,7 +23,8 @@ Executors (`options={"executor": ...}`):
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
 - `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
-- `iree`: lowering/iree, loaded only when asked for.
+- `iree`: reserved for the IREE build of the CPU and AMD dense regions, which k31c does not have
+  yet (lowering/iree); asking for it is an error saying so.
 The report counts the kernels each step calls from what the built program executes: a GPU-target
 step run through its references says so as fallbacks.
 
@@ -31,7 +32,6 @@ step run through its references says so as fallbacks.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,6 +48,7 @@ from .graph.ops.streams import is_marker
 from .lowering.build import DENSE_CODEGENS, build_program, op_name
 from .lowering.program import Program as KernelProgram
 from .lowering.targets import Target, get_target
+from .lowering.triton.device import interpreting
 from .passes.manager import PassContext, PassRecord, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
@@ -133,7 +134,7 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
             raise UsageError(f"unknown option '{key}'; compile options: {', '.join(COMPILE_OPTIONS)}; "
                              f"pass options go under a pass name: {', '.join(passes)}")
     if compile_opts["executor"] is None:
-        compile_opts["executor"] = "inductor" if target.device == "cpu" else "program"
+        compile_opts["executor"] = target.executor
     if compile_opts["executor"] not in EXECUTORS:
         raise UsageError(f"option executor must be one of {EXECUTORS}, got {compile_opts['executor']!r}")
     if compile_opts["dense_codegen"] not in DENSE_CODEGENS:
@@ -169,11 +170,6 @@ def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str,
     from torch._inductor.compile_fx import compile_fx
     with torch.no_grad():
         return compile_fx(clone_graph(gm), example_inputs)
-
-
-def interpreting() -> bool:
-    """Triton kernels run in the interpreter on CPU tensors (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _progress(message: str) -> None:

@@ -19,6 +19,7 @@ from k31c.graph.ops.cache_write import is_fp8_index_cache
 from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
 from k31c.lowering.triton.device import interpreting, sm_count
+from k31c.lowering.triton import topk
 from k31c.lowering.triton.topk import (ST_DONE, ST_KREM, ST_MODE, ST_OUT, ST_PREFIX,
                                        ST_THRESH, ST_WORDS, append_candidates, fallback_chunk,
                                        fallback_digit_tile, fallback_emit_tile, fallback_pick_digit,
@@ -272,4 +273,6 @@ def lightning_indexer_topk_fused(q: torch.Tensor, weights: torch.Tensor, index_c
                                                  **shape, num_warps=4)
     _fused_fb_emit_kernel[(p.fb_programs,)](*src, row_len, out, out.stride(0), ws["state"], ws["fb"],
                                             NP=p.fb_programs, TILE=64, HP=hp1, **shape, num_warps=4)
+    if topk.DEBUG_PATHS:
+        topk.last_paths[:] = topk.row_paths(ws, row_len, k, p.cap)
     return out

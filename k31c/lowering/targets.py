@@ -21,6 +21,7 @@ class Target:
     sm_count: int = 4                        # SMs / CUs the launchers size grids for (the CPU:
                                              # what the Triton interpreter's grids stand for)
     dense_codegen: str = "inductor"          # who compiles the dense (non-k31c) ops
+    executor: str = "inductor"               # k31c.compile's default executor (api.py lists them)
     fast_dot_precision: str = "ieee"         # tl.dot input_precision of fp32 operands where a
                                              # kernel asks for fast dots ("tf32" on NVIDIA;
                                              # Triton 3.7's AMD backend has no tf32 on gfx950)
@@ -44,14 +45,14 @@ class Target:
 TARGETS = {
     "cpu": Target("cpu", "cpu", "host"),
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
-                   fast_dot_precision="tf32",
+                   executor="program", fast_dot_precision="tf32",
                    default_variants=(("k31c::lightning_indexer", "tma"),),
                    device_graphs=True, graph_streams=3, device_names=("H200",)),
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.
     "mi350x": Target("mi350x", "cuda", "gfx950", "hip", "gfx950", warp_size=64, sm_count=256,
-                     dense_codegen="iree",
+                     dense_codegen="iree", executor="program",
                      default_variants=(("k31c::lightning_indexer", "tma"),),
                      device_graphs=True, graph_streams=1, runnable_here=False,
                      device_names=("MI350", "MI355")),
