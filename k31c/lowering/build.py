@@ -111,7 +111,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
         n_slots += 1
         return slots[node]
 
-    n_pieces = len(piece_keys)
+    distinct = len(set(piece_keys.values()))
     for node in gm.graph.nodes:
         stream = (node.meta.get("k31c") or {}).get("stream", 0)
         if node.op == "placeholder":
@@ -123,12 +123,10 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
             key = piece_keys[node.target]
             if key not in compiled:
                 if progress is not None:
-                    progress(f"{name}: compiling dense piece {len(pieces) + 1} ({node.target}, "
-                             f"{len(piece_keys)} pieces, {n_pieces} to go at most)")
+                    progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
                 compiled[key] = len(pieces)
                 pieces.append(compile_piece(gm.get_submodule(node.target), dense_codegen))
                 piece_names.append(key)
-            n_pieces -= 1
             step = Dense(compiled[key], stream, tuple(slots[a] for a in node.args), tuple())
             step.outs = [None] * _n_outputs(node)
             steps.append(step)

@@ -53,9 +53,9 @@ class StaticInputs:
 
     def __init__(self, inputs: StepInputs, templates: list[torch.Tensor]):
         self.inputs = inputs
-        self.buffers = [t.clone() for t in templates]
-        self.padding = [None if index in inputs.snapshots else t
-                        for index, t in zip(inputs.per_step, templates)]
+        snaps = [index in inputs.snapshots for index in inputs.per_step]
+        self.buffers = [t if snap else t.clone() for t, snap in zip(templates, snaps)]
+        self.padding = [None if snap else t for t, snap in zip(templates, snaps)]
         self.filled = [0] * len(templates)
 
     def bind(self, flat: list) -> list:
@@ -126,7 +126,7 @@ class DecodeGraphs:
             shape = self._shape(i, batch)
             t = padding.get(name)
             if t is None:                   # snapshots: written by the step, never read
-                t = torch.zeros(shape, dtype=like.dtype, device=device)
+                t = torch.empty(shape, dtype=like.dtype, device=device)
             if tuple(t.shape) != shape or t.dtype != like.dtype:
                 raise RuntimeFailure(f"device graphs: padding for {name} is {t.dtype} {tuple(t.shape)}, "
                                      f"the program takes {like.dtype} {shape}")
