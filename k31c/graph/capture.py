@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.export import Dim
 
 from .model import K31ForCausalLM
-from .step import Caches, KDASnapshots, StepMeta, step_meta
+from .step import Caches, KDASnapshots, StepMeta, step_leaves, step_meta
 
 STEP_MODES = ("prefill", "decode")
 
@@ -74,6 +74,7 @@ class Captured:
     seconds: float = 0.0
     leaf_checks: Optional[list] = None     # flat_step_inputs' compiled shape checks (built on first use)
     _weights: Optional[list] = None
+    passed_leaves: dict = field(default_factory=dict)   # leaf index -> last fixed-size tensor checked
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -312,14 +313,20 @@ def _leaf_checks(captured: Captured, placeholders: list[torch.fx.Node]) -> list[
 def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches):
     """Weights + flattened step inputs in placeholder order, after checking that the program covers
     these shapes (a mismatch would need a new capture: it is an error naming the input)."""
-    leaves, spec = pytree.tree_flatten((input_ids, meta, caches))
-    if spec != captured.in_spec:
+    try:
+        leaves = step_leaves(input_ids, meta, caches)
+    except AttributeError as e:
+        raise ValueError(f"step inputs: expected (input_ids, StepMeta, Caches): {e}") from None
+    checks = _leaf_checks(captured, placeholders)
+    if (caches.kda_snapshots is not None) != captured.step.snapshots or len(leaves) != len(checks):
         raise ValueError(f"step inputs: their structure differs from the captured {captured.step.name} "
                          f"step's (kda_snapshots present: {caches.kda_snapshots is not None}; "
                          f"the graph was captured with {captured.step.snapshots})")
-    checks = _leaf_checks(captured, placeholders)
     bound: dict[str, int] = {}
-    for c, t in zip(checks, leaves):
+    passed = captured.passed_leaves
+    for i, (c, t) in enumerate(zip(checks, leaves)):
+        if passed.get(i) is t:               # the same pool tensor as last step: sizes cannot differ
+            continue
         if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.ndim:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{c.name}: expected {c.dtype} with {c.ndim} dims, got {got}")
@@ -332,6 +339,8 @@ def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], inpu
                                  f"captured for {want} (a different cache pool needs a new compile)")
         for d, sym in c.binds:
             bound.setdefault(sym, shape[d])
+        if not c.binds and not c.derived:
+            passed[i] = t
     for c, t in zip(checks, leaves):
         for d, sym in c.binds:
             if t.shape[d] != bound[sym] or t.shape[d] < 1:

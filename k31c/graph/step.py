@@ -89,6 +89,22 @@ class Caches:
 for _cls in (StepMeta, MLALayerCache, KDALayerState, KDASnapshots, Caches):
     pytree.register_dataclass(_cls)
 
+META_FIELDS = ("slot_mapping", "block_table", "row_req", "row_len", "kda_slots", "cu_seqlens")
+
+
+def step_leaves(input_ids: torch.Tensor, meta: StepMeta, caches: Caches) -> list[torch.Tensor]:
+    """The tensors of `(input_ids, meta, caches)` in pytree's flatten order (the order of a
+    captured graph's step inputs), without pytree's generic walk: this runs on every step."""
+    out = [input_ids]
+    out += [getattr(meta, f) for f in META_FIELDS]
+    for c in caches.mla:
+        out += (c.latent, c.index)
+    for s in caches.kda:
+        out += (s.conv, s.recurrent)
+    for s in caches.kda_snapshots or ():
+        out += (s.conv, s.recurrent)
+    return out
+
 
 def padding_step(batch: int, rows: int, max_blocks: int, device) -> tuple[torch.Tensor, StepMeta]:
     """Token ids and metadata of a decode step of `batch` padding requests x `rows` rows.
