@@ -5,6 +5,10 @@
 #      configs against eager, every pass switched off, profile of a replayed step),
 #   2. the kernels' real-shape tests (tests/lowering), unless --no-kernels,
 #   3. with --bench, `k31c bench e2e` (benchmarks/e2e.py) into $OUT or ./bench-e2e.md.
+# --kernels-only runs part 2 alone. On an H200, part 1 takes about 9 minutes (Inductor compiles
+# included; measured in pieces) and part 2 about 4: where one command may run at most 10 minutes,
+# run `--no-kernels` and `--kernels-only` as two commands, and split part 1 with -k if needed.
+# Other arguments go to part 1's pytest (e.g. -k bench).
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
 set -uo pipefail
@@ -12,17 +16,20 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
-kernels=1 bench=0 rest=()
+kernels=1 bench=0 program=1 rest=()
 for a in "$@"; do
     case "$a" in
         --no-kernels) kernels=0 ;;
+        --kernels-only) program=0 ;;
         --bench) bench=1 ;;
         *) rest+=("$a") ;;
     esac
 done
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
-"$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${rest[@]}" || status=1
+if [ "$program" = 1 ]; then
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${rest[@]}" || status=1
+fi
 if [ "$kernels" = 1 ]; then
     "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py || status=1
 fi
