@@ -3,6 +3,7 @@
     k31c inspect --config tiny --step decode --after indexer_prolog
     k31c inspect --config tiny --step prefill --disable fuse_index_write,quantize
     k31c inspect --config tiny --step verify --rows 4 --target h200 --format svg --layer 3 -o g.svg
+    k31c inspect --config tiny --step decode --target h200 --format program
 
 The model is built from the config alone (weights are not needed to see the graph: they live on
 the `meta` device, nothing is allocated), the cache pool is a fixed small geometry (4 requests,
@@ -38,7 +39,9 @@ def add(sub) -> None:
                    help="a pass option, e.g. quantize.mxfp8_indexer=true (repeatable)")
     p.add_argument("--index-cache", choices=("bf16", "fp8"), default="bf16",
                    help="index-key cache format of the pool (default bf16)")
-    p.add_argument("--format", choices=("text", "svg"), default="text")
+    p.add_argument("--format", choices=("text", "svg", "program"), default="text",
+                   help="text: canonical graph; svg: a picture; program: the steps the GPU program "
+                        "executor runs (dense pieces, bound kernels, events)")
     p.add_argument("--layer", type=int, default=None, help="svg: draw only this decoder layer")
     p.add_argument("--k31c-only", action="store_true",
                    help="text: only the k31c ops and stream markers (the per-target lowering)")
@@ -136,8 +139,23 @@ def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu",
     return program.gm, program.captured
 
 
+def program_text(gm, target: str, step: str) -> str:
+    """The program the executor would run for this graph: partitioned, kernels bound (the dense
+    pieces are listed, not compiled)."""
+    from ..graph.capture import clone_graph
+    from ..lowering.build import build_program
+    from ..lowering.targets import get_target
+    from ..passes.partition import partition
+    split = partition(clone_graph(gm))
+    program = build_program(split.gm, {n: p.key for n, p in split.pieces.items()}, get_target(target),
+                            step, dense_codegen="fx")
+    return program.describe() + "\n"
+
+
 def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None,
-           k31c_only: bool = False) -> str:
+           k31c_only: bool = False, target: str = "cpu") -> str:
+    if fmt == "program":
+        return program_text(gm, target, captured.step.name)
     if fmt == "svg":
         from ..graph.svg import draw_svg
         return draw_svg(gm, title=title, layer=layer)
@@ -157,7 +175,9 @@ def run(args) -> int:
                                  parse_options(args.option), args.after, args.index_cache)
     after = args.after or (passes or DEFAULT_PIPELINE)[-1]
     title = f"{captured.step.name} target={args.target} after={after}"
-    text = render(gm, captured, args.format, title, args.layer, args.k31c_only)
+    if args.format == "program" and args.after is not None:
+        raise UsageError("--format program shows the program of the whole pipeline; drop --after")
+    text = render(gm, captured, args.format, title, args.layer, args.k31c_only, args.target)
     if output is not None:
         from ..fsutil import write_atomic
         write_atomic(output, lambda f: f.write(text.encode()))

@@ -160,9 +160,11 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
             s.outs = tuple(s.outs)
     steps = main_stream_first(steps)
     _assign_frees(steps, len(placeholders), outputs)
+    names = [("@" if n.meta.get("k31c_weight") else "%") + n.meta.get("k31c_input", n.name) for n in placeholders]
     return Program(name, target.name, steps, pieces, piece_names, len(placeholders), n_slots, outputs,
                    dense_codegen, stats={"pieces": len(piece_keys), "compiled_pieces": len(pieces),
-                                         "build_seconds": time.perf_counter() - start})
+                                         "build_seconds": time.perf_counter() - start},
+                   input_names=names)
 
 
 def _reads(step) -> list[int]:

@@ -77,6 +77,7 @@ class Program:
     outputs: tuple[int, ...]
     dense_codegen: str                 # "inductor" or "fx"
     stats: dict[str, Any] = field(default_factory=dict)   # build facts: pieces, compile seconds
+    input_names: list[str] = field(default_factory=list)  # "@layers.0.q_proj.weight", "%meta.row_len"
 
     @property
     def streams(self) -> set[int]:
@@ -98,16 +99,18 @@ class Program:
         """One line per step: the program as the executor sees it (tests and `k31c inspect`)."""
         lines = [f"program {self.name} target={self.target}: {len(self.steps)} steps, "
                  f"{len(self.pieces)} compiled pieces ({self.dense_codegen}), streams {sorted(self.streams)}"]
+        names = self.input_names
+
+        def slot(i):
+            return "_" if i is None else names[i] if i < len(names) else f"%{i}"
         for s in self.steps:
             if isinstance(s, Dense):
-                lines.append(f"  s{s.stream} dense piece{s.piece}({_slots(s.args)}) -> {_slots(s.outs)}")
+                lines.append(f"  s{s.stream} dense piece{s.piece}({', '.join(map(slot, s.args))}) -> "
+                             f"{', '.join(map(slot, s.outs))}")
             elif isinstance(s, Kernel):
-                args = ", ".join(f"%{a.slot}" if isinstance(a, Ref) else repr(a) for a in s.args)
-                lines.append(f"  s{s.stream} {s.op}[{s.kernel}]({args}) -> {_slots(s.outs)}")
+                args = ", ".join(slot(a.slot) if isinstance(a, Ref) else repr(a) for a in s.args)
+                lines.append(f"  s{s.stream} {s.op}[{s.kernel}]({args}) -> {', '.join(map(slot, s.outs))}")
             else:
                 lines.append(f"  s{s.stream} {type(s).__name__.lower()} e{s.event}")
         return "\n".join(lines)
 
-
-def _slots(slots) -> str:
-    return ", ".join("_" if s is None else f"%{s}" for s in slots)

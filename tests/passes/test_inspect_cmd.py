@@ -70,3 +70,15 @@ def test_disable_runs_the_default_pipeline_without_those_passes(run):
     assert "index_key_norm_write" not in out and "k31c.index_cache_write(" in out
     last = [p for p in DEFAULT_PIPELINE if p != "fuse_index_write"][-1]
     assert out.startswith(f"# k31c graph: decode target=cpu after={last}\n")
+
+
+def test_program_format_lists_the_executor_steps(run):
+    out = run("--step", "decode", "--target", "h200", "--format", "program")
+    assert out.startswith("program decode target=h200:") and "streams [0, 1, 2]" in out
+    lines = out.splitlines()[1:]
+    kernels = [ln for ln in lines if " k31c::" in ln]
+    assert len(kernels) == 14 and all("[triton:" in ln for ln in kernels)   # no reference op
+    assert sum(" record e" in ln for ln in lines) == 6 and sum(" wait e" in ln for ln in lines) == 8
+    assert "%meta.slot_mapping" in out and "@layers.3.self_attn.indexer.wk.weight" in out
+    cpu = run("--step", "decode", "--format", "program")
+    assert "[reference]" in cpu and "[triton:" not in cpu       # the CPU's kernels are the references
