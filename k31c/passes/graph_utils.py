@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import operator
 import re
 from typing import Iterable, Optional
 
@@ -10,6 +11,7 @@ import torch
 
 from ..errors import CompilerError
 from ..graph.capture import module_path
+from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
 
 K31C = torch.ops.k31c
@@ -34,6 +36,33 @@ def region_of(node: torch.fx.Node) -> Optional[int]:
 
 def is_marker_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and is_marker(node.target)
+
+
+def is_dense(node: torch.fx.Node) -> bool:
+    """An op the dense code generator compiles: not a k31c op or marker, not a k31c op's output."""
+    if node.op != "call_function" or is_k31c(node):
+        return False
+    if node.target is operator.getitem:      # a view of a multi-output op: dense unless the op is k31c
+        src = node.args[0]
+        return not (isinstance(src, torch.fx.Node) and is_k31c(src))
+    return True
+
+
+def dense_runs(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
+    """Maximal runs of consecutive dense nodes sharing (stream, region), in graph order: the
+    superkernels pass marks those of more than one op, partition makes each one a piece."""
+    runs, current, key = [], [], None
+    for node in gm.graph.nodes:
+        here = (stream_of(node), region_of(node)) if is_dense(node) else None
+        if here is None or here != key:
+            if current:
+                runs.append(current)
+            current, key = [], here
+        if here is not None:
+            current.append(node)
+    if current:
+        runs.append(current)
+    return runs
 
 
 def layer_of(node: torch.fx.Node) -> Optional[int]:

@@ -22,8 +22,7 @@ import torch
 
 from ..errors import CompilerError
 from ..graph.printer import dtype_name
-from .graph_utils import info, is_marker_node, region_of, stream_of
-from .superkernels import is_dense
+from .graph_utils import dense_runs, info, region_of, stream_of
 
 
 @dataclass(frozen=True)
@@ -44,23 +43,6 @@ class Partition:
     @property
     def distinct(self) -> int:
         return len({p.key for p in self.pieces.values()})
-
-
-def dense_runs(gm: torch.fx.GraphModule) -> list[list[torch.fx.Node]]:
-    """Maximal runs of consecutive dense nodes sharing (stream, region), in graph order (the
-    superkernels pass marks the same runs, those of more than one op)."""
-    runs, current, key = [], [], None
-    for node in gm.graph.nodes:
-        here = (stream_of(node), region_of(node)) if is_dense(node) else None
-        if here is None or here != key:
-            if current:
-                runs.append(current)
-            current, key = [], here
-        if here is not None:
-            current.append(node)
-    if current:
-        runs.append(current)
-    return runs
 
 
 def _shape_text(val) -> str:

@@ -12,8 +12,8 @@ from k31c.graph.capture import StepKind, clone_graph
 from k31c.lowering.build import build_program
 from k31c.lowering.program import Dense, Kernel, Record, Wait
 from k31c.graph.ops import is_k31c
-from k31c.passes.graph_utils import is_marker_node, region_of, stream_of
-from k31c.passes.partition import dense_runs, is_piece_call, partition
+from k31c.passes.graph_utils import dense_runs, is_marker_node, region_of, stream_of
+from k31c.passes.partition import is_piece_call, partition
 from k31c.runtime.engine import Engine
 from k31c.runtime.graphs import DecodeGraphs, check_buckets
 from tiny_model import close, engine_scenario, make_model
