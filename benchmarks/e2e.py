@@ -4,10 +4,12 @@ Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, a
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams) and k31c graph replay on one stream;
 the bytes floor (every weight read once + each request's caches read once, at the copy rate
-measured now), and the GPU busy share of the replayed step (kernel time / step time, from the
-profiler). The caches are filled with random latent rows, index keys and KDA states instead of a
-prefill (the reference prefill cannot reach 32K); the step time is the wall time of
-`Engine.decode` (host metadata + the step), averaged over consecutive steps.
+measured now), the GPU busy share of the replayed step (kernel time / step time, from the
+profiler), the host time of one `Engine.decode` call, and the replayed step's time when every
+step's logits are read back before the next (a sampling loop without overlap). The caches are
+filled with random latent rows, index keys and KDA states instead of a prefill (the reference
+prefill cannot reach 32K); the step time is the wall time of `Engine.decode` (host metadata + the
+step), averaged over consecutive steps. Below the table, the largest kernels of each replayed step.
 
     python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer] [--quick]
 """
@@ -60,26 +62,41 @@ def fill_random(eng: Engine, batch: int, ctx: int) -> list[int]:
     return rids
 
 
-def step_ms(eng: Engine, rids: list[int], steps: int) -> float:
+def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -> tuple[float, float]:
+    """(wall ms per step over `steps` consecutive decode steps, host ms per `Engine.decode` call).
+    The host time is the call's own time: where it is below the wall time, the host prepares the
+    next step while the device runs this one."""
     toks = [7] * len(rids)
     for _ in range(3):
         eng.decode(rids, toks)
     torch.cuda.synchronize()
+    host = 0.0
     start = time.perf_counter()
     for _ in range(steps):
-        eng.decode(rids, toks)
+        t0 = time.perf_counter()
+        logits = eng.decode(rids, toks)
+        host += time.perf_counter() - t0
+        if read_back:
+            logits[-1, :8].cpu()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / steps * 1e3, host / steps * 1e3
 
 
-def busy_share(eng: Engine, rids: list[int], ms: float) -> float:
+def profile_step(eng: Engine, rids: list[int]):
+    """(kernel ms of one step, number of kernels, [(kernel, ms, count)] by time) from the profiler."""
     from torch.profiler import ProfilerActivity, profile
     toks = [7] * len(rids)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.decode(rids, toks)
         torch.cuda.synchronize()
-    kernel_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return kernel_us / 1e3 / ms
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            slot = per.setdefault(e.name, [0.0, 0])
+            slot[0] += e.device_time / 1e3
+            slot[1] += 1
+    table = sorted(((name, ms, n) for name, (ms, n) in per.items()), key=lambda r: -r[1])
+    return sum(r[1] for r in table), sum(r[2] for r in table), table
 
 
 def floor_bytes(model, eng: Engine, batch: int, ctx: int) -> int:
@@ -118,40 +135,50 @@ def main() -> int:
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for
     engines = {name: Engine(model, max_requests=max(BATCHES), max_seq_len=max_len, device="cuda", step_fn=fn)
                for name, fn in runners.items()}
-    rows = []
+    rows, kernels = [], []
     for ctx in contexts:
         for batch in BATCHES:
-            times, busy, floor = {}, None, None
+            times, busy, floor, host = {}, float("nan"), float("nan"), float("nan")
             for name, eng in engines.items():
                 for rid in list(eng.pool.requests):
                     eng.free(rid)
                 rids = fill_random(eng, batch, ctx)
                 try:
-                    times[name] = step_ms(eng, rids, args.steps)
+                    times[name], host_ms = step_ms(eng, rids, args.steps)
                 except Exception as e:      # noqa: BLE001  (a peer that fails is reported, not fatal)
                     times[name] = float("nan")
                     print(f"{name} at ctx {ctx}, B {batch}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
                 if name == "k31c graphs":
-                    busy = busy_share(eng, rids, times[name])
+                    host = host_ms
+                    times["k31c graphs, read back"] = step_ms(eng, rids, args.steps, read_back=True)[0]
+                    kernel_ms, count, table = profile_step(eng, rids)
+                    busy = kernel_ms / times[name]
                     floor = bytes_floor_ms(floor_bytes(model, eng, batch, ctx), machine)
-            rows.append((ctx, batch, times, floor, busy))
-            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, flush=True)
-    names = list(runners)
+                    kernels.append((ctx, batch, kernel_ms, count, table))
+            rows.append((ctx, batch, times, floor, busy, host))
+            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, host, flush=True)
+    names = [*runners, "k31c graphs, read back"]
     head = ["context", "B", *[f"{n} ms" for n in names], "floor ms", "graphs / floor", "eager / graphs",
-            "peer / graphs", "busy"]
+            "peer / graphs", "busy", "host ms"]
     lines = [f"Device: {machine.name}; measured copy {machine.copy_gbps:.0f} GB/s; bench config "
              f"(bf16, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for ctx, batch, times, floor, busy in rows:
-        g = times["k31c graphs"]
+    for ctx, batch, times, floor, busy, host in rows:
+        g = times.get("k31c graphs", float("nan"))
         peer = times.get("torch.compile(reduce-overhead)", float("nan"))
-        lines.append("| " + " | ".join([str(ctx), str(batch), *[f"{times[n]:.3f}" for n in names], f"{floor:.3f}",
-                                        f"{g / floor:.2f}", f"{times['eager'] / g:.1f}", f"{peer / g:.1f}",
-                                        f"{busy:.0%}"]) + " |")
-    for name in names:
+        cells = [f"{times.get(n, float('nan')):.3f}" for n in names]
+        lines.append("| " + " | ".join([str(ctx), str(batch), *cells, f"{floor:.3f}", f"{g / floor:.2f}",
+                                        f"{times['eager'] / g:.1f}", f"{peer / g:.1f}", f"{busy:.0%}",
+                                        f"{host:.3f}"]) + " |")
+    for name in runners:
         fn = runners[name]
         if hasattr(fn, "graph_stats"):
             lines.append(f"\n{name}: device graphs {fn.graph_stats()}")
+    for ctx, batch, kernel_ms, count, table in kernels:
+        lines += [f"\nk31c graphs, context {ctx}, B {batch}: {count} kernels, {kernel_ms:.3f} ms; the largest:", "",
+                  "| kernel | ms | count |", "|---|---|---|"]
+        lines += [f"| {name[:90]} | {ms:.3f} | {n} |" for name, ms, n in table[:12]]
     text = "\n".join(lines)
     print(text)
     if args.out:

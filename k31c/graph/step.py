@@ -43,6 +43,28 @@ def step_meta(*, slot_mapping, block_table, row_req, row_len, kda_slots, cu_seql
                        for name, v in fields.items()})
 
 
+def host_ints_to_device(groups: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Each list of host ints as a 1-D tensor on `device`, from one buffer moved by one copy.
+
+    On a CUDA device the buffer is pinned and the copy is non-blocking: a plain `torch.tensor(...,
+    device="cuda")` waits for the stream to drain, which would serialize every step's host work
+    with the previous step's kernels. Each group starts on a 16-byte boundary (kernels and Inductor
+    code specialise on aligned pointers)."""
+    device = torch.device(device)
+    align = 16 // torch.empty((), dtype=dtype).element_size()
+    starts, flat = [], []
+    for g in groups:
+        flat += [0] * (-len(flat) % align)
+        starts.append(len(flat))
+        flat += g
+    host = torch.tensor(flat, dtype=dtype)
+    if device.type == "cuda":
+        dev = host.pin_memory().to(device, non_blocking=True)
+    else:
+        dev = host.to(device)
+    return [dev[s:s + len(g)] for s, g in zip(starts, groups)]
+
+
 @dataclass
 class MLALayerCache:
     """One MLA layer's share of the flat block pool (blocks are shared by all layers).

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..graph.step import StepMeta, step_meta
+from ..graph.step import StepMeta, host_ints_to_device, step_meta
 from .kv import CachePool
 
 
@@ -50,9 +50,14 @@ class Engine:
             row_req += [b] * n
             row_len += list(range(s + 1, s + n + 1))
             cu.append(cu[-1] + n)
-        kda_slots = torch.tensor([pool.requests[r].slot for r in rids], dtype=torch.int64, device=dev)
+        slot_mapping, kda_slots = host_ints_to_device([slot_mapping, [pool.requests[r].slot for r in rids]],
+                                                      torch.int64, dev)
+        row_req, row_len, cu = host_ints_to_device([row_req, row_len, cu], torch.int32, dev)
         return step_meta(slot_mapping=slot_mapping, block_table=pool.block_table[kda_slots], row_req=row_req,
                          row_len=row_len, kda_slots=kda_slots, cu_seqlens=cu, device=dev)
+
+    def _ids(self, flat: Sequence[int]) -> torch.Tensor:
+        return host_ints_to_device([list(map(int, flat))], torch.int64, self.device)[0]
 
     @torch.no_grad()
     def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -64,7 +69,7 @@ class Engine:
         self._check_tokens(flat)
         starts = [self.length(r) for r in rids]
         meta = self._meta(rids, starts, [len(t) for t in tokens])
-        ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        ids = self._ids(flat)
         logits = self.step_fn(ids, meta, self.pool.caches(), "prefill", 1)
         for r, t in zip(rids, tokens):
             self.pool.requests[r].length += len(t)
@@ -87,7 +92,7 @@ class Engine:
         starts = [self.length(r) for r in rids]
         meta = self._meta(rids, starts, [R] * len(rids))
         snaps = self.pool.new_snapshots(len(rids), R) if R > 1 else None
-        ids = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        ids = self._ids(flat)
         logits = self.step_fn(ids, meta, self.pool.caches(snaps), "decode", R)
         for r in rids:
             self.pool.requests[r].length += R
