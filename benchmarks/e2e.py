@@ -11,7 +11,7 @@ filled with random latent rows, index keys and KDA states instead of a prefill (
 prefill cannot reach 32K); the step time is the wall time of `Engine.decode` (host metadata + the
 step), averaged over consecutive steps. Below the table, the largest kernels of each replayed step.
 
-    python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer] [--quick]
+    python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer] [--quick] [--host-profile]
 """
 from __future__ import annotations
 
@@ -99,6 +99,25 @@ def profile_step(eng: Engine, rids: list[int]):
     return sum(r[1] for r in table), sum(r[2] for r in table), table
 
 
+def host_profile(eng: Engine, batch: int, ctx: int, steps: int = 50) -> list[str]:
+    """The host functions taking the most time over `steps` read-back decode steps (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+    for rid in list(eng.pool.requests):
+        eng.free(rid)
+    rids = fill_random(eng, batch, ctx)
+    step_ms(eng, rids, 3, read_back=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    step_ms(eng, rids, steps, read_back=True)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return [f"\nhost profile, k31c graphs, context {ctx}, B {batch}, {steps} read-back steps:", "```",
+            *out.getvalue().strip().splitlines(), "```"]
+
+
 def floor_bytes(model, eng: Engine, batch: int, ctx: int) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     pool = eng.pool
@@ -115,6 +134,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip-peer", action="store_true", help="leave out the torch.compile peer")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also print where the host time of a read-back replayed step goes (cProfile)")
     ap.add_argument("--quick", action="store_true",
                     help="context 2.3K only; eager, k31c without and with device graphs")
     args = ap.parse_args()
@@ -158,6 +179,8 @@ def main() -> int:
                     kernels.append((ctx, batch, kernel_ms, count, table))
             rows.append((ctx, batch, times, floor, busy, host))
             print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, host, flush=True)
+    if args.host_profile:
+        lines_host = host_profile(engines["k31c graphs"], min(BATCHES), contexts[0])
     names = [*runners, "k31c graphs, read back"]
     head = ["context", "B", *[f"{n} ms" for n in names], "floor ms", "graphs / floor", "eager / graphs",
             "peer / graphs", "busy", "host ms"]
@@ -179,6 +202,8 @@ def main() -> int:
         lines += [f"\nk31c graphs, context {ctx}, B {batch}: {count} kernels, {kernel_ms:.3f} ms; the largest:", "",
                   "| kernel | ms | count |", "|---|---|---|"]
         lines += [f"| {name[:90]} | {ms:.3f} | {n} |" for name, ms, n in table[:12]]
+    if args.host_profile:
+        lines += lines_host
     text = "\n".join(lines)
     print(text)
     if args.out:
