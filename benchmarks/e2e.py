@@ -3,8 +3,8 @@
 Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, all measured in
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams) and k31c graph replay on one stream;
-the bytes floor (every weight read once + each request's caches read once, at the copy rate
-measured now), the GPU busy share of the replayed step (kernel time / step time, from the
+the bytes floor (`floor_bytes`: the weights a step reads once, each request's caches once, at
+the copy rate measured now), the GPU busy share of the replayed step (kernel time / step time, from the
 profiler), the host time of one `Engine.decode` call, and the replayed step's time when every
 step's logits are read back before the next (a sampling loop without overlap). The caches are
 filled with random latent rows, index keys and KDA states instead of a prefill (the reference
@@ -119,14 +119,26 @@ def host_profile(eng: Engine, batch: int, ctx: int, steps: int = 50) -> list[str
 
 
 def floor_bytes(model, eng: Engine, batch: int, ctx: int) -> int:
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes a decode step must move: every weight once, except that the embedding table gives
+    one row per request and the routed experts count only the share that B x k picks can select
+    (min(1, B k / E)); each request's latent rows and index keys once; KDA states read and written."""
+    cfg = model.config
+    share = min(1.0, batch * cfg.num_experts_per_token / cfg.num_experts)
+    weights = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name.endswith("embed_tokens.weight"):
+            size = batch * p.shape[1] * p.element_size()
+        elif ".experts." in name:
+            size *= share
+        weights += size
     pool = eng.pool
     per_token = sum(c.latent[0, 0].numel() * c.latent.element_size()
                     + (c.index.numel() // (c.index.shape[0] * pool.block_size)) * c.index.element_size()
                     for c in pool.mla)
     state = sum(s.recurrent[0].numel() * s.recurrent.element_size() + s.conv[0].numel() * s.conv.element_size()
                 for s in pool.kda)
-    return weights + batch * (ctx * per_token + 2 * state)      # states read and written
+    return int(weights + batch * (ctx * per_token + 2 * state))
 
 
 def main() -> int:
