@@ -39,6 +39,14 @@ def route_one(cfg, x, weight, bias):
     return chosen, [v * cfg.routed_scaling_factor for v in w]
 
 
+def expert(cfg, m, e, z):
+    """Routed expert e by its HF per-expert tensors (the state dict's names)."""
+    sd = m.experts.state_dict()
+    w1, w3, w2 = (sd[f"{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+    act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return glu_activation(z @ w1.t(), z @ w3.t(), *act) @ w2.t()
+
+
 @pytest.mark.parametrize("changes", [{}, dict(num_expert_group=4, topk_group=2),
                                      dict(routed_scaling_factor=2.446, num_experts_per_token=3)])
 @torch.no_grad()
@@ -55,7 +63,7 @@ def test_router_and_latent_moe_against_sparse_dispatch(changes):
         assert torch.allclose(w[t].double(), torch.tensor([order[int(e)] for e in idx[t]],
                                                           dtype=torch.float64), atol=1e-6)
         z = m.routed_expert_down_proj(x[t:t + 1])
-        u = sum(v * m.experts[e](z) for e, v in zip(chosen, weights))
+        u = sum(v * expert(cfg, m, e, z) for e, v in zip(chosen, weights))
         u = m.routed_expert_up_proj(m.routed_expert_norm(u))
         want = u + m.shared_experts(x[t:t + 1])
         torch.testing.assert_close(got[t:t + 1], want, rtol=1e-4, atol=1e-5)
