@@ -6,7 +6,8 @@ Two launches, no host sync, grids from static shapes (CUDA-graph safe):
    the order programs run in (no atomics).
 2. select, one program per row, over all E experts at once: the partials summed in split order,
    sigmoid (or softmax) scores, + bias, the group restriction (group score: the sum of its top
-   2; the best `topk_group` groups kept), k rounds of arg-max, weights renormalised and scaled.
+   2; the best `topk_group` groups kept), k rounds of one int64 max over (choice image, index)
+   keys, the picks' scores recomputed from the partials, renormalised and scaled.
    Among equal choices the lower expert (group) index wins, as in the reference.
 
 bf16 x bf16 products are exact in fp32, so the logits equal the reference's fp32 products up to
@@ -91,18 +92,28 @@ def _select_kernel(part_ptr, bias_ptr, idx_ptr, wout_ptr, n_rows, n_experts, gro
             g_taken = g_taken | (g_ids == pick)
             keep = keep | (group == pick)
         valid = valid & keep
+    # one max per pick over keys (order-preserving image of the choice) << 32 | (EP-1-index):
+    # the largest choice, the lower index among equal ones
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    keys = tl.where(valid, (ordered << 32) | (EP - 1 - cols).to(tl.int64), -9223372036854775807 - 1)
     k_ids = tl.arange(0, KP)
     sel = tl.zeros([KP], tl.int32)
-    w = tl.zeros([KP], tl.float32)
-    taken = cols < 0
     for j in tl.static_range(K):
-        avail = valid & ~taken
-        best = tl.max(tl.where(avail, choice, float("-inf")), axis=0)
-        pick = tl.min(tl.where(avail & (choice == best), cols, EP), axis=0)
-        pick = tl.where(pick < EP, pick, tl.min(tl.where(avail, cols, EP), axis=0))   # NaN scores
-        taken = taken | (cols == pick)
+        best = tl.max(keys, axis=0)
+        pick = EP - 1 - (best & 0x7FFFFFFF).to(tl.int32)
+        keys = tl.where(cols == pick, -9223372036854775807 - 1, keys)
         sel = tl.where(k_ids == j, pick, sel)
-        w = tl.where(k_ids == j, tl.sum(tl.where(cols == pick, scores, 0.0), axis=0), w)
+    sel = tl.minimum(tl.maximum(sel, 0), n_experts - 1)
+    # the picks' scores, recomputed from the partials exactly as above
+    picked = tl.zeros([KP], tl.float32)
+    for s in tl.static_range(SPLITS):
+        picked += tl.load(part_ptr + (s * n_rows + row).to(tl.int64) * n_experts + sel)
+    if SOFTMAX:
+        w = tl.exp(picked - m) / tl.sum(p, axis=0)
+    else:
+        w = tl.sigmoid(picked)
+    w = tl.where(k_ids < K, w, 0.0)
     if RENORM and K > 1:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     out = row.to(tl.int64) * K + k_ids
