@@ -186,6 +186,19 @@ def test_argument_errors_name_the_input():
         moe_route.moe_route(x, weight, torch.zeros(6, dtype=torch.bfloat16), 2, 1, 1, "sigmoid", True, 1.0)
 
 
+def test_benchmark_floor_and_dense_peer():
+    """bench_moe's floor counts each selected expert once; its dense peer is the reference's sum."""
+    from benchmarks.bench_moe import ACT, dense_all_experts, selected_expert_bytes
+    idx = torch.tensor([[3, 5], [5, 7], [3, 0]], dtype=torch.int32)
+    assert selected_expert_bytes(idx, inter=10, width=6) == 4 * 3 * 10 * 6 * 2
+    gen = torch.Generator().manual_seed(8)
+    w13, w2 = _experts(gen, 8, 16, 24, torch.float32)
+    z = torch.randn(3, 16, generator=gen).to(DEVICE)
+    w = torch.rand(3, 2, generator=gen).to(DEVICE)
+    ref = torch.ops.k31c.moe_experts(z, idx.to(DEVICE), w, w13, w2, *ACT)
+    torch.testing.assert_close(dense_all_experts(z, idx.to(DEVICE), w, w13, w2), ref, rtol=1e-5, atol=1e-6)
+
+
 # ---- K3.1 Pro shapes (CUDA) -----------------------------------------------------------------------
 
 @gpu_only
