@@ -37,11 +37,10 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, n_rows, n_experts, d, d_per_split, st
     row_ok = rows < n_rows
     e_ok = experts < n_experts
     k_lo = split * d_per_split
-    k_hi = tl.minimum(k_lo + d_per_split, d)
     acc = tl.zeros([BM, BE], tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        ks = k0 + tl.arange(0, BK)
-        k_ok = ks < k_hi
+    for k0 in range(0, d_per_split, BK):       # loop bounds from arguments only
+        ks = k_lo + k0 + tl.arange(0, BK)
+        k_ok = (ks < d) & (k0 + tl.arange(0, BK) < d_per_split)
         xt = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + ks[None, :],
                      mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         wt = tl.load(w_ptr + experts.to(tl.int64)[:, None] * stride_w + ks[None, :],
