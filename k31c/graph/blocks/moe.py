@@ -1,12 +1,13 @@
 """Feed-forward blocks (spec/model.md §7): the dense MLP of the first layers, the sigmoid
-`noaux_tc` router with expert groups, and Stable LatentMoE with shared experts."""
+`noaux_tc` router with expert groups, the stacked routed experts, and Stable LatentMoE with
+shared experts."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ...config import K31Config
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
+from ...config import K31Config
 from .norms import RMSNorm, glu_activation, init_linear
 
 
