@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-FAMILIES = ("indexer", "topk", "mla", "kda", "layer")
+FAMILIES = ("indexer", "topk", "mla", "kda", "moe", "layer")
 
 
 def main(argv=None) -> int:

@@ -134,6 +134,25 @@ def test_every_tensor_problem_listed_in_one_error(model, tmp_path):
     assert "'model.norm.weight' in model.safetensors: dtype bfloat16, expected float32" in msg
 
 
+def test_per_expert_tensors_fill_the_stacked_experts(model, tmp_path):
+    """HF stores routed experts one by one; the model stacks them (w13 = [w1; w3], w2) on load,
+    and a missing or misshapen expert tensor is named as stored."""
+    sd = dict(model.state_dict())
+    loaded = load_checkpoint(_write_raw(tmp_path / "ok", model.config, sd))
+    moe = loaded.model.layers[2].block_sparse_moe.experts
+    inter = model.config.moe_intermediate_size
+    prefix = "model.layers.2.block_sparse_moe.experts.5."
+    assert torch.equal(moe.w13[5, :inter], sd[prefix + "w1.weight"])
+    assert torch.equal(moe.w13[5, inter:], sd[prefix + "w3.weight"])
+    assert torch.equal(moe.w2[5], sd[prefix + "w2.weight"])
+    del sd[prefix + "w3.weight"]
+    sd[prefix + "w2.weight"] = sd[prefix + "w2.weight"][:, :7]
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(_write_raw(tmp_path / "bad", model.config, sd))
+    assert f"missing tensor '{prefix}w3.weight'" in str(e.value)
+    assert f"'{prefix}w2.weight' in model.safetensors: shape [128, 7], expected [128, {inter}]" in str(e.value)
+
+
 def test_nothing_is_read_when_validation_fails(model, tmp_path, monkeypatch):
     sd = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}
     d = _write_raw(tmp_path / "bad", model.config, sd)

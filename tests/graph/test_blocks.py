@@ -39,6 +39,14 @@ def route_one(cfg, x, weight, bias):
     return chosen, [v * cfg.routed_scaling_factor for v in w]
 
 
+def expert(cfg, m, e, z):
+    """Routed expert e by its HF per-expert tensors (the state dict's names)."""
+    sd = m.experts.state_dict()
+    w1, w3, w2 = (sd[f"{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+    act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+    return glu_activation(z @ w1.t(), z @ w3.t(), *act) @ w2.t()
+
+
 @pytest.mark.parametrize("changes", [{}, dict(num_expert_group=4, topk_group=2),
                                      dict(routed_scaling_factor=2.446, num_experts_per_token=3)])
 @torch.no_grad()
@@ -55,7 +63,7 @@ def test_router_and_latent_moe_against_sparse_dispatch(changes):
         assert torch.allclose(w[t].double(), torch.tensor([order[int(e)] for e in idx[t]],
                                                           dtype=torch.float64), atol=1e-6)
         z = m.routed_expert_down_proj(x[t:t + 1])
-        u = sum(v * m.experts[e](z) for e, v in zip(chosen, weights))
+        u = sum(v * expert(cfg, m, e, z) for e, v in zip(chosen, weights))
         u = m.routed_expert_up_proj(m.routed_expert_norm(u))
         want = u + m.shared_experts(x[t:t + 1])
         torch.testing.assert_close(got[t:t + 1], want, rtol=1e-4, atol=1e-5)
@@ -93,3 +101,31 @@ def test_situ_matches_formula():
         assert abs(o - want) <= 1e-4 * max(1.0, abs(want))
     silu = glu_activation(gate, up, "silu", 4.0, None)
     torch.testing.assert_close(silu, torch.nn.functional.silu(gate) * up)
+
+
+def test_stacked_experts_keep_the_hf_per_expert_names():
+    """The state dict names every expert's w1/w3/w2 (views of the stacks); loading those names,
+    or the stacked ones, fills the stacks; an incomplete set is reported by strict loading."""
+    cfg, m = moe(seed=4)
+    e, inter = cfg.num_experts, cfg.moe_intermediate_size
+    sd = m.state_dict()
+    assert "experts.w13" not in sd and "experts.w2" not in sd
+    names = [n for n in sd if n.startswith("experts.")]
+    assert names == [f"experts.{i}.{w}.weight" for i in range(e) for w in ("w1", "w3", "w2")]
+    w13, w2 = m.experts.w13, m.experts.w2
+    for i in (0, e - 1):
+        assert torch.equal(sd[f"experts.{i}.w1.weight"], w13[i, :inter])
+        assert torch.equal(sd[f"experts.{i}.w3.weight"], w13[i, inter:])
+        assert torch.equal(sd[f"experts.{i}.w2.weight"], w2[i])
+    fresh = LatentMoE(cfg)
+    fresh.load_state_dict({n: t.clone() for n, t in sd.items()})
+    assert torch.equal(fresh.experts.w13, w13) and torch.equal(fresh.experts.w2, w2)
+    stacked = {n: t for n, t in sd.items() if not n.startswith("experts.")}
+    stacked.update({"experts.w13": w13.detach().clone(), "experts.w2": w2.detach().clone()})
+    other = LatentMoE(cfg)
+    other.load_state_dict(stacked)
+    assert torch.equal(other.experts.w2, w2)
+    partial = dict(sd)
+    del partial["experts.3.w3.weight"]
+    with pytest.raises(RuntimeError, match="experts.w13"):
+        LatentMoE(cfg).load_state_dict(partial)

@@ -14,7 +14,8 @@ def test_layers_and_kinds(lit):
      .check("%layers.0.mlp.down_proj/linear").check_same("{kind=mlp, layer=0}")
      .check("%layers.1.self_attn.indexer.wk/linear").check_same("{kind=mla, layer=1}")
      .check("%layers.1.self_attn/sparse_mla = k31c.sparse_mla(").check_same("{kind=mla, layer=1}")
-     .check("%layers.1.block_sparse_moe.experts.0.w1/linear").check_same("{kind=moe, layer=1}")
+     .check("%layers.1.block_sparse_moe.gate/moe_route = k31c.moe_route(").check_same("{kind=moe, layer=1}")
+     .check("%layers.1.block_sparse_moe/moe_experts = k31c.moe_experts(").check_same("{kind=moe, layer=1}")
      .check("%lm_head/linear = aten.linear(").check_same("{kind=head}")
      .run(r.after))
     ops = [line for line in r.after.split("nodes:\n")[1].splitlines() if " = " in line]

@@ -1,10 +1,12 @@
 """Feed-forward blocks (spec/model.md §7): the dense MLP of the first layers, the sigmoid
-`noaux_tc` router with expert groups, and Stable LatentMoE with shared experts."""
+`noaux_tc` router with expert groups, the stacked routed experts, and Stable LatentMoE with
+shared experts."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from ...config import K31Config
 from .norms import RMSNorm, glu_activation, init_linear
 
@@ -28,29 +30,64 @@ class GatedMLP(nn.Module):
             init_linear(m, gen)
 
 
-class Expert(nn.Module):
-    """A routed expert, HF names w1 (gate), w3 (up), w2 (down)."""
+class StackedExperts(nn.Module):
+    """The routed experts as two stacked parameters, `w13 [E, 2I, W]` (each expert's gate rows,
+    then its up rows) and `w2 [E, W, I]`, so the expert op reads [E, ...] tensors directly.
+
+    The state dict keeps the HF per-expert names `{e}.w1.weight` (gate), `{e}.w3.weight` (up) and
+    `{e}.w2.weight` (down), as views of the stacks; loading accepts those names (stacked on load)
+    or the stacked ones.
+    """
 
     def __init__(self, cfg: K31Config, dim: int, inter: int):
         super().__init__()
-        dt = cfg.torch_dtype
-        self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dt)
-        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dt)
-        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dt)
+        dt, e = cfg.torch_dtype, cfg.num_experts
+        self.num_experts, self.inter = e, inter
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, dim, dtype=dt))
+        self.w2 = nn.Parameter(torch.empty(e, dim, inter, dtype=dt))
+        self._register_state_dict_hook(_per_expert_state)
+        self.register_load_state_dict_pre_hook(_stack_per_expert_state)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(glu_activation(self.w1(z), self.w3(z), *self.act))
+    def per_expert(self, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF name (relative to this module) -> view of the stacked tensors `w13`, `w2`."""
+        w13, w2, i = stacked["w13"], stacked["w2"], self.inter
+        out = {}
+        for e in range(self.num_experts):
+            out.update({f"{e}.w1.weight": w13[e, :i], f"{e}.w3.weight": w13[e, i:],
+                        f"{e}.w2.weight": w2[e]})
+        return out
 
     def reset_parameters(self, gen: torch.Generator) -> None:
-        for m in (self.w1, self.w3, self.w2):
-            init_linear(m, gen)
+        # expert by expert, w1, w3, w2: the draws of one nn.Linear per weight (spec §9.5)
+        with torch.no_grad():
+            for name, view in self.per_expert({"w13": self.w13, "w2": self.w2}).items():
+                w = torch.empty(view.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+                view.copy_(w.to(view.dtype))
+
+
+def _per_expert_state(module: StackedExperts, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: the stacked entries become the per-expert HF names."""
+    stacked = {name: state.pop(prefix + name) for name in ("w13", "w2")}
+    for name, view in module.per_expert(stacked).items():
+        state[prefix + name] = view
+
+
+def _stack_per_expert_state(module: StackedExperts, state: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: per-expert HF names are stacked into `w13` and `w2` when every
+    expert's three tensors are there (else they stay, and strict loading names what is missing)."""
+    names = [[f"{prefix}{e}.{w}.weight" for w in ("w1", "w3", "w2")]
+             for e in range(module.num_experts)]
+    if not all(n in state for row in names for n in row):
+        return
+    w1, w3, w2 = ([state.pop(row[j]) for row in names] for j in range(3))
+    state[prefix + "w13"] = torch.stack([torch.cat(pair) for pair in zip(w1, w3)])
+    state[prefix + "w2"] = torch.stack(w2)
 
 
 class Router(nn.Module):
     """Sigmoid (or softmax) scores; selection on score + correction bias, optionally restricted to
     the best `topk_group` of `num_expert_group` groups (group score = sum of its top-2); weights
-    are the unbiased scores, renormalised and scaled (spec §7.1)."""
+    are the unbiased scores, renormalised and scaled (spec §7.1; op `k31c::moe_route`)."""
 
     def __init__(self, cfg: K31Config):
         super().__init__()
@@ -60,22 +97,12 @@ class Router(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx int32 [N, k], weights fp32 [N, k])."""
         c = self.cfg
-        logits = x.float() @ self.weight.float().t()
-        scores = torch.sigmoid(logits) if c.moe_router_activation_func == "sigmoid" \
-            else torch.softmax(logits, dim=-1)
-        choice = scores + self.e_score_correction_bias
-        if c.num_expert_group > 1 and c.num_expert_group > c.topk_group:
-            grouped = choice.view(-1, c.num_expert_group, c.num_experts // c.num_expert_group)
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)              # [N, G]
-            keep = group_score.topk(c.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, keep, True)
-            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
-        idx = choice.topk(c.num_experts_per_token, dim=-1).indices
-        w = scores.gather(1, idx)
-        if c.num_experts_per_token > 1 and c.moe_renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * c.routed_scaling_factor
+        return torch.ops.k31c.moe_route(x, self.weight, self.e_score_correction_bias,
+                                        c.num_experts_per_token, c.num_expert_group, c.topk_group,
+                                        c.moe_router_activation_func, c.moe_renormalize,
+                                        float(c.routed_scaling_factor))
 
     def reset_parameters(self, gen: torch.Generator) -> None:
         init_linear(self, gen)
@@ -87,9 +114,9 @@ class LatentMoE(nn.Module):
     latent, project up, add the shared experts. Without `routed_expert_hidden_size` (Kimi Linear,
     DeepSeek) the experts run at width D and there is no latent norm.
 
-    Experts are applied densely (every expert on every row, weighted by its routing weight, zero
-    when unselected): the same sum as sparse dispatch, and it keeps shapes static for capture.
-    Serving-size expert dispatch is a kernel's job, not this reference's.
+    Routing and the routed experts are the k31c ops `moe_route` and `moe_experts` (graph/ops/moe.py:
+    kernels read only the selected experts' weights); the latent projections, the norm and the
+    shared experts stay dense.
     """
 
     def __init__(self, cfg: K31Config):
@@ -99,8 +126,9 @@ class LatentMoE(nn.Module):
         latent = cfg.routed_expert_hidden_size
         width = latent or d
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(Expert(cfg, width, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.experts = StackedExperts(cfg, width, cfg.moe_intermediate_size)
+        self.act = (cfg.hidden_act, float(cfg.activation_situ_beta),
+                    None if cfg.activation_situ_linear_beta is None else float(cfg.activation_situ_linear_beta))
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, d, cfg.moe_intermediate_size * cfg.num_shared_experts)
         if latent is not None:
@@ -110,16 +138,11 @@ class LatentMoE(nn.Module):
                 self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps, dt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        idx, w = self.gate(x)
         latent = self.cfg.routed_expert_hidden_size is not None
+        # the down projection first: the dense ops before the two k31c ops form one piece
         z = self.routed_expert_down_proj(x) if latent else x
-        # combine[n, e] = routing weight of expert e for row n (0 when not selected)
-        combine = torch.zeros(x.shape[0], self.cfg.num_experts, dtype=torch.float32, device=x.device)
-        combine = combine.scatter_add(1, idx, w)
-        u = torch.zeros(z.shape, dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(self.experts):
-            u = u + combine[:, e:e + 1] * expert(z).float()
-        u = u.to(x.dtype)
+        idx, w = self.gate(x)
+        u = torch.ops.k31c.moe_experts(z, idx, w, self.experts.w13, self.experts.w2, *self.act)
         if latent:
             if self.cfg.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)
@@ -132,8 +155,5 @@ class LatentMoE(nn.Module):
         for m in self.children():
             if isinstance(m, nn.Linear):
                 init_linear(m, gen)
-            elif isinstance(m, nn.ModuleList):
-                for e in m:
-                    e.reset_parameters(gen)
             else:
                 m.reset_parameters(gen)

@@ -17,13 +17,14 @@ Conventions shared by all ops (see graph/step.py for the row layout):
 | lightning_indexer, topk_select, lightning_indexer_topk    | indexer.py |
 | sparse_mla, dense_mla                                     | mla.py |
 | kda_prefill, kda_decode                                   | kda.py |
+| moe_route, moe_experts                                    | moe.py |
 | region_enter, region_exit, event_record, event_wait       | streams.py |
 """
 import importlib
 
 import torch
 
-for _m in ("cache_write", "indexer", "mla", "kda", "streams"):
+for _m in ("cache_write", "indexer", "mla", "kda", "moe", "streams"):
     importlib.import_module(f"{__name__}.{_m}")
 
 
