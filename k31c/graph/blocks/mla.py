@@ -90,7 +90,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, **kw)
         self.g_proj = nn.Linear(d, h * self.v_dim, **kw) if cfg.mla_use_output_gate else None
         self.indexer = LightningIndexer(cfg, dtype, device) if cfg.has_indexer else None
-        self.prefill_form = DEFAULT_FORM["prefill"]   # "mha": the oracle form for prefill steps
+        self.prefill_form = DEFAULT_FORM["prefill"]   # set to "mha" for the oracle form in prefill
         if device is not None:
             self.to(device)
 
