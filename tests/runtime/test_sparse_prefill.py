@@ -161,6 +161,30 @@ def test_h200_program_sparse_chunked_prefill_equals_the_mha_reference():
     assert compiled.report.steps["prefill"].fallbacks == {}
 
 
+@pytest.mark.skipif(ON_GPU, reason="interpreter shapes")
+def test_mla_kernels_split_rows_past_the_grid_limit(monkeypatch):
+    """A prefill step may have more rows than a CUDA grid dimension (65535) holds: the MLA
+    launchers then run slices of rows. Shrunk limit, prefill-shaped rows (increasing row_len)."""
+    from k31c.graph.ops import mla as ref
+    from k31c.lowering.triton import mla, mla_common, mla_two_pass
+    gen = torch.Generator().manual_seed(4)
+    n, heads, width, dv, bs = 11, 2, 24, 16, 4
+    cache = torch.randn(6, bs, width, generator=gen)
+    table = torch.tensor([[3, 0, 5, -1]], dtype=torch.int32)
+    row_req = torch.zeros(n, dtype=torch.int32)
+    row_len = torch.arange(2, 2 + n, dtype=torch.int32)                    # 2..12 keys
+    idx = torch.where(torch.arange(8)[None] < row_len[:, None], torch.arange(8)[None], -1).int()
+    q = torch.randn(n, heads, width, generator=gen)
+    monkeypatch.setattr(mla_common, "MAX_GRID_ROWS", 4)
+    for got, want in ((mla_two_pass.sparse_mla(q, cache, table, row_req, idx, 0.3, dv),
+                       ref.sparse_mla(q, cache, table, row_req, idx, 0.3, dv)),
+                      (mla.dense_mla(q, cache, table, row_req, row_len, 0.3, dv),
+                       ref.dense_mla(q, cache, table, row_req, row_len, 0.3, dv))):
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        close(got[0], want[0], 1e-5)
+        close(got[1], want[1], 1e-5)
+
+
 # ---- GPU: the bench config ----------------------------------------------------------------
 
 def _bench_model():
