@@ -158,7 +158,12 @@ def test_h200_program_sparse_chunked_prefill_equals_the_mha_reference():
     want = prefill_rows(m, prompts, "mha")
     got = prefill_rows(m, prompts, "absorbed", step_fn=compiled, max_prefill_tokens=16)
     close(got, want, 5e-4)                                              # tf32-free interpreter dots
-    assert compiled.report.steps["prefill"].fallbacks == {}
+    report = compiled.report.steps["prefill"]
+    assert report.fallbacks == {}
+    chosen = dict(report.kernels)                                       # (op, kernel) -> calls
+    chosen = {op: k for op, k in chosen}
+    assert chosen["k31c::kda_prefill"] == "triton:k31c.lowering.triton.kda_prefill.kda_prefill"
+    assert chosen["k31c::sparse_mla"] == "triton:k31c.lowering.triton.mla_two_pass.sparse_mla"
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpreter shapes")
@@ -213,8 +218,12 @@ def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
+BENCH_LENGTHS = (2048, 8192)
+BENCH_CAP = max(BENCH_LENGTHS) + 512      # one pool shape for every engine the program serves
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("length", [2048, 8192])
+@pytest.mark.parametrize("length", BENCH_LENGTHS)
 def test_bench_sparse_prefill_on_the_gpu(bench, length):
     """The compiled sparse prefill (chunks of 4096 rows) against the MHA form: bfloat16 rounding
     and the top-k choices it flips are chaotic in a random model, so the program is held to the
@@ -223,7 +232,7 @@ def test_bench_sparse_prefill_on_the_gpu(bench, length):
     model, compiled, twin = bench
     vocab = model.config.vocab_size
     prompts = [tokens(length, seed=length, vocab=vocab), tokens(300, seed=1, vocab=vocab)]
-    cap = length + 512
+    cap = BENCH_CAP
     oracle = prefill_rows(twin, prompts, "mha", max_prefill_tokens=1024, max_seq_len=cap, device="cuda")
     eager = prefill_rows(model, prompts, "mha", max_prefill_tokens=1024, max_seq_len=cap, device="cuda")
     torch.cuda.reset_peak_memory_stats()
