@@ -90,16 +90,15 @@ class Engine:
         pieces: list[list[torch.Tensor]] = [[] for _ in rids]
         for step in self._prefill_steps([len(t) for t in tokens]):
             # step: (request index, start within its tokens, count) per request in this step
-            idx = [b for b, _, _ in step]
-            out = self._prefill_step([rids[b] for b in idx],
+            out = self._prefill_step([rids[b] for b, _, _ in step],
                                      [tokens[b][a:a + n] for b, a, n in step])
             row = 0
             for b, a, n in step:
                 last = a + n == len(tokens[b])
                 if logits == "all":
                     pieces[b].append(out[row:row + n])
-                elif last:
-                    pieces[b].append(out[row + n - 1:row + n])
+                elif last:   # a copy: a view would keep the step's [rows, vocab] alive
+                    pieces[b].append(out[row + n - 1:row + n].clone())
                 row += n
         return torch.cat([p for ps in pieces for p in ps])
 
