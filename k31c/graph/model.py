@@ -3,7 +3,7 @@ LatentMoE) wired with Block Attention Residuals (spec/model.md §2). Eager PyTor
 every compiled program is compared with; parameter names are the HF K3 checkpoint names.
 
 One forward is one step over N rows (graph/step.py): `mode="prefill"` (new tokens of B requests,
-KDA in chunked form, MLA in the MHA form) or `mode="decode"` (B requests x `rows` rows: plain
+KDA in chunked form, MLA in the absorbed sparse form) or `mode="decode"` (B requests x `rows` rows: plain
 decode at rows=1, speculative verification at rows>1 with KDA snapshots in `caches`).
 """
 from __future__ import annotations

@@ -2,6 +2,12 @@
 
 It drives any callable with the model's step interface `fn(input_ids, meta, caches, mode, rows)`,
 the eager model or a compiled one, over a CachePool.
+
+Chunked prefill: one prefill step carries at most `max_prefill_tokens` rows. A longer prefill (one
+long prompt, or many prompts together) runs as several steps, each appending the next chunk of
+every request onto its own prefix (rows see the keys earlier steps wrote, through row_len), so
+what a step allocates (the indexer's [rows, keys] scores, attention scratch, logits) is bounded by
+the chunk, not by the prompt. The result equals one prefill of everything.
 """
 from __future__ import annotations
 
@@ -13,9 +19,17 @@ from ..graph.step import StepMeta, host_ints_to_device, step_meta
 from .kv import CachePool
 
 
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+
+
 class Engine:
     def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
-                 block_size: int = 16, index_cache: str = "bf16", device=None, step_fn=None):
+                 block_size: int = 16, index_cache: str = "bf16", device=None, step_fn=None,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
+                or max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be a positive integer, got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max_prefill_tokens
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -60,13 +74,61 @@ class Engine:
         return host_ints_to_device([list(map(int, flat))], torch.int64, self.device)[0]
 
     @torch.no_grad()
-    def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append `tokens[b]` to request `rids[b]` (a fresh request or a chunk after a prefix).
-        Returns logits [sum(len), vocab] float32 in row order."""
+    def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
+                logits: str = "all") -> torch.Tensor:
+        """Append `tokens[b]` to request `rids[b]` (a fresh request or a chunk after a prefix), in
+        steps of at most `max_prefill_tokens` rows. Returns logits float32 in row order:
+        [sum(len), vocab] (logits="all") or each request's last row, [B, vocab] (logits="last",
+        what generation needs; a long prompt then never holds [len, vocab])."""
         if len(rids) != len(tokens) or any(len(t) == 0 for t in tokens):
             raise ValueError("prefill needs one non-empty token list per request")
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        if len(set(rids)) != len(rids):
+            raise ValueError("prefill: a request appears twice in one call")
+        tokens = [list(t) for t in tokens]
+        self._check_tokens([t for ts in tokens for t in ts])
+        for r, t in zip(rids, tokens):
+            if self.length(r) + len(t) > self.max_seq_len:
+                raise ValueError(f"request {r} would reach {self.length(r) + len(t)} tokens; "
+                                 f"max_seq_len is {self.max_seq_len}")
+        pieces: list[list[torch.Tensor]] = [[] for _ in rids]
+        for step in self._prefill_steps([len(t) for t in tokens]):
+            # step: (request index, start within its tokens, count) per request in this step
+            out = self._prefill_step([rids[b] for b, _, _ in step],
+                                     [tokens[b][a:a + n] for b, a, n in step])
+            row = 0
+            for b, a, n in step:
+                last = a + n == len(tokens[b])
+                if logits == "all":
+                    pieces[b].append(out[row:row + n])
+                elif last:   # a copy: a view would keep the step's [rows, vocab] alive
+                    pieces[b].append(out[row + n - 1:row + n].clone())
+                row += n
+        return torch.cat([p for ps in pieces for p in ps])
+
+    def _prefill_steps(self, lengths: list[int]) -> list[list[tuple[int, int, int]]]:
+        """Split the prefill of requests with `lengths` new tokens into steps of at most
+        max_prefill_tokens rows: each step takes the next chunk of every unfinished request in
+        order (a request's chunks stay in order, one per step)."""
+        done = [0] * len(lengths)
+        steps = []
+        while any(d < n for d, n in zip(done, lengths)):
+            budget, step = self.max_prefill_tokens, []
+            for b, n in enumerate(lengths):
+                take = min(n - done[b], budget)
+                if take > 0:
+                    step.append((b, done[b], take))
+                    done[b] += take
+                    budget -= take
+                if budget == 0:
+                    break
+            steps.append(step)
+        return steps
+
+    def _prefill_step(self, rids: Sequence[int], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One prefill step (at most max_prefill_tokens rows): logits [sum(len), vocab]."""
         flat = [t for ts in tokens for t in ts]
-        self._check_tokens(flat)
         starts = [self.length(r) for r in rids]
         meta = self._meta(rids, starts, [len(t) for t in tokens])
         ids = self._ids(flat)
@@ -132,7 +194,7 @@ class Engine:
         rid = self.add_request()
         out: list[int] = []
         try:
-            logits = self.prefill([rid], [list(prompt)])[-1]
+            logits = self.prefill([rid], [list(prompt)], logits="last")[0]
             while True:
                 tok = sample(logits, temperature, top_p, gen)
                 out.append(tok)

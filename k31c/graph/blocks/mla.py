@@ -4,10 +4,15 @@
 Order inside one step: the latent rows and index keys of all N rows are written first, so every
 row sees itself and the earlier rows of its request written in the same step; then the indexer
 scores and picks top-k; then attention. Two attention forms compute the same function:
-- "absorbed" (decode/verify default, §5.4): q̂_h = [W_UK,hᵀ q_n,h ‖ q_r,h] against the cached
-  latent rows through k31c::sparse_mla (dense_mla without an indexer), then o_h = W_UV,h o_lat,h;
-- "mha" (prefill default, §5.3): per-head keys/values expanded from the request's latent rows,
-  plain torch, mask = visible (s < row_len) and selected by the top-k.
+- "absorbed" (the default of every mode, §5.4, §6.3): q̂_h = [W_UK,hᵀ q_n,h ‖ q_r,h] against the
+  cached latent rows through k31c::sparse_mla over each row's own top-k selection (dense_mla over
+  positions < row_len without an indexer), then o_h = W_UV,h o_lat,h. Prefill rows are ordinary
+  rows here: each has its own selection and its own causal limit (row_len), so a prefill costs
+  [rows, top-k] attention, not [rows, keys]. A row with row_len <= index_topk selects all its keys,
+  so its sparse result is the dense one (spec §6.3);
+- "mha" (§5.3, the prefill oracle): per-head keys/values expanded from the request's latent rows,
+  plain torch, mask = visible (s < row_len) and selected by the top-k. It materialises
+  [rows, heads, pool keys] fp32: tests only (`prefill_form = "mha"` on a layer selects it).
 Both use sm_scale = (qk_nope + qk_rope)^-1/2. NoPE: q_r and k_r are used as they are.
 Plain-torch parts stay capture-friendly: no .item() / .tolist() here (only inside ops).
 """
@@ -24,7 +29,7 @@ from k31c.graph.blocks.norms import RMSNorm, init_linear
 from k31c.graph.step import MLALayerCache, StepMeta
 
 ATTN_FORMS = ("absorbed", "mha")
-DEFAULT_FORM = {"decode": "absorbed", "verify": "absorbed", "prefill": "mha"}
+DEFAULT_FORM = {"decode": "absorbed", "verify": "absorbed", "prefill": "absorbed"}
 
 
 class LightningIndexer(nn.Module):
@@ -85,6 +90,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, **kw)
         self.g_proj = nn.Linear(d, h * self.v_dim, **kw) if cfg.mla_use_output_gate else None
         self.indexer = LightningIndexer(cfg, dtype, device) if cfg.has_indexer else None
+        self.prefill_form = DEFAULT_FORM["prefill"]   # set to "mha" for the oracle form in prefill
         if device is not None:
             self.to(device)
 
@@ -106,7 +112,8 @@ class GatedMLA(nn.Module):
                 attn_form: Optional[str] = None) -> torch.Tensor:
         if mode not in DEFAULT_FORM:
             raise ValueError(f"mode must be one of {sorted(DEFAULT_FORM)}, got {mode!r}")
-        attn_form = attn_form or DEFAULT_FORM[mode]
+        if attn_form is None:
+            attn_form = self.prefill_form if mode == "prefill" else DEFAULT_FORM[mode]
         if attn_form not in ATTN_FORMS:
             raise ValueError(f"attn_form must be one of {ATTN_FORMS}, got {attn_form!r}")
         if x.dim() != 2:

@@ -34,7 +34,8 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, head_tiles, resolve_slots
+from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, head_tiles, in_row_slices,
+                                             resolve_slots)
 
 
 @triton.jit
@@ -291,7 +292,8 @@ def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
     check_mla_args(q, latent_cache, block_table, row_req, dv, row_len, "row_len")
     if row_len.dim() != 1:
         raise ValueError(f"row_len: expected int32 [N], got {tuple(row_len.shape)}")
-    return launch(q, latent_cache, block_table, row_req, None, row_len, sm_scale, dv)
+    return in_row_slices(lambda q_, req_, len_: launch(q_, latent_cache, block_table, req_, None, len_,
+                                                       sm_scale, dv), q.shape[0], q, row_req, row_len)
 
 
 def aot_specs(shapes) -> list:

@@ -51,6 +51,19 @@ def slots_spec(shapes, op: str):
                        dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32))
 
 
+MAX_GRID_ROWS = 65535      # CUDA's limit on grid dims y and z, where the MLA launches put the rows
+
+
+def in_row_slices(launch, n: int, *row_args):
+    """launch(*row_args) on at most MAX_GRID_ROWS rows at a time (a long prefill step can have
+    more rows than a grid dimension allows); each row_arg is sliced along dim 0 and the
+    (out, lse) pairs are concatenated."""
+    if n <= MAX_GRID_ROWS:
+        return launch(*row_args)
+    parts = [launch(*(a[s:s + MAX_GRID_ROWS] for a in row_args)) for s in range(0, n, MAX_GRID_ROWS)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
 def head_tiles(n_heads: int, big: int, min_tile: int) -> tuple[int, int, int]:
     """(BIG_HT, N_BIG, SMALL_HT): full tiles of `big` heads, then one power-of-two tile for the rest
     (96 = 64 + 32: no head is padded unless the rest is not a power of two)."""

@@ -31,7 +31,8 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, head_tiles, resolve_slots, slots_spec
+from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, head_tiles, in_row_slices,
+                                             resolve_slots, slots_spec)
 
 
 @triton.jit
@@ -195,7 +196,8 @@ def _tiles(cfg: dict, block_size: int, precision: str) -> dict:
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
+    return in_row_slices(lambda q_, req_, idx_: launch(q_, latent_cache, block_table, req_, idx_,
+                                                       sm_scale, dv), q.shape[0], q, row_req, indices)
 
 
 def check_sparse(q, latent_cache, block_table, row_req, indices, dv) -> None:
