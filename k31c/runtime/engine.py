@@ -15,13 +15,18 @@ from .kv import CachePool
 
 class Engine:
     def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
-                 block_size: int = 16, index_cache: str = "bf16", device=None, step_fn=None):
+                 block_size: int = 16, index_cache: Optional[str] = None, latent_cache: Optional[str] = None,
+                 device=None, step_fn=None):
+        formats = getattr(model, "cache_formats", {})      # a compiled model's quantize options
+        index_cache = index_cache or formats.get("index_cache", "bf16")
+        latent_cache = latent_cache or formats.get("latent_cache", "model")
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
         self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
-                              block_size=block_size, index_cache=index_cache, device=self.device)
+                              block_size=block_size, index_cache=index_cache, latent_cache=latent_cache,
+                              device=self.device)
         self.step_fn = model if step_fn is None else step_fn   # a module's truth value is its len()
 
     # ---- requests ---------------------------------------------------------------------------------
