@@ -17,7 +17,8 @@ class Engine:
     def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
                  block_size: int = 16, index_cache: Optional[str] = None, latent_cache: Optional[str] = None,
                  device=None, step_fn=None):
-        formats = getattr(model, "cache_formats", {})      # a compiled model's quantize options
+        # a compiled model's quantize options (as the model or as the step function)
+        formats = getattr(model if step_fn is None else step_fn, "cache_formats", {})
         index_cache = index_cache or formats.get("index_cache", "bf16")
         latent_cache = latent_cache or formats.get("latent_cache", "model")
         self.model = model
