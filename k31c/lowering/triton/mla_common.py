@@ -33,15 +33,16 @@ def fp8_latent_cols(cache_ptr, scale_ptr, row_off, row_ok, col0, C: tl.constexpr
     x = tl.load(cache_ptr + row_off[:, None] + cols[None, :], mask=ok, other=0)
     x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scale_at = (row_off + NOPE) // 4 + col0 // 128                     # fp32 units
-    if C <= 128:
+    if C <= 128:      # (if/else, not an early return: the compiler traces past a return)
         s = tl.load(scale_ptr + scale_at, mask=row_ok, other=0.0)
-        return x * s[:, None]
-    G: tl.constexpr = C // 128
-    g = tl.arange(0, G)
-    s = tl.load(scale_ptr + scale_at[:, None] + g[None, :],
-                mask=row_ok[:, None] & (col0 + g * 128 < NOPE)[None, :], other=0.0)
-    return tl.reshape(tl.reshape(x, (x.shape[0], G, 128)) * s[:, :, None],
-                      (x.shape[0], C))
+        x = x * s[:, None]
+    else:
+        G: tl.constexpr = C // 128
+        g = tl.arange(0, G)
+        s = tl.load(scale_ptr + scale_at[:, None] + g[None, :],
+                    mask=row_ok[:, None] & (col0 + g * 128 < NOPE)[None, :], other=0.0)
+        x = tl.reshape(tl.reshape(x, (x.shape[0], G, 128)) * s[:, :, None], (x.shape[0], C))
+    return x
 
 
 @triton.jit

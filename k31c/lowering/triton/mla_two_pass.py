@@ -16,6 +16,10 @@ Only the selected rows are read (twice: as keys, then as values); p is BF16 like
 flash-attention kernel, so the result matches the one-pass kernel to bf16 rounding. Empty slots
 (-1) get probability 0; a row without any key gives out = 0 and lse = +inf (the reference's rule).
 
+An FP8 latent cache (uint8, graph/ops/fp8_layouts.py) is dequantised on chip in both passes
+(mla_common.fp8_latent_cols / rope_latent_cols): e4m3 columns times their row's fp32 scale, the
+bf16 rope columns as they are; the values are the e4m3 part (dv = its width).
+
 Both passes gather the selected rows from HBM, which is what keeps it above the compute floor
 (BENCHMARKS.md, MLA). `plan` picks the launch configuration; the launcher and `aot_specs` both
 read it. `scores_pass` and `values_pass` are the two launches (the benchmarks time the first
