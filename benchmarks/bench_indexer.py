@@ -18,7 +18,7 @@ The note also gives the ratio against the keys-only floor of spec §6 (B·L·132
 time_ms does not flush L2 (50 MB): at 16K the 35 MB of keys can stay in L2, so the ratio there
 may fall below 1.
 
-    PYTHONPATH=. python benchmarks/bench_indexer.py           # table
+    PYTHONPATH=. python benchmarks/bench_indexer.py           # table (+ the MXFP8 rows)
     PYTHONPATH=. python benchmarks/bench_indexer.py --sweep   # launch-config sweep at 128K and 1M
 """
 from __future__ import annotations
@@ -135,6 +135,35 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
     return rows
 
 
+def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
+    """The MXFP8 index cache (e4m3 + one E8M0 byte per 32 values: also 132 B/token) scanned by
+    its kernel (indexer_mxfp8: q quantised on chip, four partial FP8 dots per key), against the
+    registered FP8 kernel (per-token scale) on the same bytes with fp32 scales."""
+    from k31c.lowering.triton import indexer as tix
+
+    pool = Pool(max(contexts))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    mx = pool.cache.clone()
+    mx[:, BLOCK * DIM:] = torch.randint(116, 124, mx[:, BLOCK * DIM:].shape, device="cuda",
+                                        generator=g, dtype=torch.uint8)     # scales 2^-11 .. 2^-4
+    mx = mx.view(torch.float8_e4m3fn)
+    rows = []
+    for ctx in contexts:
+        table, row_len = pool.context(ctx)
+        args = (pool.q, pool.weights, mx, table, pool.row_req, row_len)
+        fp8_args = (pool.q, pool.weights, pool.cache, table, pool.row_req, row_len)
+        ms = graph_ms(lambda: tix.lightning_indexer(*args))
+        peers = {"fp8 kernel": graph_ms(lambda: tix.lightning_indexer(*fp8_args))}
+        t = _try_time(lambda: tix.launch_indexer(*fp8_args, variant="gather"), timer=graph_ms)
+        if t is not None:
+            peers["fp8 gather kernel"] = t
+        floor = bytes_floor_ms(scan_bytes(ctx), machine)
+        rows.append(Row("lightning_indexer (mxfp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
+                        ms, floor, "bytes", peers, "CUDA-graph replay times; q quantised per 32 "
+                        "values on chip, 4 partial FP8 dots per 128-wide key"))
+    return rows
+
+
 def _write_rows(machine: Machine) -> list[Row]:
     """The cache writes at one decode step (64 new tokens) and one 8K prefill chunk."""
     from k31c.lowering.triton import cache_write as tcw
@@ -144,6 +173,8 @@ def _write_rows(machine: Machine) -> list[Row]:
     num_blocks = 4096
     index = torch.zeros(num_blocks, BLOCK * ROW_BYTES, dtype=torch.uint8, device="cuda")
     latent = torch.zeros(num_blocks, BLOCK, 576, dtype=torch.bfloat16, device="cuda")
+    latent8 = torch.zeros(num_blocks, BLOCK, 656, dtype=torch.uint8, device="cuda")
+    index_mx = torch.zeros(num_blocks, BLOCK * ROW_BYTES, dtype=torch.float8_e4m3fn, device="cuda")
     w = torch.rand(DIM, device="cuda", generator=g) + 0.5
     b = torch.randn(DIM, device="cuda", generator=g)
     for n in (N, 8192):
@@ -157,6 +188,12 @@ def _write_rows(machine: Machine) -> list[Row]:
             ("mla_cache_write (bf16)", n * (576 * 2 * 2 + 8),
              lambda: tcw.mla_cache_write(latent, rows_in, slots),
              lambda: torch.ops.k31c.mla_cache_write(latent, rows_in, slots)),
+            ("index_key_norm_write (mxfp8)", n * (DIM * 2 + ROW_BYTES + 8),
+             lambda: tcw.index_key_norm_write(index_mx, k_pre, w, b, slots, 1e-6),
+             lambda: torch.ops.k31c.index_key_norm_write(index_mx, k_pre, w, b, slots, 1e-6)),
+            ("mla_cache_write (fp8_ds_mla)", n * (576 * 2 + 656 + 8),
+             lambda: tcw.mla_cache_write(latent8, rows_in, slots),
+             lambda: torch.ops.k31c.mla_cache_write(latent8, rows_in, slots)),
         )
         for name, nbytes, kernel, eager in cases:
             ms = time_ms(kernel)
@@ -176,7 +213,7 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     rows = _scan_rows(machine, pool, contexts)
     del pool
     torch.cuda.empty_cache()
-    return rows + _write_rows(machine)
+    return rows + mxfp8_rows(machine) + _write_rows(machine)
 
 
 def sweep(contexts=(128 << 10, 1 << 20)) -> None:

@@ -2,12 +2,14 @@
 spec/performance.md §6 (a)/(b), goals G4, G6, G7 of §8).
 
 Shapes: B = 16 requests x R = 4 rows, 96 heads, 576-wide latent rows (512 + 64), dv = 512, top-k
-2048, block size 64, BF16 cache (plus an FP8 e4m3 cache row for sparse at 128K). Peers in the
+2048, block size 64, BF16 cache (plus the FP8 latent layout, fp8_ds_mla's 656-byte rows, for sparse
+at 128K and dense at 32K: `fp8_rows`). Peers in the
 same run: the eager reference op and torch.compile of a plain-torch gather + softmax formulation.
 Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; the bytes floor
 (latent rows read once; for sparse each row's 2048 rows, no overlap assumed) is in the note.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # table
+    PYTHONPATH=. python benchmarks/bench_mla.py --fp8      # the FP8 latent rows only (fp8_rows)
     PYTHONPATH=. python benchmarks/bench_mla.py --sweep    # launch-config sweep at 128K
 """
 from __future__ import annotations
@@ -144,17 +146,62 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
                         "flops", peers, _rate_note(ms, flops, nbytes, machine)
                         + f"; dense / sparse = {ms / sparse_ms[ctx]:.1f}x"))
 
-    # FP8 e4m3 latent rows (upcast on load, no scale) at 128K: half the gathered bytes
+    # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
-    table, _, idx = pool.context(ctx)
-    cache8 = cache.to(torch.float8_e4m3fn)
-    ms = time_ms(lambda: two_pass.sparse_mla(q, cache8, table, rr, idx, SM_SCALE, DV))
-    one = _try_time(lambda: one_pass(q, cache8, table, rr, idx, SM_SCALE, DV))
-    flops, nbytes = _flops(TOPK), N * TOPK * WIDTH
-    rows.append(Row("sparse_mla fp8 cache", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
-                    flops_floor_ms(flops, machine.bf16_tflops), "flops",
-                    {} if one is None else {"one-pass kernel": one},
-                    _rate_note(ms, flops, nbytes, machine)))
+    rows += fp8_rows(machine, ctx)
+    return rows
+
+
+FP8_ROW_BYTES = 656                          # 512 e4m3 + 4 fp32 scales + 64 bf16 (spec §5.6)
+
+
+def _out_error(got, want) -> str:
+    (o, lse), (o_ref, lse_ref) = got, want
+    d = (o.float() - o_ref.float())
+    return (f"vs bf16 cache: out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
+            f"rms rel {(d.norm() / o_ref.float().norm()).item():.2e}, "
+            f"max |lse diff| {(lse - lse_ref).abs().max().item():.2e}")
+
+
+def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
+    """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
+    the bf16 cache it was written from, in the registered kernels: sparse_mla (two-pass) at `ctx`
+    and dense_mla (one-pass) at `dense_ctx`. Peers: the same kernel on the bf16 cache, and raw
+    e4m3 rows without scales (upcast on load: what dequantisation adds). The note gives the
+    output error against the bf16 cache (what FP8 latent rows cost in accuracy at this shape)."""
+    from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
+    from k31c.lowering.triton import mla, mla_two_pass as two_pass
+
+    pool = Pool(ctx)
+    q, cache, rr = pool.q, pool.cache, pool.row_req
+    nb = cache.shape[0]
+    fp8 = torch.empty(nb, BLOCK, FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
+    for b0 in range(0, nb, 1024):                # quantise in chunks (fp32 temporaries)
+        part = cache[b0:b0 + 1024]
+        fp8[b0:b0 + 1024] = quantize_latent_fp8(part.reshape(-1, WIDTH), DV).view(part.shape[0], BLOCK, -1)
+    raw8 = cache.to(torch.float8_e4m3fn)
+    rows = []
+    table, row_len, idx = pool.context(ctx)
+    args = lambda c: (q, c, table, rr, idx, SM_SCALE, DV)  # noqa: E731
+    ms = time_ms(lambda: two_pass.sparse_mla(*args(fp8)))
+    peers = {"bf16 cache": time_ms(lambda: two_pass.sparse_mla(*args(cache)))}
+    t = _try_time(lambda: two_pass.sparse_mla(*args(raw8)))
+    if t is not None:
+        peers["raw e4m3 (no scale)"] = t
+    flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
+    rows.append(Row("sparse_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
+                    flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
+                    _rate_note(ms, flops, nbytes, machine) + "; "
+                    + _out_error(two_pass.sparse_mla(*args(fp8)), two_pass.sparse_mla(*args(cache)))))
+    table, row_len, _ = pool.context(dense_ctx)
+    dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
+    ms = time_ms(lambda: mla.dense_mla(*dargs(fp8)), warmup=2, reps=10)
+    peers = {"bf16 cache": time_ms(lambda: mla.dense_mla(*dargs(cache)), warmup=2, reps=10)}
+    flops, nbytes = _flops(dense_ctx), B * dense_ctx * FP8_ROW_BYTES
+    rows.append(Row("dense_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
+                    flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
+                    _rate_note(ms, flops, nbytes, machine) + "; "
+                    + _out_error(mla.dense_mla(*dargs(fp8)), mla.dense_mla(*dargs(cache)))))
     return rows
 
 
@@ -257,4 +304,5 @@ if __name__ == "__main__":
         compile_only(int(sys.argv[sys.argv.index("--compile") + 1]))
         sys.exit(0)
     m = measure_machine()
-    print(markdown(sweep(m) if "--sweep" in sys.argv else run(m), m), flush=True)
+    table = sweep(m) if "--sweep" in sys.argv else fp8_rows(m) if "--fp8" in sys.argv else run(m)
+    print(markdown(table, m), flush=True)

@@ -220,6 +220,13 @@ class CompiledModel:
         return self.model.parameters()
 
     @property
+    def cache_formats(self) -> dict[str, str]:
+        """Pool formats the quantize options ask for (Engine(compiled) allocates its pool so)."""
+        q = self.pipeline.options.get("quantize", {})
+        return {**({"latent_cache": q["latent_cache"]} if q.get("latent_cache", "auto") != "auto" else {}),
+                **({"index_cache": "mxfp8"} if q.get("mxfp8_indexer") else {})}
+
+    @property
     def graphs(self) -> dict[str, torch.fx.GraphModule]:
         """Step name -> the graph after the passes."""
         return {step.name: p.gm for step, p in self._programs.items()}

@@ -31,14 +31,15 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 2e-4) -> None:
     assert err < tol, f"rel err {err:.3g}"
 
 
-def engine_scenario(model, step_fn, prompts, decode_from: int, verify, decode_steps: int):
+def engine_scenario(model, step_fn, prompts, decode_from: int, verify, decode_steps: int, **engine_kw):
     """Logits of one engine run over a fixed random token stream: a prefill of one request per
     (start, stop) slice in `prompts`, then `decode_steps` decode steps alternating the first
     request alone and all of them (tokens from position `decode_from` on), then a verification
-    step of 3 rows for the requests at indices `verify`."""
+    step of 3 rows for the requests at indices `verify`. engine_kw: more Engine arguments (cache
+    formats)."""
     toks = torch.randint(0, model.config.vocab_size, (400,),
                          generator=torch.Generator().manual_seed(1)).tolist()
-    eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=step_fn)
+    eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=step_fn, **engine_kw)
     rids = [eng.add_request() for _ in prompts]
     out = [eng.prefill(rids, [toks[a:b] for a, b in prompts])]
     pos = decode_from

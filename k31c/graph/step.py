@@ -69,11 +69,15 @@ def host_ints_to_device(groups: list[list[int]], dtype: torch.dtype, device) -> 
 class MLALayerCache:
     """One MLA layer's share of the flat block pool (blocks are shared by all layers).
 
-    latent: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype.
+    latent: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype, or the FP8
+            latent layout (fp8_ds_mla) as uint8 [num_blocks, block_size, row_bytes]: c_kv e4m3,
+            its fp32 scales (one per 128 values), k_rope bf16 (graph/ops/fp8_layouts.py).
     index:  BF16/F32 keys [num_blocks, block_size, index_head_dim], or the FP8 layout of
             spec §6.5 as uint8 [num_blocks, block_size * (index_head_dim + 4 * n_scales)]:
             per block all FP8 values token-major first, then the fp32 scales
-            (n_scales = ceil(index_head_dim / 128)).
+            (n_scales = ceil(index_head_dim / 128)), or the MXFP8 layout as float8_e4m3fn
+            [num_blocks, block_size * (index_head_dim + index_head_dim / 32)]: per block the
+            e4m3 values, then one E8M0 scale byte per 32 values.
     """
     latent: torch.Tensor
     index: torch.Tensor

@@ -1,56 +1,78 @@
 """quantize: number formats of the MLA caches and (as an option) MXFP8 indexer q/k.
 
-Cache formats are decided by the cache tensors the runtime allocates, not by the graph: a uint8
-index cache holds FP8 keys (128 e4m3 values + one fp32 scale per 128 values: 132 B/token at
-d = 128), a float one holds keys in its dtype. The pass records the format on every op that
-writes or scores index keys (`index_cache=fp8` / `bf16` / `f32`) and on the latent writes
-(`latent_cache=...`), and validates the FP8 layout against the key width. FP8 latent rows are
-not in the op set yet (mla_cache_write takes float caches); the pass reports the latent format.
+Cache formats are decided by the cache tensors the runtime allocates (runtime/kv.py), not by the
+graph: every op reads its format from its cache tensor. Index cache: uint8 = FP8 keys (128 e4m3
+values + one fp32 scale per 128 values: 132 B/token at d = 128), float8_e4m3fn = MXFP8 keys (e4m3 +
+one E8M0 byte per 32 values), a float one = keys in its dtype. Latent cache: uint8 = the FP8
+latent layout (`fp8_ds_mla`: c_kv e4m3 + fp32 scale per 128 values, k_rope bf16: 656 B/token at
+K3 sizes), a float one = rows in its dtype. The pass records the format on every op that writes or
+reads them (`index_cache=fp8|mxfp8|bf16|f32`, `latent_cache=fp8|bf16|f32`) and validates the
+layouts against the row widths (graph/ops/fp8_layouts.py has them).
 
-Option `mxfp8_indexer` (default off): a graph rewrite that quantise-dequantises the indexer query
-and key in MXFP8 before scoring: groups of 32 values along the head dim share one power-of-two
-(E8M0) scale 2^ceil(log2(amax / 448)) (the scale is rounded up, so no value saturates), values
-are e4m3. It models what an FP8 block-scaled scoring kernel computes. The query gets a
-`mxfp8_quant_dequant` node in front of the scoring op; the key gets one between its LayerNorm and
-the cache write. No fused kernel implements MXFP8 keys, so a fused index_key_norm_write is split
-back into LayerNorm → mxfp8_quant_dequant → index_cache_write (reported).
+Options (all off by default, so the default graph is unchanged):
+- `latent_cache` ("auto" | "model" | "fp8"): the latent format this compile is for. "auto" takes
+  whatever the pool allocated; "fp8" / "model" are checked against the captured caches (a
+  mismatch is a UsageError naming the pool argument), and `Engine(compiled)` allocates its pool
+  in that format (`CompiledModel.cache_formats`).
+- `mxfp8_indexer` (bool): MXFP8 index keys and queries (groups of 32 values along the head dim
+  share one power-of-two scale 2^ceil(log2(amax / 448)), values e4m3). With an MXFP8 index cache
+  (`Engine(compiled)` allocates one) the ops do it: the write quantises the keys, the scoring
+  kernel quantises q on chip and takes four partial dots per 128-wide key; the graph is not
+  changed. With any other index cache it is emulated in the graph: a `mxfp8_quant_dequant` node
+  in front of the scoring op's q and one between the key LayerNorm and the cache write (a fused
+  index_key_norm_write is split back into LayerNorm → mxfp8_quant_dequant → index_cache_write).
 """
 from __future__ import annotations
 
 import torch
 
 from ..graph.ops.cache_write import index_cache_block_size
+from ..graph.ops.fp8_layouts import MX_GROUP, latent_fp8_nope, mxfp8_quant_dequant
 from ..errors import InputError, UsageError
 from ..graph.printer import display_name, dtype_name
 from .graph_utils import INDEX_WRITES, INDEXER_OPS, K31C, info, inherit, insert_after
 from .manager import PassResult, register_pass
 
-MX_GROUP = 32
-E4M3_MAX = 448.0
-
-
-def mxfp8_quant_dequant(x: torch.Tensor, group: int = MX_GROUP) -> torch.Tensor:
-    """x quantised to MXFP8 along its last dim (e4m3 values, one E8M0 scale per `group`) and back."""
-    d = x.shape[-1]
-    g = x.float().unflatten(-1, (d // group, group))
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
-    values = (g / scale).to(torch.float8_e4m3fn).float()
-    return (values * scale).flatten(-2).to(x.dtype)
+LATENT_FORMATS = ("auto", "model", "fp8")
 
 
 def _cache_format(cache: torch.fx.Node, width: int) -> str:
     val = cache.meta.get("val")
     if val is None:
         return "unknown"
-    if val.dtype == torch.uint8:
+    if val.dtype in (torch.uint8, torch.float8_e4m3fn):
+        fmt = "fp8" if val.dtype == torch.uint8 else "mxfp8"
         try:
             index_cache_block_size(val, width, cache.meta.get("k31c_input", cache.name))
         except ValueError as e:
-            raise InputError(f"quantize: FP8 index cache {display_name(cache)} does not fit {width}-wide "
+            raise InputError(f"quantize: {fmt.upper()} index cache {display_name(cache)} does not fit {width}-wide "
                              f"keys: {e}") from None
-        return "fp8"
+        return fmt
     return dtype_name(val.dtype)
+
+
+def _latent_format(write: torch.fx.Node) -> str:
+    cache, rows = write.args[0], write.args[1]
+    val = cache.meta["val"]
+    if val.dtype != torch.uint8:
+        return dtype_name(val.dtype)
+    try:
+        latent_fp8_nope(int(val.shape[2]), _width(rows), display_name(cache))
+    except ValueError as e:
+        raise InputError(f"quantize: FP8 latent cache: {e}") from None
+    return "fp8"
+
+
+def _check_latent_choice(want: str, found: set) -> None:
+    if want not in LATENT_FORMATS:
+        raise UsageError(f"quantize: option latent_cache must be one of {LATENT_FORMATS}, got {want!r}")
+    if want == "auto" or not found:
+        return
+    bad = sorted(found - {"fp8"}) if want == "fp8" else sorted(found & {"fp8"})
+    if bad:
+        raise UsageError(f"quantize: option latent_cache={want!r} but the pool's latent cache is "
+                         f"{', '.join(bad)}; allocate it with CachePool(..., latent_cache={want!r}) "
+                         f"(Engine(compiled) does so)")
 
 
 def _check_group(node: torch.fx.Node, width: int) -> None:
@@ -82,13 +104,15 @@ def _split_fused_write(write: torch.fx.Node) -> torch.fx.Node:
 
 
 @register_pass("quantize", stage="rewrite", after=("fuse_index_write", "fuse_lightning_indexer"),
-               options={"mxfp8_indexer": False})
+               options={"mxfp8_indexer": False, "latent_cache": "auto"})
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Record and validate cache formats; optionally MXFP8 quant-dequant of indexer q and k.
+    """Record and validate cache formats; check the requested latent format; MXFP8 indexer q/k by
+    the ops (MXFP8 index cache) or emulated by quant-dequant nodes.
     stats: index_cache, latent_cache (sorted formats seen), mxfp8_nodes (quant-dequant nodes
     inserted), split_writes (fused index writes split back for MXFP8)."""
     graph, notes = gm.graph, []
-    mxfp8 = ctx.opts("quantize").get("mxfp8_indexer", False)
+    opts = ctx.opts("quantize")
+    mxfp8 = opts.get("mxfp8_indexer", False)
     formats, split, inserted = {}, 0, 0
     for node in list(graph.nodes):
         if node.target in INDEX_WRITES:
@@ -96,14 +120,14 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         elif node.target in INDEXER_OPS:
             fmt = _cache_format(node.args[2], _width(node.args[0]))
         elif node.target is K31C.mla_cache_write.default:
-            info(node)["latent_cache"] = dtype_name(node.args[0].meta["val"].dtype)
+            info(node)["latent_cache"] = _latent_format(node)
             formats.setdefault("latent", set()).add(info(node)["latent_cache"])
             continue
         else:
             continue
         info(node)["index_cache"] = fmt
         formats.setdefault("index", set()).add(fmt)
-        if not mxfp8:
+        if not mxfp8 or fmt == "mxfp8":     # an MXFP8 cache: the ops quantise q and k themselves
             continue
         if node.target in INDEXER_OPS:
             q = node.args[0]
@@ -124,13 +148,15 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             new.meta["val"] = keys.meta["val"]
             write.replace_input_with(keys, new)
             inserted += 1
+    _check_latent_choice(opts.get("latent_cache", "auto"), formats.get("latent", set()))
     for what, fmts in sorted(formats.items()):
         notes.append(f"{what} cache: {', '.join(sorted(fmts))}")
-    if "latent" in formats:
-        notes.append("FP8 latent rows: not in the op set (mla_cache_write takes float caches)")
-    if mxfp8:
-        notes.append(f"mxfp8 indexer q/k: {inserted} quant-dequant nodes"
-                     + (f"; split {split} fused index writes (no fused MXFP8 key-write op)" if split else ""))
+    if mxfp8 and "mxfp8" in formats.get("index", ()):
+        notes.append("mxfp8 indexer q/k: by the ops on the MXFP8 index cache (q quantised in the kernel)")
+    if mxfp8 and inserted:
+        notes.append(f"mxfp8 indexer q/k: emulated, {inserted} quant-dequant nodes (the index cache is not "
+                     "MXFP8: allocate CachePool(..., index_cache='mxfp8') for the kernel)"
+                     + (f"; split {split} fused index writes" if split else ""))
     return PassResult(matches=sum(len(f) for f in formats.values()) + inserted,
                       changed=True if formats or inserted else False, notes=notes,
                       stats={**{f"{what}_cache": sorted(fmts) for what, fmts in sorted(formats.items())},

@@ -24,18 +24,23 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 class Engine:
     def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
-                 block_size: int = 16, index_cache: str = "bf16", device=None, step_fn=None,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+                 block_size: int = 16, index_cache: Optional[str] = None, latent_cache: Optional[str] = None,
+                 device=None, step_fn=None, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
         if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
                 or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be a positive integer, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
+        # a compiled model's quantize options (as the model or as the step function)
+        formats = getattr(model if step_fn is None else step_fn, "cache_formats", {})
+        index_cache = index_cache or formats.get("index_cache", "bf16")
+        latent_cache = latent_cache or formats.get("latent_cache", "model")
         self.model = model
         self.cfg = model.config
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
         self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
-                              block_size=block_size, index_cache=index_cache, device=self.device)
+                              block_size=block_size, index_cache=index_cache, latent_cache=latent_cache,
+                              device=self.device)
         self.step_fn = model if step_fn is None else step_fn   # a module's truth value is its len()
 
     # ---- requests ---------------------------------------------------------------------------------

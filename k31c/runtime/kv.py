@@ -1,6 +1,13 @@
 """Cache pools: the MLA pool of flat blocks (latent plane + index-key plane, shared block ids for
 all MLA layers) and the KDA state pool (conv window + fp32 recurrent state per request slot).
 
+Cache formats (spec/model.md §5.6, §6.5; graph/ops/fp8_layouts.py), chosen per pool:
+- latent_cache "model": [num_blocks, block_size, kv_lora + rope] in the model dtype; "fp8": the
+  FP8 latent layout, uint8 [num_blocks, block_size, row_bytes] (656 bytes a token at K3 sizes);
+- index_cache "bf16": float keys (fp32 for an fp32 model); "fp8": e4m3 + one fp32 scale per 128
+  values (uint8); "mxfp8": e4m3 + one E8M0 byte per 32 values (float8_e4m3fn).
+The ops read the format from the tensors, so one model runs on any of them.
+
 The pool owns memory and bookkeeping (free lists, per-request blocks and lengths); the model only
 sees the tensors, through graph/step.py's dataclasses.
 """
@@ -13,9 +20,11 @@ import torch
 
 from ..config import K31Config
 from ..graph.ops.cache_write import index_row_bytes
+from ..graph.ops.fp8_layouts import check_latent_fp8_dims, latent_fp8_row_bytes, mx_row_bytes
 from ..graph.step import Caches, KDALayerState, KDASnapshots, MLALayerCache
 
-INDEX_CACHE_KINDS = ("bf16", "fp8")
+INDEX_CACHE_KINDS = ("bf16", "fp8", "mxfp8")
+LATENT_CACHE_KINDS = ("model", "fp8")
 
 
 class PoolExhausted(RuntimeError):
@@ -31,9 +40,17 @@ class Request:
 
 class CachePool:
     def __init__(self, cfg: K31Config, *, max_requests: int, max_seq_len: int, block_size: int = 16,
-                 num_blocks: int | None = None, index_cache: str = "bf16", device="cpu"):
+                 num_blocks: int | None = None, index_cache: str = "bf16", latent_cache: str = "model",
+                 device="cpu"):
         if index_cache not in INDEX_CACHE_KINDS:
             raise ValueError(f"index_cache must be one of {INDEX_CACHE_KINDS}, got {index_cache!r}")
+        if latent_cache not in LATENT_CACHE_KINDS:
+            raise ValueError(f"latent_cache must be one of {LATENT_CACHE_KINDS}, got {latent_cache!r}")
+        if latent_cache == "fp8":
+            check_latent_fp8_dims(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        if index_cache == "mxfp8" and cfg.has_indexer and cfg.index_head_dim % 32:
+            raise ValueError(f"index_cache 'mxfp8' needs index_head_dim a multiple of 32, got "
+                             f"{cfg.index_head_dim}")
         if block_size <= 0 or max_requests <= 0 or max_seq_len <= 0:
             raise ValueError("block_size, max_requests and max_seq_len must be positive")
         self.cfg, self.block_size, self.device = cfg, block_size, torch.device(device)
@@ -43,12 +60,20 @@ class CachePool:
         dt = cfg.torch_dtype
         self.mla: list[MLALayerCache] = []
         for _ in cfg.mla_layers:
-            latent = torch.zeros(self.num_blocks, block_size, cfg.latent_dim, dtype=dt, device=device)
+            if latent_cache == "fp8":
+                latent = torch.zeros(self.num_blocks, block_size,
+                                     latent_fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+                                     dtype=torch.uint8, device=device)
+            else:
+                latent = torch.zeros(self.num_blocks, block_size, cfg.latent_dim, dtype=dt, device=device)
             if not cfg.has_indexer:
                 index = torch.zeros(0, dtype=dt, device=device)
             elif index_cache == "fp8":
                 index = torch.zeros(self.num_blocks, block_size * index_row_bytes(cfg.index_head_dim),
                                     dtype=torch.uint8, device=device)
+            elif index_cache == "mxfp8":
+                index = torch.zeros(self.num_blocks, block_size * mx_row_bytes(cfg.index_head_dim),
+                                    dtype=torch.float8_e4m3fn, device=device)
             else:
                 index_dt = torch.float32 if dt == torch.float32 else torch.bfloat16
                 index = torch.zeros(self.num_blocks, block_size, cfg.index_head_dim, dtype=index_dt,

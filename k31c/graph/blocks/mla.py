@@ -26,6 +26,7 @@ from torch import nn
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.config import K31Config
 from k31c.graph.blocks.norms import RMSNorm, init_linear
+from k31c.graph.ops.fp8_layouts import dequantize_latent_fp8
 from k31c.graph.step import MLALayerCache, StepMeta
 
 ATTN_FORMS = ("absorbed", "mha")
@@ -162,7 +163,10 @@ class GatedMLA(nn.Module):
         pos = torch.arange(width, device=q_nope.device)
         blocks = meta.block_table.long()[:, pos // block_size]                # [B, S]
         slots = (blocks.clamp_min(0) * block_size + pos % block_size).flatten()  # -1 blocks: masked
-        c_kv, k_rope = latent_cache.flatten(0, 1)[slots].split([self.kv_rank, self.rope_dim], dim=-1)
+        rows = latent_cache.flatten(0, 1)[slots]
+        if rows.dtype == torch.uint8:                                         # FP8 latent layout
+            rows = dequantize_latent_fp8(rows, self.kv_rank + self.rope_dim)
+        c_kv, k_rope = rows.split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv.to(q_nope.dtype)).unflatten(-1, (self.n_heads, -1))
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)            # [B*S, Hq, *]
         scores = (torch.einsum("nhd,mhd->nhm", q_nope.float(), k_nope.float())

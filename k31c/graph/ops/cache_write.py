@@ -2,9 +2,11 @@
 
 Ops (namespace k31c, each mutates its `cache` argument in place):
 - `mla_cache_write(cache, rows, slot_mapping)`: latent rows [c_kv ‖ k_rope] into
-  cache [num_blocks, block_size, Dl].
+  cache [num_blocks, block_size, Dl] (float), or into the FP8 latent layout of fp8_layouts.py
+  (uint8 [num_blocks, block_size, row_bytes]: c_kv e4m3 with fp32 scales, k_rope bf16).
 - `index_cache_write(cache, keys, slot_mapping)`: indexer keys, either plain
-  ([num_blocks, block_size, d] in the cache's float dtype) or the FP8 layout below (uint8 cache).
+  ([num_blocks, block_size, d] in the cache's float dtype), the FP8 layout below (uint8 cache) or
+  the MXFP8 layout of fp8_layouts.py (float8_e4m3fn cache: e4m3 values + E8M0 group-32 scales).
 - `index_key_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps)`: LayerNorm in fp32
   + the same write; the op the `fuse_index_write` pass puts in place of LayerNorm → write.
 
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from k31c.graph.ops.fp8_layouts import (dequantize_mxfp8, is_mxfp8_index_cache, latent_fp8_nope,
+                                        mx_dim_from_row_bytes, mx_row_bytes, quantize_latent_fp8,
+                                        quantize_mxfp8, split_mx_blocks)
 
 FP8_MAX = 448.0            # largest finite float8_e4m3fn
 FP8_MIN_AMAX = 1e-4        # floor on a group's amax, so an all-small group gets a usable scale
@@ -52,7 +58,16 @@ def is_fp8_index_cache(cache: torch.Tensor) -> bool:
 
 
 def index_cache_block_size(cache: torch.Tensor, d: int, arg: str = "index_cache") -> int:
-    """Tokens per block of an index cache holding d-wide keys (either layout); checks the shape."""
+    """Tokens per block of an index cache holding d-wide keys (any layout); checks the shape."""
+    if is_mxfp8_index_cache(cache):
+        if cache.dim() != 2 or d % 32:
+            raise ValueError(f"{arg}: the MXFP8 (float8_e4m3fn) index cache must be 2-D "
+                             f"[num_blocks, block_size * (d + d/32)] with d a multiple of 32; got "
+                             f"{tuple(cache.shape)} for d={d}")
+        if cache.shape[1] % mx_row_bytes(d):
+            raise ValueError(f"{arg}: {cache.shape[1]} bytes per block is not a multiple of "
+                             f"{mx_row_bytes(d)} (MXFP8 bytes per token for d={d})")
+        return cache.shape[1] // mx_row_bytes(d)
     if is_fp8_index_cache(cache):
         if cache.dim() != 2:
             raise ValueError(f"{arg}: the FP8 (uint8) index cache must be 2-D "
@@ -115,12 +130,16 @@ def gather_index_keys(cache: torch.Tensor, block_table_row: torch.Tensor, length
     _check_length(block_table_row, length, block_size)
     positions = torch.arange(length, device=cache.device)
     slots = physical_slots(block_table_row, positions, block_size)
-    if not is_fp8_index_cache(cache):
+    if not (is_fp8_index_cache(cache) or is_mxfp8_index_cache(cache)):
         if cache.shape[1] != block_size:
             raise ValueError(f"block_size {block_size} differs from the cache's {cache.shape[1]}")
         return cache.flatten(0, 1)[slots].float()
     if cache.shape[1] % block_size:
         raise ValueError(f"block_size {block_size} does not divide the {cache.shape[1]} bytes per block")
+    if is_mxfp8_index_cache(cache):
+        d = mx_dim_from_row_bytes(cache.shape[1] // block_size)
+        values, exps = (r.flatten(0, 1)[slots] for r in split_mx_blocks(cache, d))
+        return dequantize_mxfp8(values.view(torch.float8_e4m3fn), exps.int() - 127)
     d = index_dim_from_row_bytes(cache.shape[1] // block_size)
     values, scale_bytes = _split_fp8_blocks(cache, d)
     values = values.flatten(0, 1)[slots].view(torch.float8_e4m3fn)
@@ -129,7 +148,8 @@ def gather_index_keys(cache: torch.Tensor, block_table_row: torch.Tensor, length
 
 
 def gather_latent_rows(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """Latent rows of logical positions 0..length-1 of one request: [length, Dl] in the cache dtype."""
+    """Latent rows of logical positions 0..length-1 of one request: [length, Dl] in the cache
+    dtype (the raw bytes [length, row_bytes] of an FP8 latent cache)."""
     block_size = cache.shape[1]
     _check_length(block_table_row, length, block_size)
     positions = torch.arange(length, device=cache.device)
@@ -152,11 +172,13 @@ def _check_float_2d(t: torch.Tensor, arg: str) -> None:
 
 
 def check_mla_write(cache, rows, slot_mapping) -> None:
-    if cache.dim() != 3 or cache.dtype not in _FLOATS:
-        raise ValueError(f"cache: expected float [num_blocks, block_size, Dl], got {cache.dtype} "
-                         f"{tuple(cache.shape)}")
+    if cache.dim() != 3 or cache.dtype not in _FLOATS + (torch.uint8,):
+        raise ValueError(f"cache: expected float [num_blocks, block_size, Dl] or the uint8 FP8 latent "
+                         f"layout, got {cache.dtype} {tuple(cache.shape)}")
     _check_float_2d(rows, "rows")
-    if rows.shape[1] != cache.shape[2]:
+    if cache.dtype == torch.uint8:
+        latent_fp8_nope(cache.shape[2], rows.shape[1], "cache")
+    elif rows.shape[1] != cache.shape[2]:
         raise ValueError(f"rows are {rows.shape[1]} wide but cache rows are {cache.shape[2]} wide")
     _check_slot_mapping(slot_mapping, rows.shape[0])
 
@@ -178,10 +200,15 @@ def _written(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 @torch.library.custom_op("k31c::mla_cache_write", mutates_args=("cache",))
 def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache.flatten(0, 1)[slot_mapping[i]] = rows[i] (cast to the cache dtype); slot < 0 skips."""
+    """cache.flatten(0, 1)[slot_mapping[i]] = rows[i] (cast to the cache dtype, or quantised to the
+    FP8 latent layout for a uint8 cache); slot < 0 skips."""
     check_mla_write(cache, rows, slot_mapping)
     flat = cache.view(-1, cache.shape[2])
     keep = _written(slot_mapping, flat.shape[0])
+    if cache.dtype == torch.uint8:
+        nope = latent_fp8_nope(cache.shape[2], rows.shape[1], "cache")
+        flat.index_copy_(0, slot_mapping[keep], quantize_latent_fp8(rows[keep], nope))
+        return
     flat.index_copy_(0, slot_mapping[keep], rows[keep].to(cache.dtype))
 
 
@@ -195,6 +222,13 @@ def _write_index_keys(cache: torch.Tensor, keys: torch.Tensor, slot_mapping: tor
     block_size = index_cache_block_size(cache, d, "cache")
     keep = _written(slot_mapping, cache.shape[0] * block_size)
     slots, keys = slot_mapping[keep], keys[keep]
+    if is_mxfp8_index_cache(cache):
+        values, exps = quantize_mxfp8(keys)
+        value_region, scale_region = split_mx_blocks(cache, d)
+        block, offset = slots // block_size, slots % block_size
+        value_region[block, offset] = values.view(torch.uint8)
+        scale_region[block, offset] = (exps + 127).to(torch.uint8)
+        return
     if not is_fp8_index_cache(cache):
         cache.view(-1, d).index_copy_(0, slots, keys.to(cache.dtype))
         return

@@ -4,7 +4,9 @@ Ops (namespace k31c):
 - `lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)` → scores
   [N, max_blocks * block_size] fp32: scores[t, s] = Σ_h weights[t, h] · ReLU(q[t, h] · k[s]) over the
   keys of request row_req[t] (dequantised when the cache is FP8) for s < row_len[t]; -inf beyond.
-  `weights` already carry the (H_I · d_I)^-1/2 factor (the model applies it).
+  `weights` already carry the (H_I · d_I)^-1/2 factor (the model applies it). With an MXFP8 index
+  cache (graph/ops/fp8_layouts.py) q is quantised the same way (e4m3, E8M0 scale per 32 values)
+  before the dot: the fully quantised scoring path its kernel computes.
 - `topk_select(scores, row_len, k)` → int32 [N, k]: the k best visible positions. Tie rule
   (spec §6.7.4): among equal scores the more recent (higher) position wins. With row_len ≤ k every
   visible position is selected and the rest of the row is -1. Reference order: score descending,
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from k31c.graph.ops.cache_write import gather_index_keys, index_cache_block_size
+from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache, mxfp8_quant_dequant
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -66,7 +69,10 @@ def indexer_scores(q, weights, index_cache, block_table, row_req, row_len) -> to
         rows = (row_req == b).nonzero().squeeze(1)
         length = int(row_len[rows].max())
         keys = gather_index_keys(index_cache, block_table[b], length, block_size)    # [L, d] fp32
-        logits = torch.einsum("thd,sd->ths", q[rows].float(), keys).relu()
+        q_rows = q[rows].float()
+        if is_mxfp8_index_cache(index_cache):
+            q_rows = mxfp8_quant_dequant(q_rows)
+        logits = torch.einsum("thd,sd->ths", q_rows, keys).relu()
         req_scores = torch.einsum("ths,th->ts", logits, weights[rows])
         visible = positions[:length].unsqueeze(0) < row_len[rows].unsqueeze(1)
         scores[rows, :length] = req_scores.masked_fill(~visible, float("-inf"))

@@ -7,7 +7,9 @@ Ops (namespace k31c), both returning (out [N, Hq, dv] in q's dtype, lse [N, Hq] 
 - `dense_mla(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)`: the same over every
   position < row_len[t] (the control, and Kimi K3's own attention).
 
-q is the absorbed query [W_UKᵀ q_nope ‖ q_rope] per head (576 wide in K3). Softmax in fp32;
+q is the absorbed query [W_UKᵀ q_nope ‖ q_rope] per head (576 wide in K3). latent_cache is float
+[num_blocks, block_size, Dl] or the FP8 latent layout (uint8 [num_blocks, block_size, row_bytes],
+graph/ops/fp8_layouts.py), whose rows are dequantised to fp32 before the math. Softmax in fp32;
 lse is the natural log of Σ exp(q·k·sm_scale). FlashMLA's convention for a row with no valid key:
 out = 0, lse = +inf (so a context-parallel merge gives it zero weight).
 """
@@ -15,16 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from k31c.graph.ops.fp8_layouts import dequantize_latent_fp8, latent_fp8_nope
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_attention(q, latent_cache, block_table, row_req, dv) -> None:
     if q.dim() != 3 or q.dtype not in _FLOATS:
         raise ValueError(f"q: expected a float [N, Hq, Dl] tensor, got {q.dtype} {tuple(q.shape)}")
-    if latent_cache.dim() != 3 or latent_cache.dtype not in _FLOATS:
-        raise ValueError(f"latent_cache: expected float [num_blocks, block_size, Dl], got "
-                         f"{latent_cache.dtype} {tuple(latent_cache.shape)}")
-    if latent_cache.shape[2] != q.shape[2]:
+    if latent_cache.dim() != 3 or latent_cache.dtype not in _FLOATS + (torch.uint8,):
+        raise ValueError(f"latent_cache: expected float [num_blocks, block_size, Dl] or the uint8 FP8 "
+                         f"latent layout, got {latent_cache.dtype} {tuple(latent_cache.shape)}")
+    if latent_cache.dtype == torch.uint8:
+        latent_fp8_nope(latent_cache.shape[2], q.shape[2])
+    elif latent_cache.shape[2] != q.shape[2]:
         raise ValueError(f"q is {q.shape[2]} wide but latent_cache rows are {latent_cache.shape[2]} wide")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise ValueError(f"block_table: expected int32 [B, max_blocks], got {block_table.dtype} "
@@ -64,7 +70,8 @@ def _slots_of(indices, block_table, row_req, block_size) -> tuple[torch.Tensor, 
 
 
 def _attend(q, latent_cache, slots, valid, sm_scale, dv) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = latent_cache.flatten(0, 1)[slots].float()                         # [N, k, Dl]
+    rows = latent_cache.flatten(0, 1)[slots]
+    rows = dequantize_latent_fp8(rows, q.shape[2]) if rows.dtype == torch.uint8 else rows.float()  # [N, k, Dl]
     scores = torch.einsum("nhd,nkd->nhk", q.float(), rows) * sm_scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                     # -inf when empty

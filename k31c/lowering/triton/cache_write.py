@@ -2,9 +2,12 @@
 
 One launch writes all new tokens; rows whose slot is negative are padding and are skipped.
 Registered launchers (the k31c ops' exact signatures):
-- `mla_cache_write(cache, rows, slot_mapping)`: latent rows cast to the cache dtype.
-- `index_cache_write(cache, keys, slot_mapping)`: plain keys, or the FP8 layout (uint8 cache):
-  per block the e4m3 values token-major, then one fp32 scale per 128 values token-major.
+- `mla_cache_write(cache, rows, slot_mapping)`: latent rows cast to the cache dtype, or into the
+  FP8 latent layout (uint8 cache, graph/ops/fp8_layouts.py): c_kv e4m3 with one fp32 scale per 128
+  values, then k_rope as bf16.
+- `index_cache_write(cache, keys, slot_mapping)`: plain keys, the FP8 layout (uint8 cache): per
+  block the e4m3 values token-major, then one fp32 scale per 128 values token-major; or the MXFP8
+  layout (float8_e4m3fn cache): the same with one E8M0 byte per 32 values.
 - `index_key_norm_write(cache, k_pre, ln_weight, ln_bias, slot_mapping, eps)`: LayerNorm in fp32
   fused in front of the same write.
 
@@ -20,6 +23,8 @@ import triton.language as tl
 from k31c.graph.ops.cache_write import (FP8_MAX, FP8_MIN_AMAX, SCALE_GROUP, check_index_write,
                                         check_mla_write, check_norm_write, index_cache_block_size,
                                         index_scales_per_row)
+from k31c.graph.ops.fp8_layouts import (MX_GROUP, is_mxfp8_index_cache, latent_fp8_nope,
+                                        latent_fp8_scales)
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
@@ -82,6 +87,24 @@ def quantize_e4m3(x, scale):
     return round_to_e4m3(y)
 
 
+@triton.jit
+def mx_exponent(amax):
+    """E8M0 exponent (int32) of a group: ceil(log2(amax / 448)) clamped to [-126, 127], exactly
+    (from the bits of the correctly rounded quotient, as fp8_layouts.mx_exponents)."""
+    y = tl.div_rn(amax, 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    e = biased - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.where(biased == 0, -126, e)              # zero or subnormal quotient
+    return tl.minimum(tl.maximum(e, -126), 127)
+
+
+@triton.jit
+def exp2_int(e):
+    """2^e as fp32 for an int32 e in [-126, 127] (exact: built from the exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
 # ---- kernels ---------------------------------------------------------------------------------
 
 @triton.jit
@@ -98,11 +121,48 @@ def _latent_write_kernel(cache_ptr, rows_ptr, row_stride, col_stride, slot_ptr, 
 
 
 @triton.jit
+def _latent_write_fp8_kernel(cache_ptr, cache_f32_ptr, cache_bf16_ptr, rows_ptr, row_stride, col_stride,
+                             slot_ptr, n_rows, n_slots, row_bytes,
+                             TOKENS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                             GROUP: tl.constexpr, GROUPS: tl.constexpr, ROPE_PAD: tl.constexpr):
+    """FP8 latent rows: bytes [0, NOPE) e4m3 (scale max(amax, 1e-4)/448 per 128 values), then
+    ceil(NOPE/128) fp32 scales, then ROPE bf16 values; row_bytes apart."""
+    WIDTH: tl.constexpr = GROUP * GROUPS
+    N_SCALES: tl.constexpr = (NOPE + 127) // 128
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
+    live = (slot >= 0) & (slot < n_slots)
+    row_at = t.to(tl.int64)[:, None] * row_stride
+    base = slot.to(tl.int64) * row_bytes
+    cols = tl.arange(0, WIDTH)
+    col_ok = cols < NOPE
+    x = tl.load(rows_ptr + row_at + cols[None, :] * col_stride, mask=live[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
+    groups = tl.reshape(x, (TOKENS, GROUPS, GROUP))
+    scale = e4m3_scale(tl.max(tl.abs(groups), axis=2))               # [TOKENS, GROUPS]
+    values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, WIDTH))
+    tl.store(cache_ptr + base[:, None] + cols[None, :],
+             values.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=live[:, None] & col_ok[None, :])
+    g = tl.arange(0, GROUPS)
+    tl.store(cache_f32_ptr + (base + NOPE)[:, None] // 4 + g[None, :], scale,
+             mask=live[:, None] & (g < N_SCALES)[None, :])
+    if ROPE > 0:
+        r = tl.arange(0, ROPE_PAD)
+        rope = tl.load(rows_ptr + row_at + (NOPE + r)[None, :] * col_stride,
+                       mask=live[:, None] & (r < ROPE)[None, :], other=0.0)
+        tl.store(cache_bf16_ptr + (base + NOPE + 4 * N_SCALES)[:, None] // 2 + r[None, :],
+                 to_storage(rope.to(tl.float32), tl.bfloat16), mask=live[:, None] & (r < ROPE)[None, :])
+
+
+@triton.jit
 def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_stride,
                         ln_w_ptr, ln_b_ptr, slot_ptr, n_rows, n_slots, d, block_size, block_stride, eps,
                         TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                        FP8: tl.constexpr, NORM: tl.constexpr):
+                        FP8: tl.constexpr, NORM: tl.constexpr, MX: tl.constexpr):
     """TOKENS keys per program: [LayerNorm] → [FP8 quantise per GROUP values] → write.
+
+    MX (with FP8): GROUP = 32, a power-of-two scale per group stored as one E8M0 byte at
+    blk*block_stride + block_size*d + off*n_groups + g (cache_f32_ptr unused).
 
     FP8: block_stride = bytes per block; value byte of token (blk, off), column c at
     blk*block_stride + off*d + c; its group g's scale (fp32 units) at
@@ -128,17 +188,29 @@ def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_
     if FP8:
         n_groups = (d + GROUP - 1) // GROUP
         groups = tl.reshape(x, (TOKENS, GROUPS, GROUP))
-        scale = e4m3_scale(tl.max(tl.abs(groups), axis=2))          # [TOKENS, GROUPS]
-        values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, WIDTH))
+        amax = tl.max(tl.abs(groups), axis=2)                           # [TOKENS, GROUPS]
+        if MX:
+            exponent = mx_exponent(amax)
+            scale = exp2_int(exponent)
+            y = tl.minimum(tl.maximum(groups * exp2_int(-exponent)[:, :, None], -448.0), 448.0)
+            values = tl.reshape(round_to_e4m3(y), (TOKENS, WIDTH))      # x * 2^-e: exact
+        else:
+            scale = e4m3_scale(amax)
+            values = tl.reshape(quantize_e4m3(groups, scale[:, :, None]), (TOKENS, WIDTH))
         block = slot // block_size
         offset = slot % block_size
         base = block * block_stride
         tl.store(cache_ptr + (base + offset * d)[:, None] + cols[None, :],
                  values.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
         g = tl.arange(0, GROUPS)
-        scale_at = (base + block_size * d) // 4 + offset * n_groups
-        tl.store(cache_f32_ptr + scale_at[:, None] + g[None, :], scale,
-                 mask=live[:, None] & (g < n_groups)[None, :])
+        if MX:
+            scale_at = base + block_size * d + offset * n_groups
+            tl.store(cache_ptr + scale_at[:, None] + g[None, :], (exponent + 127).to(tl.uint8),
+                     mask=live[:, None] & (g < n_groups)[None, :])
+        else:
+            scale_at = (base + block_size * d) // 4 + offset * n_groups
+            tl.store(cache_f32_ptr + scale_at[:, None] + g[None, :], scale,
+                     mask=live[:, None] & (g < n_groups)[None, :])
     else:
         tl.store(cache_ptr + slot[:, None] * d + cols[None, :], to_storage(x, cache_ptr.dtype.element_ty),
                  mask=mask)
@@ -158,18 +230,37 @@ def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch
     n, width = rows.shape
     if n == 0:
         return
+    if cache.dtype == torch.uint8:
+        nope = latent_fp8_nope(cache.shape[2], width, "cache")
+        _latent_write_fp8_kernel[(triton.cdiv(n, _TOKENS_PER_PROGRAM),)](
+            cache, cache.view(torch.float32), cache.view(torch.bfloat16), rows, rows.stride(0),
+            rows.stride(1), slot_mapping, n, cache.shape[0] * cache.shape[1], cache.shape[2],
+            **latent_fp8_plan(nope, width - nope))
+        return
     grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM), triton.cdiv(width, _LATENT_CHUNK))
     _latent_write_kernel[grid](cache, rows, rows.stride(0), rows.stride(1), slot_mapping, n,
                                cache.shape[0] * cache.shape[1], width,
                                TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK)
 
 
-def index_write_plan(d: int, fp8: bool, norm: bool) -> dict:
-    """The index-key write's constexprs for keys of width d (the launcher's and aot_specs')."""
+def latent_fp8_plan(nope: int, rope: int) -> dict:
+    """The FP8 latent write's constexprs (the launcher's and aot_specs')."""
+    group = min(SCALE_GROUP, triton.next_power_of_2(nope))
+    return dict(TOKENS=_TOKENS_PER_PROGRAM, NOPE=nope, ROPE=rope, GROUP=group,
+                GROUPS=triton.next_power_of_2(latent_fp8_scales(nope)),
+                ROPE_PAD=max(1, triton.next_power_of_2(rope)))
+
+
+def index_write_plan(d: int, fp8: bool, norm: bool, mx: bool = False) -> dict:
+    """The index-key write's constexprs for keys of width d (the launcher's and aot_specs');
+    mx: the MXFP8 layout (fp8 must be set too)."""
+    if mx:
+        return dict(TOKENS=_TOKENS_PER_PROGRAM, GROUP=MX_GROUP,
+                    GROUPS=triton.next_power_of_2(d // MX_GROUP), FP8=True, NORM=norm, MX=True)
     groups = index_scales_per_row(d) if fp8 else 1
     group = min(SCALE_GROUP, triton.next_power_of_2(d)) if fp8 else triton.next_power_of_2(d)
     return dict(TOKENS=_TOKENS_PER_PROGRAM, GROUP=group, GROUPS=triton.next_power_of_2(groups),
-                FP8=fp8, NORM=norm)
+                FP8=fp8, NORM=norm, MX=False)
 
 
 def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm: bool) -> None:
@@ -178,17 +269,20 @@ def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm
     block_size = index_cache_block_size(cache, d, "cache")
     if n == 0:
         return
+    mx = is_mxfp8_index_cache(cache)
+    if mx:
+        cache = cache.view(torch.uint8)          # bytes: values and E8M0 scales
     fp8 = cache.dtype == torch.uint8
-    if fp8 and (block_size * d) % 4:
+    if fp8 and not mx and (block_size * d) % 4:
         raise ValueError(f"cache: block_size*d = {block_size * d} is not a multiple of 4, so the "
                          "fp32 scales of the FP8 layout would be unaligned")
-    cache_f32 = cache.view(torch.float32) if fp8 else cache
+    cache_f32 = cache.view(torch.float32) if fp8 and not mx else cache   # MX: unused
     ln_w = ln_weight if norm else keys      # unused pointers when norm is off
     ln_b = ln_bias if norm else keys
     grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
     _index_write_kernel[grid](cache, cache_f32, keys, keys.stride(0), keys.stride(1), ln_w, ln_b,
                               slot_mapping, n, cache.shape[0] * block_size, d, block_size,
-                              cache.stride(0), float(eps), **index_write_plan(d, fp8, norm))
+                              cache.stride(0), float(eps), **index_write_plan(d, fp8, norm, mx))
 
 
 @register("k31c::index_cache_write", GPU_TARGETS)
@@ -205,27 +299,35 @@ def index_key_norm_write(cache: torch.Tensor, k_pre: torch.Tensor, ln_weight: to
 
 
 __all__ = ["mla_cache_write", "index_cache_write", "index_key_norm_write",
-           "round_to_e4m3", "e4m3_scale", "quantize_e4m3", "FP8_MAX", "FP8_MIN_AMAX"]
+           "round_to_e4m3", "e4m3_scale", "quantize_e4m3", "mx_exponent", "exp2_int", "FP8_MAX",
+           "FP8_MIN_AMAX"]
 
 
 def aot_specs(shapes) -> list:
     """The launches of the registered launchers at `shapes` (aot_spec.AotShapes), for the
-    ahead-of-time build: the latent write, and the index-key write (FP8 uint8 and BF16 caches,
-    with and without the LayerNorm) with `index_write_plan`'s constexprs."""
+    ahead-of-time build: the latent write (float and FP8 caches), and the index-key write (FP8,
+    MXFP8 and BF16 caches, with and without the LayerNorm) with `index_write_plan`'s constexprs."""
     cfg = shapes.cfg
     dt = cfg.torch_dtype
     specs = [kernel_spec(_latent_write_kernel, "k31c::mla_cache_write", f"{dt}".split(".")[-1],
                          dict(TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK),
                          dict(cache_ptr=dt, rows_ptr=dt, slot_ptr=torch.int64))]
+    nope, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    specs.append(kernel_spec(_latent_write_fp8_kernel, "k31c::mla_cache_write", "fp8",
+                             latent_fp8_plan(nope, rope),
+                             dict(cache_ptr=torch.uint8, cache_f32_ptr=torch.float32,
+                                  cache_bf16_ptr=torch.bfloat16, rows_ptr=dt, slot_ptr=torch.int64)))
     d = cfg.index_head_dim
     ln_dt = torch.float32                     # the indexer's key LayerNorm is kept in fp32
-    for fp8 in (True, False):
+    for fmt in ("fp8", "mxfp8", "bf16"):
+        fp8, mx = fmt != "bf16", fmt == "mxfp8"
         cache_dt = torch.uint8 if fp8 else torch.bfloat16
         for norm, op in ((False, "k31c::index_cache_write"), (True, "k31c::index_key_norm_write")):
             specs.append(kernel_spec(
-                _index_write_kernel, op, f"{'fp8' if fp8 else 'bf16'}{',norm' if norm else ''}",
-                index_write_plan(d, fp8, norm),
-                dict(cache_ptr=cache_dt, cache_f32_ptr=torch.float32 if fp8 else cache_dt, keys_ptr=dt,
+                _index_write_kernel, op, f"{fmt}{',norm' if norm else ''}",
+                index_write_plan(d, fp8, norm, mx),
+                dict(cache_ptr=cache_dt, cache_f32_ptr=torch.float32 if fp8 and not mx else cache_dt,
+                     keys_ptr=dt,
                      ln_w_ptr=ln_dt if norm else dt, ln_b_ptr=ln_dt if norm else dt,   # else: keys
                      slot_ptr=torch.int64, eps="fp32")))
     return specs

@@ -24,6 +24,9 @@ which `variant="gather"` also selects. The TMA kernel was measured the faster (B
 indexer). `plan` derives the launch configuration of either kernel; the launcher and `aot_specs`
 both read it.
 
+An MXFP8 cache (float8_e4m3fn, e4m3 keys with E8M0 group-32 scales) runs indexer_mxfp8.py's
+kernel: q quantised the same way, four partial dots per 128-wide key (same tiles and splits).
+
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
 (row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
 DeepGEMM's fp8_mqa_logits does; the scores then differ from the reference (which keeps q in full
@@ -42,7 +45,8 @@ from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
-from k31c.lowering.triton import indexer_tma
+from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
+from k31c.lowering.triton import indexer_mxfp8, indexer_tma
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
@@ -250,6 +254,15 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
     if n == 0 or capacity == 0:
         return scores
+    if is_mxfp8_index_cache(index_cache):     # its own kernel (indexer_mxfp8), the gather tiling
+        indexer_mxfp8.check_mx_width(d)
+        p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
+                 torch.uint8, keys_per_step=keys_per_step, splits=splits, variant="gather",
+                 num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
+        return indexer_mxfp8.launch_indexer_mx(
+            q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
+            rows=p.rows, rows_pad=p.rows_pad, keys=p.keys, splits=p.splits, num_warps=p.num_warps,
+            num_stages=p.num_stages, exact_dot=exact_dot)
     p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
              index_cache.dtype, tma_ok=indexer_tma.tma_supported(index_cache, d, block_size),
              keys_per_step=keys_per_step, splits=splits, quant_q=quant_q, exact_dot=exact_dot,
@@ -302,4 +315,9 @@ def aot_specs(shapes) -> list:
                 specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}",
                                          p.gather_constexprs(shapes.block_size),
                                          dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps))
+    mx_ptrs = {k: v for k, v in ptrs.items() if k != "cache_f32_ptr"}
+    for r in shapes.rows_per_request:      # the MXFP8 cache's kernel (indexer_mxfp8)
+        p = plan(shapes.target, shapes.batch * r, heads, d, shapes.batch, shapes.context,
+                 shapes.block_size, torch.uint8, variant="gather")
+        specs.append(indexer_mxfp8.aot_spec(p, shapes.block_size, mx_ptrs, f"mxfp8,R={r}", _OP))
     return specs

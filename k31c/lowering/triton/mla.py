@@ -34,8 +34,9 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, head_tiles, in_row_slices,
-                                             resolve_slots)
+from k31c.graph.ops.fp8_layouts import latent_fp8_scales
+from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
+                                             head_tiles, in_row_slices, resolve_slots, rope_latent_cols)
 
 
 @triton.jit
@@ -51,13 +52,14 @@ def _slots(bt_row, slot_row, start, hi, BLOCK_SIZE: tl.constexpr, BN: tl.constex
 
 
 @triton.jit
-def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+def _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
                  t, b, split, head0, n_heads, lo, hi, scale_log2,
                  stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, BN: tl.constexpr,
-                 DENSE: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr):
+                 DENSE: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, N_SCALES: tl.constexpr):
     offs_h = head0 + tl.arange(0, HT)
     h_mask = offs_h < n_heads
     offs_v = tl.arange(0, BLOCK_V)
@@ -84,14 +86,21 @@ def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
         # that is a plain copy of another stops Triton from pipelining the loop at all.
         slot_next = _slots(bt_row, slot_row, j + BN, hi, BLOCK_SIZE, BN, DENSE)
         valid = slot >= 0
-        rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
-                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
+        row_off = ((tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+                   + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
         # the gathered latent rows, split into the value part and the rest (rope) part
-        k_v = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None] & v_mask[None, :],
-                      other=0.0).to(dt)
+        if FP8:   # FP8 latent rows (mla_common): e4m3 values dequantised on chip, bf16 rope
+            k_v = fp8_latent_cols(cache_ptr, cache_f32_ptr, row_off, valid, 0, BLOCK_V, DV).to(dt)
+        else:
+            k_v = tl.load(cache_ptr + row_off[:, None] + offs_v[None, :],
+                          mask=valid[:, None] & v_mask[None, :], other=0.0).to(dt)
         if DR > 0:
-            k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
-                          mask=valid[:, None] & r_mask[None, :], other=0.0).to(dt)
+            if FP8:
+                k_r = rope_latent_cols(cache_bf16_ptr, row_off, valid, DV, BLOCK_R, DV, N_SCALES,
+                                       DV + DR).to(dt)
+            else:
+                k_r = tl.load(cache_ptr + row_off[:, None] + DV + offs_r[None, :],
+                              mask=valid[:, None] & r_mask[None, :], other=0.0).to(dt)
             s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
         else:
             s = tl.zeros([HT, BN], tl.float32)
@@ -122,14 +131,16 @@ def _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _mla_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, idx_ptr, row_len_ptr, out_ptr, lse_ptr,
+def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req_ptr, idx_ptr,
+                row_len_ptr, out_ptr, lse_ptr,
                 n_heads, n_keys, keys_per_split, scale_log2,
                 stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
                 stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
                 SMALL_HT: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
-                FINAL: tl.constexpr, PRECISION: tl.constexpr):
+                FINAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                N_SCALES: tl.constexpr):
     # grid (head tiles, rows, splits): head tiles vary fastest, so the programs that gather the
     # same rows are scheduled together
     tile = tl.program_id(0)
@@ -143,18 +154,20 @@ def _mla_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, idx_ptr, row_len_ptr, out
         seq_len = n_keys
     hi = tl.minimum(lo + keys_per_split, seq_len)
     if tile < N_BIG:
-        _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
                      t, b, split, tile * BIG_HT, n_heads, lo, hi, scale_log2,
                      stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
                      stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, BIG_HT, BN, DENSE, FINAL, PRECISION)
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, BIG_HT, BN, DENSE, FINAL, PRECISION,
+                     FP8, N_SCALES)
     else:
-        _attend_tile(q_ptr, cache_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
                      t, b, split, N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT, n_heads, lo, hi,
                      scale_log2,
                      stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
                      stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, SMALL_HT, BN, DENSE, FINAL, PRECISION)
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, SMALL_HT, BN, DENSE, FINAL, PRECISION,
+                     FP8, N_SCALES)
 
 
 @triton.jit
@@ -225,8 +238,9 @@ def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int, dense: boo
 
 
 def _constexprs(cfg: dict, dv: int, width: int, block_size: int, dense: bool, final: bool,
-                precision: str) -> dict:
-    return dict(DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),  # tl.dot: K >= 16
+                precision: str, fp8: bool = False) -> dict:
+    return dict(FP8=fp8, N_SCALES=latent_fp8_scales(dv) if fp8 else 0,
+                DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),  # tl.dot: K >= 16
                 BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=block_size,
                 BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=cfg["bn"],
                 DENSE=dense, FINAL=final, PRECISION=precision)
@@ -265,12 +279,13 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
     lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
     precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
     compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
-        q, latent_cache, block_table, row_req, idx, lens, part, part_lse,
+        q, *fp8_latent_views(latent_cache), block_table, row_req, idx, lens, part, part_lse,
         n_heads, n_keys, keys_per_split, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
         block_table.stride(0), idx.stride(0),
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        **_constexprs(cfg, dv, width, latent_cache.shape[1], dense, final, precision),
+        **_constexprs(cfg, dv, width, latent_cache.shape[1], dense, final, precision,
+                      latent_cache.dtype == torch.uint8),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if stats is not None and compiled is not None:
         stats.update(cfg, regs=getattr(compiled, "n_regs", None),
@@ -313,7 +328,7 @@ def aot_specs(shapes) -> list:
         specs.append(kernel_spec(
             _mla_kernel, op, f"dense,{'final' if final else 'split'}",
             _constexprs(cfg_, dv, width, shapes.block_size, True, final, precision),
-            dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
+            dict(q_ptr=dt, cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
             num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
     block_v = max(16, triton.next_power_of_2(dv))

@@ -1,16 +1,74 @@
 """What the MLA kernels share (mla.py: the one-pass kernel, dense decode; mla_two_pass.py: the
 two-pass sparse kernel; spec/model.md §5.4): the argument checks, the head tiling (96 heads =
-one 64-head tile + one 32-head tile, no padding to 128), and the kernel that resolves sparse
-index lists to physical cache slots once, so the attention loops have one level of indirection."""
+one 64-head tile + one 32-head tile, no padding to 128), the kernel that resolves sparse
+index lists to physical cache slots once, so the attention loops have one level of indirection,
+and the on-chip dequantisation of FP8 latent rows (`fp8_latent_cols`, `rope_latent_cols`)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from k31c.graph.ops.fp8_layouts import latent_fp8_nope, latent_fp8_scales
+
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-CACHE_DTYPES = FLOATS + (torch.float8_e4m3fn,)   # FP8 latent rows are upcast on load (no scale)
+# float8_e4m3fn: raw e4m3 rows upcast on load with no scale (a benchmark comparison, no op's
+# format); uint8: the FP8 latent layout (graph/ops/fp8_layouts.py), dequantised on chip
+CACHE_DTYPES = FLOATS + (torch.float8_e4m3fn, torch.uint8)
 LOG2E = 1.4426950408889634
+
+
+# ---- FP8 latent rows: dequantisation on chip ------------------------------------------------------
+# A row of the uint8 FP8 latent cache starts at byte offset row_off: NOPE e4m3 values, N_SCALES
+# fp32 scales (one per 128 values), then the rope part as bf16. The kernels receive three views of
+# the same cache (uint8, float32, bfloat16) and index each in its own units.
+
+@triton.jit
+def fp8_latent_cols(cache_ptr, scale_ptr, row_off, row_ok, col0, C: tl.constexpr, NOPE: tl.constexpr):
+    """Latent columns [col0, col0 + C) of rows at byte offsets row_off [R], dequantised to fp32
+    [R, C]; columns at or past NOPE and rows not row_ok read 0. Chunks sit inside the scale groups:
+    C <= 128 dividing 128 with col0 a multiple of C (one scale a row), or C and col0 multiples of 128."""
+    cols = col0 + tl.arange(0, C)
+    ok = row_ok[:, None] & (cols < NOPE)[None, :]
+    x = tl.load(cache_ptr + row_off[:, None] + cols[None, :], mask=ok, other=0)
+    x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale_at = (row_off + NOPE) // 4 + col0 // 128                     # fp32 units
+    if C <= 128:      # (if/else, not an early return: the compiler traces past a return)
+        s = tl.load(scale_ptr + scale_at, mask=row_ok, other=0.0)
+        x = x * s[:, None]
+    else:
+        G: tl.constexpr = C // 128
+        g = tl.arange(0, G)
+        s = tl.load(scale_ptr + scale_at[:, None] + g[None, :],
+                    mask=row_ok[:, None] & (col0 + g * 128 < NOPE)[None, :], other=0.0)
+        x = tl.reshape(tl.reshape(x, (x.shape[0], G, 128)) * s[:, :, None], (x.shape[0], C))
+    return x
+
+
+@triton.jit
+def rope_latent_cols(rope_ptr, row_off, row_ok, col0, C: tl.constexpr, NOPE: tl.constexpr,
+                     N_SCALES: tl.constexpr, WIDTH: tl.constexpr):
+    """Latent columns [col0, col0 + C) (all >= NOPE) of FP8 latent rows: the bf16 rope part, as
+    fp32 [R, C]; columns at or past WIDTH read 0."""
+    cols = col0 + tl.arange(0, C)
+    at = (row_off + NOPE + 4 * N_SCALES) // 2                          # bf16 units
+    return tl.load(rope_ptr + at[:, None] + (cols - NOPE)[None, :],
+                   mask=row_ok[:, None] & (cols < WIDTH)[None, :], other=0.0).to(tl.float32)
+
+
+def fp8_latent_views(latent_cache: torch.Tensor) -> tuple:
+    """(uint8, float32, bfloat16) views of a cache (the same tensor three times unless FP8)."""
+    if latent_cache.dtype != torch.uint8:
+        return latent_cache, latent_cache, latent_cache
+    return latent_cache, latent_cache.view(torch.float32), latent_cache.view(torch.bfloat16)
+
+
+def fp8_latent_consts(latent_cache: torch.Tensor, width: int) -> dict:
+    """The FP8 layout's constexprs (FP8, NOPE, N_SCALES) of a cache of `width`-wide rows."""
+    if latent_cache.dtype != torch.uint8:
+        return dict(FP8=False, NOPE=width, N_SCALES=0)
+    nope = latent_fp8_nope(latent_cache.shape[2], width)
+    return dict(FP8=True, NOPE=nope, N_SCALES=latent_fp8_scales(nope))
 
 
 @triton.jit
@@ -85,7 +143,14 @@ def check_mla_args(q, latent_cache, block_table, row_req, dv, keys, keys_name) -
             or latent_cache.stride(2) != 1):
         raise ValueError(f"latent_cache: expected [num_blocks, block_size, Dl] (float or fp8 e4m3) "
                          f"with unit last stride, got {latent_cache.dtype} {tuple(latent_cache.shape)}")
-    if latent_cache.shape[2] != q.shape[2]:
+    if latent_cache.dtype == torch.uint8:
+        nope = latent_fp8_nope(latent_cache.shape[2], q.shape[2])
+        if dv != nope:
+            raise ValueError(f"dv={dv}: the Triton MLA kernels read the values of an FP8 latent cache "
+                             f"as its e4m3 part, which is {nope} wide")
+        if not latent_cache.is_contiguous():
+            raise ValueError("latent_cache: an FP8 latent cache must be contiguous")
+    elif latent_cache.shape[2] != q.shape[2]:
         raise ValueError(f"q is {q.shape[2]} wide but latent_cache rows are "
                          f"{latent_cache.shape[2]} wide")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:

@@ -16,6 +16,10 @@ Only the selected rows are read (twice: as keys, then as values); p is BF16 like
 flash-attention kernel, so the result matches the one-pass kernel to bf16 rounding. Empty slots
 (-1) get probability 0; a row without any key gives out = 0 and lse = +inf (the reference's rule).
 
+An FP8 latent cache (uint8, graph/ops/fp8_layouts.py) is dequantised on chip in both passes
+(mla_common.fp8_latent_cols / rope_latent_cols): e4m3 columns times their row's fp32 scale, the
+bf16 rope columns as they are; the values are the e4m3 part (dv = its width).
+
 Both passes gather the selected rows from HBM, which is what keeps it above the compute floor
 (BENCHMARKS.md, MLA). `plan` picks the launch configuration; the launcher and `aot_specs` both
 read it. `scores_pass` and `values_pass` are the two launches (the benchmarks time the first
@@ -31,34 +35,52 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, head_tiles, in_row_slices,
-                                             resolve_slots, slots_spec)
+from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_consts,
+                                             fp8_latent_views, head_tiles, in_row_slices, resolve_slots,
+                                             rope_latent_cols, slots_spec)
 
 
 @triton.jit
-def _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb, head0, n_heads, n_keys,
+def _score_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t,
+                kb, head0, n_heads, n_keys,
                 scale_log2, stride_qn, stride_qh, stride_cb, stride_cs, stride_sn,
                 stride_pn, stride_pk, stride_mn, stride_mk,
                 WIDTH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr,
+                FP8: tl.constexpr, NOPE: tl.constexpr, N_SCALES: tl.constexpr):
     offs_k = kb * BK + tl.arange(0, BK)
     k_mask = offs_k < n_keys
     slot = tl.load(slots_ptr + t.to(tl.int64) * stride_sn + offs_k, mask=k_mask, other=-1)
     valid = slot >= 0
-    rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
-            + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
+    row_off = ((tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+               + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
     offs_h = head0 + tl.arange(0, HT)
     h_mask = offs_h < n_heads
     q_cols = q_ptr + t.to(tl.int64) * stride_qn + offs_h[None, :] * stride_qh
     dt = q_ptr.dtype.element_ty
     acc = tl.zeros([BK, HT], tl.float32)
-    for d0 in range(0, WIDTH, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        d_mask = offs_d < WIDTH
-        k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
-                    other=0.0).to(dt)
-        q_t = tl.load(q_cols + offs_d[:, None], mask=d_mask[:, None] & h_mask[None, :], other=0.0)
-        acc = tl.dot(k, q_t, acc, input_precision=PRECISION)
+    if FP8:   # e4m3 columns dequantised on chip, then the bf16 rope columns
+        for d0 in range(0, NOPE, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            k = fp8_latent_cols(cache_ptr, cache_f32_ptr, row_off, valid, d0, BD, NOPE).to(dt)
+            q_t = tl.load(q_cols + offs_d[:, None], mask=(offs_d < NOPE)[:, None] & h_mask[None, :],
+                          other=0.0)
+            acc = tl.dot(k, q_t, acc, input_precision=PRECISION)
+        for d0 in range(NOPE, WIDTH, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            k = rope_latent_cols(cache_bf16_ptr, row_off, valid, d0, BD, NOPE, N_SCALES, WIDTH).to(dt)
+            q_t = tl.load(q_cols + offs_d[:, None], mask=(offs_d < WIDTH)[:, None] & h_mask[None, :],
+                          other=0.0)
+            acc = tl.dot(k, q_t, acc, input_precision=PRECISION)
+    else:
+        rows = cache_ptr + row_off
+        for d0 in range(0, WIDTH, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            d_mask = offs_d < WIDTH
+            k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :],
+                        other=0.0).to(dt)
+            q_t = tl.load(q_cols + offs_d[:, None], mask=d_mask[:, None] & h_mask[None, :], other=0.0)
+            acc = tl.dot(k, q_t, acc, input_precision=PRECISION)
     s = tl.where(valid[:, None], acc * scale_log2, float("-inf"))
     m = tl.max(s, 0)
     p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[None, :])   # empty slots -> 0
@@ -70,35 +92,39 @@ def _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb, head0, 
 
 
 @triton.jit
-def _scores_kernel(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, n_heads, n_keys, scale_log2,
+def _scores_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots_ptr, p_ptr, m_ptr, l_ptr,
+                   n_heads, n_keys, scale_log2,
                    stride_qn, stride_qh, stride_cb, stride_cs, stride_sn,
                    stride_pn, stride_pk, stride_mn, stride_mk,
                    WIDTH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
-                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr):
+                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                   NOPE: tl.constexpr, N_SCALES: tl.constexpr):
     # grid (head tiles, key blocks, rows): the tiles that gather the same rows run side by side
     tile = tl.program_id(0)
     kb = tl.program_id(1)
     t = tl.program_id(2)
     if tile < N_BIG:
-        _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb, tile * BIG_HT,
+        _score_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots_ptr, p_ptr, m_ptr, l_ptr,
+                    t, kb, tile * BIG_HT,
                     n_heads, n_keys, scale_log2, stride_qn, stride_qh, stride_cb, stride_cs,
                     stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
-                    WIDTH, BD, BK, BLOCK_SIZE, BIG_HT, PRECISION)
+                    WIDTH, BD, BK, BLOCK_SIZE, BIG_HT, PRECISION, FP8, NOPE, N_SCALES)
     else:
-        _score_tile(q_ptr, cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, t, kb,
-                    N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT,
+        _score_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots_ptr, p_ptr, m_ptr, l_ptr,
+                    t, kb, N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT,
                     n_heads, n_keys, scale_log2, stride_qn, stride_qh, stride_cb, stride_cs,
                     stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
-                    WIDTH, BD, BK, BLOCK_SIZE, SMALL_HT, PRECISION)
+                    WIDTH, BD, BK, BLOCK_SIZE, SMALL_HT, PRECISION, FP8, NOPE, N_SCALES)
 
 
 @triton.jit
-def _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c, head0,
-                n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn, stride_pn, stride_pk,
-                stride_mn, stride_mk, stride_on, stride_oh,
+def _value_tile(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
+                head0, n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn, stride_pn,
+                stride_pk, stride_mn, stride_mk, stride_on, stride_oh,
                 DV: tl.constexpr, DVC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, PRECISION: tl.constexpr,
+                FP8: tl.constexpr):
     offs_h = head0 + tl.arange(0, HT)
     h_mask = offs_h < n_heads
     stat_row = t.to(tl.int64) * stride_mn + offs_h
@@ -123,10 +149,13 @@ def _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, 
         k_mask = offs_k < n_keys
         slot = tl.load(slots_ptr + t.to(tl.int64) * stride_sn + offs_k, mask=k_mask, other=-1)
         valid = slot >= 0
-        rows = (cache_ptr + (tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
-                + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
-        v = tl.load(rows[:, None] + offs_c[None, :], mask=valid[:, None] & c_mask[None, :],
-                    other=0.0).to(dt)
+        row_off = ((tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
+                   + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
+        if FP8:   # the values are the e4m3 part (DV = its width), dequantised on chip
+            v = fp8_latent_cols(cache_ptr, cache_f32_ptr, row_off, valid, c * DVC, DVC, DV).to(dt)
+        else:
+            v = tl.load(cache_ptr + row_off[:, None] + offs_c[None, :],
+                        mask=valid[:, None] & c_mask[None, :], other=0.0).to(dt)
         p = tl.load(p_ptr + t.to(tl.int64) * stride_pn + offs_k[:, None] * stride_pk
                     + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :], other=0.0)
         m_blk = tl.load(m_ptr + stat_row + (j // BK) * stride_mk, mask=h_mask,
@@ -143,25 +172,25 @@ def _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, 
 
 
 @triton.jit
-def _values_kernel(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, n_heads, n_keys,
-                   n_blocks, stride_cb, stride_cs, stride_sn, stride_pn, stride_pk,
+def _values_kernel(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
+                   n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn, stride_pn, stride_pk,
                    stride_mn, stride_mk, stride_on, stride_oh,
                    DV: tl.constexpr, DVC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
-                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr):
+                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     tile = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.program_id(2)
     if tile < N_BIG:
-        _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
+        _value_tile(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
                     tile * BIG_HT, n_heads, n_keys, n_blocks, stride_cb, stride_cs, stride_sn,
                     stride_pn, stride_pk, stride_mn, stride_mk, stride_on, stride_oh,
-                    DV, DVC, BK, BK2, BLOCK_SIZE, BIG_HT, PRECISION)
+                    DV, DVC, BK, BK2, BLOCK_SIZE, BIG_HT, PRECISION, FP8)
     else:
-        _value_tile(cache_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
+        _value_tile(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, t, c,
                     N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT, n_heads, n_keys, n_blocks,
                     stride_cb, stride_cs, stride_sn, stride_pn, stride_pk, stride_mn, stride_mk,
-                    stride_on, stride_oh, DV, DVC, BK, BK2, BLOCK_SIZE, SMALL_HT, PRECISION)
+                    stride_on, stride_oh, DV, DVC, BK, BK2, BLOCK_SIZE, SMALL_HT, PRECISION, FP8)
 
 
 def plan(n_heads: int, config: dict | None = None, small: bool | None = None) -> dict:
@@ -237,10 +266,12 @@ def scores_pass(cfg: dict, q, latent_cache, block_table, row_req, indices, sm_sc
     l_blk = torch.empty_like(m_blk)
     precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
     _scores_kernel[(cfg["n_tiles"], n_blocks, n)](
-        q, latent_cache, slots, p, m_blk, l_blk, n_heads, n_keys, float(sm_scale) * LOG2E,
+        q, *fp8_latent_views(latent_cache), slots, p, m_blk, l_blk, n_heads, n_keys,
+        float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), slots.stride(0),
         p.stride(0), p.stride(1), m_blk.stride(0), m_blk.stride(1),
         WIDTH=width, BD=cfg["bd"], BK=cfg["bk"], **_tiles(cfg, bs, precision),
+        **fp8_latent_consts(latent_cache, width),
         num_warps=cfg["warps_scores"], num_stages=cfg["stages_scores"])
     return slots, p, m_blk, l_blk, precision
 
@@ -249,34 +280,43 @@ def values_pass(cfg: dict, scores: tuple, latent_cache, out, lse, dv: int) -> No
     """The second launch: O = V^T p merged over the key blocks, O / l and the LSE into out, lse."""
     slots, p, m_blk, l_blk, precision = scores
     n, n_keys, n_heads = p.shape
+    views = fp8_latent_views(latent_cache)
     _values_kernel[(cfg["n_tiles"], triton.cdiv(dv, cfg["dvc"]), n)](
-        latent_cache, slots, p, m_blk, l_blk, out, lse, n_heads, n_keys, m_blk.shape[1],
+        views[0], views[1], slots, p, m_blk, l_blk, out, lse, n_heads, n_keys, m_blk.shape[1],
         latent_cache.stride(0), latent_cache.stride(1), slots.stride(0), p.stride(0), p.stride(1),
         m_blk.stride(0), m_blk.stride(1), out.stride(0), out.stride(1),
         DV=dv, DVC=cfg["dvc"], BK=cfg["bk"], BK2=cfg["bk2"],
-        **_tiles(cfg, latent_cache.shape[1], precision),
+        **_tiles(cfg, latent_cache.shape[1], precision), FP8=latent_cache.dtype == torch.uint8,
         num_warps=cfg["warps_values"], num_stages=cfg["stages_values"])
 
 
 def aot_specs(shapes) -> list:
     """The three launches (slots, scores, values) at `shapes` (aot_spec.AotShapes) with `plan`'s
-    GPU defaults, for the ahead-of-time build."""
+    GPU defaults, for the ahead-of-time build: a cache in the model dtype and the FP8 latent
+    layout (uint8, dequantised on chip)."""
+    from k31c.graph.ops.fp8_layouts import latent_fp8_scales
     cfg = shapes.cfg
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
     p = plan(heads, None, small=False)
     op = "k31c::sparse_mla"
     tiles = _tiles(p, shapes.block_size, shapes.target.dot_precision(dt != torch.float32))
-    return [
-        slots_spec(shapes, op),
-        kernel_spec(_scores_kernel, op, "scores",
-                    dict(WIDTH=width, BD=p["bd"], BK=p["bk"], **tiles),
-                    dict(q_ptr=dt, cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
-                         scale_log2="fp32"),
-                    num_warps=p["warps_scores"], num_stages=p["stages_scores"]),
-        kernel_spec(_values_kernel, op, "values",
-                    dict(DV=dv, DVC=p["dvc"], BK=p["bk"], BK2=p["bk2"], **tiles),
-                    dict(cache_ptr=dt, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt,
-                         lse_ptr=f32),
-                    num_warps=p["warps_values"], num_stages=p["stages_values"]),
-    ]
+    specs = [slots_spec(shapes, op)]
+    for fp8 in (False, True):
+        cache = dict(cache_ptr=torch.uint8, cache_f32_ptr=f32, cache_bf16_ptr=torch.bfloat16) if fp8 \
+            else dict(cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt)
+        layout = dict(FP8=fp8, NOPE=dv if fp8 else width, N_SCALES=latent_fp8_scales(dv) if fp8 else 0)
+        tag = "fp8," if fp8 else ""
+        specs += [
+            kernel_spec(_scores_kernel, op, f"{tag}scores",
+                        dict(WIDTH=width, BD=p["bd"], BK=p["bk"], **tiles, **layout),
+                        dict(q_ptr=dt, **cache, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
+                             scale_log2="fp32"),
+                        num_warps=p["warps_scores"], num_stages=p["stages_scores"]),
+            kernel_spec(_values_kernel, op, f"{tag}values",
+                        dict(DV=dv, DVC=p["dvc"], BK=p["bk"], BK2=p["bk2"], **tiles, FP8=fp8),
+                        dict(cache_ptr=cache["cache_ptr"], cache_f32_ptr=cache["cache_f32_ptr"],
+                             slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt, lse_ptr=f32),
+                        num_warps=p["warps_values"], num_stages=p["stages_values"]),
+        ]
+    return specs

@@ -1,0 +1,90 @@
+"""FP8 latent rows (graph/ops/fp8_layouts.py, uint8 cache) in the Triton MLA kernels against the
+reference ops on the same cache: the two-pass sparse kernel and the one-pass kernel (dense, and
+its sparse mode) dequantise on chip. The reference dequantises to fp32 first; in fp32 both see
+the same values, so the tolerances are those of the float cache. Also the FP8 layout's own error
+(FP8 cache vs the float rows it was written from) at op level.
+CPU: the Triton interpreter at small shapes (and the GPU tile plan at K3.1 widths); CUDA: bf16 at
+K3.1 Pro shapes."""
+import pytest
+import torch
+
+import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
+from k31c.lowering.triton import mla as one_pass_kernels
+from k31c.lowering.triton import mla_two_pass as two_pass
+from test_triton_mla import DEV, K31, SMALL, assert_close, dense_args, make_case, sparse_args
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="K3.1 Pro shapes run on CUDA")
+
+
+def fp8_case(c):
+    """The case with its latent cache written in the FP8 layout (nope = dv)."""
+    cache = c["latent_cache"]
+    nb, bs, width = cache.shape
+    raw = quantize_latent_fp8(cache.reshape(-1, width).float(), c["dv"])
+    return {**c, "latent_cache": raw.view(nb, bs, -1).contiguous()}
+
+
+@pytest.mark.parametrize("heads", [8, 5])
+@pytest.mark.parametrize("cfg", [None, {"bk": 32, "bk2": 16, "dvc": 64, "bd": 32}])
+def test_two_pass_fp8_matches_reference(heads, cfg):
+    c = fp8_case(make_case(**{**SMALL, "heads": heads}, device=DEV, dtype=torch.float32, seed=heads + 40))
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert torch.isinf(want[1][1]).all()
+    assert_close(two_pass.launch(*sparse_args(c), config=cfg), want, torch.float32)
+
+
+def test_two_pass_fp8_gpu_tile_plan_on_k31_widths():
+    """The H200 plan (64-wide row steps, 256 value columns = 2 scale groups a program) on the
+    656-byte rows, in fp32 on every machine."""
+    c = fp8_case(make_case(**{**K31, "k": 200, "requests": 1, "rows": 2, "max_blocks": 6},
+                           device=DEV, dtype=torch.float32, seed=41))
+    assert c["latent_cache"].shape[2] == 656
+    assert_close(two_pass.launch(*sparse_args(c), config=two_pass.plan(96, None, small=False)),
+                 torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_one_pass_fp8_dense_and_sparse(splits):
+    c = fp8_case(make_case(**SMALL, device=DEV, dtype=torch.float32, seed=42))
+    c["row_len"][2] = 0
+    cfg = {"splits": splits} if splits else None
+    assert_close(one_pass_kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
+                                         None, c["row_len"], c["sm_scale"], c["dv"], config=cfg),
+                 torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
+    assert_close(one_pass_kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
+                                         c["indices"], None, c["sm_scale"], c["dv"], config=cfg),
+                 torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
+
+
+def test_fp8_layout_error_against_the_float_cache():
+    """What FP8 latent rows cost at op level: sparse_mla over the FP8 cache vs over the float rows
+    it was written from. e4m3 keeps 3 mantissa bits (relative step 2^-3), so single values move
+    up to ~6%; attention averages that down (measured here: ~2% of max |out|). The band's lower
+    end shows the cache really is quantised."""
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=43)
+    c["sm_scale"] = c["q"].shape[2] ** -0.5
+    out, lse = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    out8, lse8 = torch.ops.k31c.sparse_mla(*sparse_args(fp8_case(c)))
+    live = ~torch.isinf(lse)
+    rel = ((out8 - out).abs().amax() / out.abs().amax()).item()
+    assert 2e-3 < rel < 5e-2, rel
+    assert (lse8[live] - lse[live]).abs().max().item() < 0.1
+
+
+def test_fp8_layout_is_rejected_where_it_does_not_fit():
+    c = fp8_case(make_case(**SMALL, device=DEV, dtype=torch.float32, seed=44))
+    with pytest.raises(ValueError, match="dv=32"):
+        two_pass.launch(*sparse_args({**c, "dv": 32}))
+    with pytest.raises(ValueError, match="FP8 latent row"):
+        two_pass.launch(*sparse_args({**c, "latent_cache": c["latent_cache"][..., :90]}))
+
+
+@cuda_only
+def test_fp8_k31_shapes_bf16():
+    c = fp8_case(make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=45))
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert_close(two_pass.sparse_mla(*sparse_args(c)), want, torch.bfloat16)
+    c = fp8_case(make_case(**{**K31, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16, seed=46))
+    assert_close(one_pass_kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
+                 torch.bfloat16)
