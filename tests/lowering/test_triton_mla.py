@@ -1,5 +1,6 @@
 """Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*): the registered
-kernels (two-pass sparse, one-pass dense) and the one-pass kernel's sparse mode (the benchmarks'
+kernels (two-pass sparse; split-key dense on h200, one-pass dense elsewhere), the one-pass dense
+kernel and the one-pass kernel's sparse mode (the benchmarks'
 comparison, benchmarks/alternatives/mla_one_pass.py). Random inputs: shuffled block tables, -1
 slots, a row with no valid index, rows of different lengths (one empty), key splits merged by LSE.
 CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16 (and an FP8 latent cache)
@@ -10,6 +11,7 @@ import torch
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
+from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton import mla_two_pass as two_pass
 from benchmarks.alternatives.mla_one_pass import sparse_mla_one_pass as one_pass
 
@@ -115,7 +117,8 @@ def test_public_launchers_and_registry():
                  torch.float32)
     assert lookup("k31c::sparse_mla", "h200").fn is two_pass.sparse_mla
     assert lookup("k31c::sparse_mla", "mi350x").fn is two_pass.sparse_mla
-    assert lookup("k31c::dense_mla", "h200").fn is kernels.dense_mla
+    assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
+    assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
     assert_close(one_pass(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
                  torch.float32)
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
@@ -217,3 +220,98 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     assert (gpu_plan["big_ht"], gpu_plan["bk"], gpu_plan["dvc"]) == (64, 128, 256)
     assert_close(two_pass.launch(*sparse_args(c), config=gpu_plan),
                  torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
+
+
+# ---- the split-key dense kernel (mla_dense.py) -----------------------------------------------
+
+@pytest.mark.parametrize("case,cfg", [
+    ({}, None),                                        # decode layout: 2 rows a request
+    ({}, {"splits": 3}),                               # partials merged by LSE
+    ({}, {"group": 1, "splits": 2}),                   # one row a group
+    ({"heads": 5}, {"splits": 2}),                     # tiles cut across rows (5 heads, bm 16)
+    ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2}),   # a step = one cache block
+    ({"width": 64}, None),                             # dv == Dl: no rope columns
+    ({"rows": 4, "requests": 2}, {"bm": 32, "splits": 2}),
+])
+def test_split_dense_matches_reference_small(case, cfg):
+    """Rows of different lengths (one empty, one with a single key), shuffled block tables, key
+    splits, M tiles that span rows, against the reference op."""
+    c = make_case(**{**SMALL, **case}, device=DEV, dtype=torch.float32, seed=41 + len(case))
+    c["row_len"][2] = 0
+    c["row_len"][3] = 1
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert torch.isinf(want[1][2]).all()              # the empty row really is empty
+    stats = {}
+    got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
+    if cfg and "splits" in cfg:
+        assert stats["splits"] == cfg["splits"]
+    assert_close(got, want, torch.float32)
+
+
+def test_split_dense_rows_of_several_requests_in_one_tile():
+    """row_req not in the decode layout (rows of one group belong to different requests, in any
+    order): the kernel runs one pass per request inside a tile and still matches."""
+    c = make_case(**{**SMALL, "requests": 3, "rows": 2}, device=DEV, dtype=torch.float32, seed=43)
+    c["row_req"] = torch.tensor([2, 0, 0, 1, 2, 1], dtype=torch.int32, device=DEV)
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    for cfg in ({"group": 2}, {"group": 3, "bm": 32, "splits": 2}):
+        stats = {}
+        got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
+        assert stats["passes"] >= 2
+        assert_close(got, want, torch.float32)
+    one_pass_only = split_dense.launch(*dense_args(c), config={"group": 2, "passes": 1})
+    assert not torch.allclose(one_pass_only[0], want[0], atol=1e-3)   # the second pass matters
+
+
+def test_split_dense_plan():
+    from k31c.lowering.targets import get_target
+    h200 = get_target("h200")
+    p = split_dense.plan(h200, 64, 96, 16, 128 << 10, small=False)       # B16 x R4, 96 heads
+    assert (p["group"], p["tiles"], p["groups"], p["passes"]) == (4, 6, 16, 2)
+    assert (p["bm"], p["bn"], p["num_warps"]) == (64, 32, 8)
+    assert 1 <= p["splits"] <= split_dense.MAX_SPLITS
+    p1 = split_dense.plan(h200, 16, 96, 16, 128 << 10, small=False)      # R = 1: 64 + 32 heads
+    assert (p1["group"], p1["tiles"], p1["passes"]) == (1, 2, 1)
+    assert split_dense.rows_per_group(10, 4) == 1 and split_dense.rows_per_group(2, 4) == 1
+    # makespan: waves of 132 programs x key blocks per split
+    assert split_dense.choose_splits(96, 4096, 132, 64) in (4, 11)
+    assert split_dense.choose_splits(1056, 4096, 132, 64) == 1      # 8 full waves already
+    assert split_dense.choose_splits(1, 4096, 132, 64) == 64
+
+
+def test_split_dense_gpu_tile_plan_on_k31_widths():
+    """The GPU tiles (64 M-rows, 32-key steps inside one 64-row cache block) at K3.1 Pro widths,
+    in fp32 under the interpreter too, on a few rows of two requests."""
+    c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 3}, device=DEV,
+                  dtype=torch.float32, seed=45)
+    gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 3 * 64, {"splits": 2}, small=False)
+    assert (gpu["bm"], gpu["bn"], gpu["group"]) == (64, 32, 2)
+    assert_close(split_dense.launch(*dense_args(c), config=gpu),
+                 torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
+
+
+def get_target_h200():
+    from k31c.lowering.targets import get_target
+    return get_target("h200")
+
+
+def test_split_dense_bad_arguments():
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="row_len"):
+        split_dense.dense_mla(*dense_args({**c, "row_len": c["row_len"].long()}))
+    with pytest.raises(ValueError, match="group"):
+        split_dense.launch(*dense_args(c), config={"group": 0})
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,cfg", [(4, None), (1, None), (4, {"splits": 1}), (4, {"splits": 5}),
+                                      (4, {"bn": 64, "num_stages": 2})])
+def test_split_dense_k31_shapes_bf16(rows, cfg):
+    c = make_case(**{**K31, "rows": rows, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
+                  seed=46 + rows)
+    c["row_len"][1] = 0
+    c["row_len"][2] = 77
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(split_dense.launch(*dense_args(c), config=cfg), want, torch.bfloat16)
+    if cfg is None:
+        assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.bfloat16)
