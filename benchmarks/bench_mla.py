@@ -189,9 +189,9 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
     kernels = {"split kernel": lambda: mla_dense.dense_mla(*dargs),
                "one-pass kernel": lambda: mla.launch(q, pool.cache, table, rr, None, row_len,
                                                      SM_SCALE, DV)}
-    if ctx == 128 << 10:       # the split kernel's other candidate tile (BENCHMARKS.md, MLA)
-        kernels["split kernel bn=64"] = lambda: mla_dense.launch(
-            *dargs, config={"bn": 64, "num_stages": 2})
+    if ctx == 128 << 10:       # the split kernel's other candidate tile (mla_dense.plan)
+        kernels["split kernel bn=32"] = lambda: mla_dense.launch(
+            *dargs, config={"bn": 32, "num_stages": 3})
     peers = {name: t for name, fn in kernels.items() if (t := _try_time(fn, **reps)) is not None}
     ms = _try_time(lambda: registered.fn(*dargs), **reps)
     notes = [f"registered: {registered.name.removeprefix('triton:k31c.lowering.triton.')}"]

@@ -268,7 +268,7 @@ def test_split_dense_plan():
     h200 = get_target("h200")
     p = split_dense.plan(h200, 64, 96, 16, 128 << 10, small=False)       # B16 x R4, 96 heads
     assert (p["group"], p["tiles"], p["groups"], p["passes"]) == (4, 6, 16, 2)
-    assert (p["bm"], p["bn"], p["num_warps"]) == (64, 32, 8)
+    assert (p["bm"], p["bn"], p["num_warps"]) == (64, 64, 8)
     assert 1 <= p["splits"] <= split_dense.MAX_SPLITS
     p1 = split_dense.plan(h200, 16, 96, 16, 128 << 10, small=False)      # R = 1: 64 + 32 heads
     assert (p1["group"], p1["tiles"], p1["passes"]) == (1, 2, 1)
@@ -280,12 +280,12 @@ def test_split_dense_plan():
 
 
 def test_split_dense_gpu_tile_plan_on_k31_widths():
-    """The GPU tiles (64 M-rows, 32-key steps inside one 64-row cache block) at K3.1 Pro widths,
+    """The GPU tiles (64 M-rows, 64-key steps = one 64-row cache block) at K3.1 Pro widths,
     in fp32 under the interpreter too, on a few rows of two requests."""
-    c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 3}, device=DEV,
+    c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 4}, device=DEV,
                   dtype=torch.float32, seed=45)
-    gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 3 * 64, {"splits": 2}, small=False)
-    assert (gpu["bm"], gpu["bn"], gpu["group"]) == (64, 32, 2)
+    gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 4 * 64, {"splits": 2}, small=False)
+    assert (gpu["bm"], gpu["bn"], gpu["group"]) == (64, 64, 2)
     assert_close(split_dense.launch(*dense_args(c), config=gpu),
                  torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
 
@@ -305,7 +305,7 @@ def test_split_dense_bad_arguments():
 
 @cuda_only
 @pytest.mark.parametrize("rows,cfg", [(4, None), (1, None), (4, {"splits": 1}), (4, {"splits": 5}),
-                                      (4, {"bn": 64, "num_stages": 2})])
+                                      (4, {"bn": 32, "num_stages": 3})])
 def test_split_dense_k31_shapes_bf16(rows, cfg):
     c = make_case(**{**K31, "rows": rows, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
                   seed=46 + rows)

@@ -40,6 +40,65 @@ VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's:
 
 
 @triton.jit
+def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit, sel, len_m,
+                 scale_log2, stride_cb, stride_cs,
+                 BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr,
+                 STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key steps start, start + BN, .. < stop of one request. MASKED: keys at
+    or past each M-row's length (and past `limit`, the longest) are excluded; unmasked steps lie
+    below every selected row's length (only the row selection applies)."""
+    offs_n = tl.arange(0, BN)
+    offs_v = tl.arange(0, BLOCK_V)
+    offs_r = tl.arange(0, BLOCK_R)
+    v_mask = offs_v < DV
+    r_mask = offs_r < DR
+    dt = q_v.dtype
+    for j in tl.range(start, stop, BN, num_stages=STAGES):
+        pos = j + offs_n
+        if MASKED:
+            in_range = pos < limit
+        else:
+            in_range = offs_n >= 0
+        if BLOCK_SIZE % BN == 0:         # j is a multiple of BN: the BN keys are one block's rows
+            blk = tl.load(bt_row + j // BLOCK_SIZE)
+            rows = cache_ptr + blk.to(tl.int64) * stride_cb + (j % BLOCK_SIZE + offs_n) * stride_cs
+        else:
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_range, other=0)
+            rows = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
+        if MASKED:   # past the longest row: zeros (unwritten slots may hold NaN; p = 0 there)
+            k_v = tl.load(rows[:, None] + offs_v[None, :],
+                          mask=in_range[:, None] & v_mask[None, :], other=0.0).to(dt)
+        else:
+            k_v = tl.load(rows[:, None] + offs_v[None, :], mask=v_mask[None, :], other=0.0).to(dt)
+        if DR > 0:
+            if MASKED:
+                k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
+                              mask=in_range[:, None] & r_mask[None, :], other=0.0).to(dt)
+            else:
+                k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=r_mask[None, :],
+                              other=0.0).to(dt)
+            s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+            s = tl.dot(q_v, tl.trans(k_v), s, input_precision=PRECISION)
+        else:
+            s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
+        if MASKED:
+            keep = sel[:, None] & (pos[None, :] < len_m[:, None])
+        else:
+            keep = sel[:, None] & in_range[None, :]
+        s = tl.where(keep, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)       # no key yet: avoid inf - inf
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(dt), k_v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_ptr, lse_ptr,
                         n_rows, n_heads, n_req, keys_per_split, scale_log2,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
@@ -47,7 +106,8 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
                         G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PASSES: tl.constexpr,
-                        FINAL: tl.constexpr, PRECISION: tl.constexpr):
+                        STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, FINAL: tl.constexpr,
+                        PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     group = tl.program_id(2)
@@ -64,16 +124,14 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
 
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
-    offs_n = tl.arange(0, BN)
-    v_mask = offs_v < DV
-    r_mask = offs_r < DR
     q_rows = q_ptr + t.to(tl.int64) * stride_qn + h * stride_qh
-    q_v = tl.load(q_rows[:, None] + offs_v[None, :], mask=m_real[:, None] & v_mask[None, :],
-                  other=0.0)
+    q_v = tl.load(q_rows[:, None] + offs_v[None, :],
+                  mask=m_real[:, None] & (offs_v < DV)[None, :], other=0.0)
     if DR > 0:
         q_r = tl.load(q_rows[:, None] + DV + offs_r[None, :],
-                      mask=m_real[:, None] & r_mask[None, :], other=0.0)
-    dt = q_v.dtype
+                      mask=m_real[:, None] & (offs_r < DR)[None, :], other=0.0)
+    else:
+        q_r = q_v                                        # unused
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -85,38 +143,16 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
         b = tl.max(tl.where(m_idx == first, b_m, -1), 0)
         sel = todo & (b_m == b)
         hi = tl.minimum(lo + keys_per_split, tl.max(tl.where(sel, len_m, 0), 0))
+        # full steps below the shortest selected row need no length masks
+        shortest = tl.min(tl.where(sel, len_m, 2147483647), 0)
+        full_end = tl.maximum(lo + (tl.minimum(hi, shortest) - lo) // BN * BN, lo)
         bt_row = bt_ptr + tl.maximum(b, 0).to(tl.int64) * stride_btb
-        for j in range(lo, hi, BN):
-            pos = j + offs_n
-            in_range = pos < hi
-            if BLOCK_SIZE % BN == 0:     # j is a multiple of BN: the BN keys are one block's rows
-                blk = tl.load(bt_row + j // BLOCK_SIZE)
-                rows = (cache_ptr + blk.to(tl.int64) * stride_cb
-                        + (j % BLOCK_SIZE + offs_n) * stride_cs)
-            else:
-                blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_range, other=0)
-                rows = (cache_ptr + blk.to(tl.int64) * stride_cb
-                        + (pos % BLOCK_SIZE) * stride_cs)
-            # past the tile's longest row: zeros (unwritten slots may hold NaN; p = 0 there)
-            k_v = tl.load(rows[:, None] + offs_v[None, :],
-                          mask=in_range[:, None] & v_mask[None, :], other=0.0).to(dt)
-            if DR > 0:
-                k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
-                              mask=in_range[:, None] & r_mask[None, :], other=0.0).to(dt)
-                s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-                s = tl.dot(q_v, tl.trans(k_v), s, input_precision=PRECISION)
-            else:
-                s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
-            keep = sel[:, None] & (pos[None, :] < len_m[:, None])
-            s = tl.where(keep, s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: avoid inf - inf
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(dt), k_v, acc, input_precision=PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, lo, full_end, hi,
+                                     sel, len_m, scale_log2, stride_cb, stride_cs, BN, BLOCK_SIZE,
+                                     DV, DR, BLOCK_V, BLOCK_R, False, STAGES, PRECISION)
+        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, full_end, hi, hi,
+                                     sel, len_m, scale_log2, stride_cb, stride_cs, BN, BLOCK_SIZE,
+                                     DV, DR, BLOCK_V, BLOCK_R, True, TAIL_STAGES, PRECISION)
         todo = todo & (sel == 0)
 
     has_key = l_i > 0.0
@@ -128,7 +164,7 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
         lse = tl.where(has_key, lse, float("-inf"))        # empty split: zero weight in the merge
     row_off = split.to(tl.int64) * stride_os + t.to(tl.int64) * stride_on + h * stride_oh
     tl.store(out_ptr + row_off[:, None] + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_real[:, None] & v_mask[None, :])
+             mask=m_real[:, None] & (offs_v < DV)[None, :])
     tl.store(lse_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_ln + h, lse,
              mask=m_real)
 
@@ -202,10 +238,16 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
         cfg.setdefault("bn", 16)
         cfg.setdefault("num_warps", 4)
         cfg.setdefault("num_stages", 1)
-    cfg.setdefault("bm", 64)            # one m64 wgmma row block; [64, 512] fp32 accumulator
-    cfg.setdefault("bn", 32)            # keys a step: [32, 576] bf16 = 36 KB a stage
+    # 64 M-rows (one m64 wgmma row block; a [64, 512] fp32 accumulator over 8 warps), 64 keys a
+    # step ([64, 576] bf16 = 72 KB a buffer; 2 buffers + q = 216 KB of shared memory): the
+    # score dot's wgmma is n32 (n16 with 32-key steps, which re-read q from shared memory twice
+    # as often). See BENCHMARKS.md, MLA, for the measured alternative (32 keys, 3 stages).
+    cfg.setdefault("bm", 64)
+    cfg.setdefault("bn", 64)
     cfg.setdefault("num_warps", 8)
-    cfg.setdefault("num_stages", 3)
+    cfg.setdefault("num_stages", 2)
+    # the masked last steps too: an unpipelined loop loads each tile through registers (spills)
+    cfg.setdefault("tail_stages", cfg["num_stages"])
     cfg.setdefault("programs_per_sm", 1)
     g = cfg.setdefault("group", rows_per_group(n_rows, n_req))
     if g < 1:
@@ -229,7 +271,8 @@ def _constexprs(cfg: dict, dv: int, width: int, block_size: int, final: bool,
     return dict(G=cfg["group"], BM=cfg["bm"], BN=cfg["bn"], BLOCK_SIZE=block_size, DV=dv,
                 DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),      # tl.dot: K >= 16
                 BLOCK_R=max(16, triton.next_power_of_2(max(width - dv, 1))),
-                PASSES=cfg["passes"], FINAL=final, PRECISION=precision)
+                PASSES=cfg["passes"], STAGES=cfg["num_stages"], TAIL_STAGES=cfg["tail_stages"],
+                FINAL=final, PRECISION=precision)
 
 
 def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=None,
