@@ -41,13 +41,21 @@ VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's:
 
 @triton.jit
 def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit, sel, len_m,
-                 scale_log2, stride_cb, stride_cs,
+                 scale_log2, stride_cb, stride_cs, BM: tl.constexpr,
                  BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                  BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr,
                  STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key steps start, start + BN, .. < stop of one request. MASKED: keys at
     or past each M-row's length (and past `limit`, the longest) are excluded; unmasked steps lie
-    below every selected row's length (only the row selection applies)."""
+    below every selected row's length (only the row selection applies).
+
+    Two things here are for Triton's layout choice, not for the math. A dot whose result reaches
+    another dot is laid out with all warps along M; with 64 M-rows on 8 warps that makes both
+    warp groups compute the same scores (the MMA work 1.53x the useful FLOPs). So the softmax sits
+    in a branch that is always taken (`stop > start` inside the loop): a branch's results are
+    not in the score dot's forward slice, and the score dots get [4, 2] warps (each warp group
+    half of the keys). And the nope and rope score dots are scaled apart before they are added,
+    so Triton does not fold them into one dot accumulating into the other (a chained pair)."""
     offs_n = tl.arange(0, BN)
     offs_v = tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, BLOCK_R)
@@ -78,22 +86,28 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
             else:
                 k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=r_mask[None, :],
                               other=0.0).to(dt)
-            s = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
-            s = tl.dot(q_v, tl.trans(k_v), s, input_precision=PRECISION)
+            s = (tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION) * scale_log2
+                 + tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * scale_log2)
         else:
-            s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
-        if MASKED:
-            keep = sel[:, None] & (pos[None, :] < len_m[:, None])
+            s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION) * scale_log2
+        if stop > start:     # always true inside the loop (the docstring says why it is here)
+            if MASKED:
+                keep = sel[:, None] & (pos[None, :] < len_m[:, None])
+            else:
+                keep = sel[:, None] & in_range[None, :]
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: avoid inf - inf
+            alpha = tl.exp2(m_i - m_use)
+            p_f = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p_f, 1)
+            p = p_f.to(dt)
         else:
-            keep = sel[:, None] & in_range[None, :]
-        s = tl.where(keep, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)       # no key yet: avoid inf - inf
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+            m_new = m_i
+            alpha = tl.full([BM], 1.0, tl.float32)
+            p = tl.zeros([BM, BN], dt)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(dt), k_v, acc, input_precision=PRECISION)
+        acc = tl.dot(p, k_v, acc, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -148,10 +162,10 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
         full_end = tl.maximum(lo + (tl.minimum(hi, shortest) - lo) // BN * BN, lo)
         bt_row = bt_ptr + tl.maximum(b, 0).to(tl.int64) * stride_btb
         m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, lo, full_end, hi,
-                                     sel, len_m, scale_log2, stride_cb, stride_cs, BN, BLOCK_SIZE,
+                                     sel, len_m, scale_log2, stride_cb, stride_cs, BM, BN, BLOCK_SIZE,
                                      DV, DR, BLOCK_V, BLOCK_R, False, STAGES, PRECISION)
         m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, full_end, hi, hi,
-                                     sel, len_m, scale_log2, stride_cb, stride_cs, BN, BLOCK_SIZE,
+                                     sel, len_m, scale_log2, stride_cb, stride_cs, BM, BN, BLOCK_SIZE,
                                      DV, DR, BLOCK_V, BLOCK_R, True, TAIL_STAGES, PRECISION)
         todo = todo & (sel == 0)
 
@@ -239,9 +253,9 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
         cfg.setdefault("num_warps", 4)
         cfg.setdefault("num_stages", 1)
     # 64 M-rows (one m64 wgmma row block; a [64, 512] fp32 accumulator over 8 warps), 64 keys a
-    # step ([64, 576] bf16 = 72 KB a buffer; 2 buffers + q = 216 KB of shared memory): the
-    # score dot's wgmma is n32 (n16 with 32-key steps, which re-read q from shared memory twice
-    # as often). See BENCHMARKS.md, MLA, for the measured alternative (32 keys, 3 stages).
+    # step ([64, 576] bf16 = 72 KB a buffer; 2 buffers + q + the P exchange = 224 KB of shared
+    # memory on sm_90a, of 227): each warp group's score wgmma is n32 (n16 with 32-key steps,
+    # which re-read q from shared memory twice as often). bench_mla times 32 keys x 3 stages too.
     cfg.setdefault("bm", 64)
     cfg.setdefault("bn", 64)
     cfg.setdefault("num_warps", 8)
