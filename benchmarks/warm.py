@@ -121,8 +121,11 @@ def warm_all(jobs=JOBS) -> list[str]:
     """Run every job in its own process, all at once; returns the jobs that failed."""
     start = time.time()
     script = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(script))           # the checkout: k31c and benchmarks
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     procs = {job: subprocess.Popen([sys.executable, script, job], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True) for job in jobs}
+                                   stderr=subprocess.PIPE, text=True, env=env) for job in jobs}
     failed = []
     for job, proc in procs.items():
         _, err = proc.communicate()

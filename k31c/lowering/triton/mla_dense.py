@@ -86,8 +86,10 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
             else:
                 k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=r_mask[None, :],
                               other=0.0).to(dt)
-            s = (tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION) * scale_log2
-                 + tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * scale_log2)
+            # both dots issued before either result is used: one wait for the pair
+            s_r = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+            s_v = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
+            s = s_v * scale_log2 + s_r * scale_log2
         else:
             s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION) * scale_log2
         if stop > start:     # always true inside the loop (the docstring says why it is here)
