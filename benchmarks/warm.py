@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -124,14 +125,17 @@ def warm_all(jobs=JOBS) -> list[str]:
     root = os.path.dirname(os.path.dirname(script))           # the checkout: k31c and benchmarks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    logs = {job: tempfile.TemporaryFile(mode="w+") for job in jobs}   # a pipe could fill and stall
     procs = {job: subprocess.Popen([sys.executable, script, job], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True, env=env) for job in jobs}
+                                   stderr=logs[job], text=True, env=env) for job in jobs}
     failed = []
     for job, proc in procs.items():
-        _, err = proc.communicate()
+        proc.wait()
+        logs[job].seek(0)
+        tail = logs[job].read().strip().splitlines()[-1:]
+        logs[job].close()
         if proc.returncode != 0:
             failed.append(job)
-            tail = err.strip().splitlines()[-1:] if err else []
             print(f"# warm {job} failed ({proc.returncode}): {' '.join(tail)[:200]}", file=sys.stderr,
                   flush=True)
     print(f"# warm-up: {len(jobs) - len(failed)}/{len(jobs)} jobs in {time.time() - start:.0f} s",
