@@ -31,6 +31,8 @@ class Target:
     runnable_here: bool = True               # False: artifacts are built and inspected, not run
     device_names: tuple[str, ...] = ()       # substrings of torch.cuda.get_device_name() that
                                              # identify this GPU when a launcher runs on it
+    shared_memory: int = 0                   # bytes of shared memory one program may use (0: not
+                                             # stated; launchers that size tiles by it skip the check)
 
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""
@@ -48,7 +50,8 @@ TARGETS = {
                    executor="program", fast_dot_precision="tf32",
                    # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
                    default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
-                   device_graphs=True, graph_streams=3, device_names=("H200",)),
+                   device_graphs=True, graph_streams=3, device_names=("H200",),
+                   shared_memory=232448),      # sm_90: 227 KB a block (opt-in)
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.

@@ -279,6 +279,44 @@ def test_split_dense_plan():
     assert split_dense.choose_splits(1, 4096, 132, 64) == 64
 
 
+def test_split_dense_tile_fits_shared_memory():
+    """The key step shrinks where q and two key buffers would not fit the target's shared memory
+    (fp32 rows at K3.1 widths), and a launch that still runs out halves it and remembers that."""
+    from k31c.lowering.targets import get_target
+    h200 = get_target("h200")
+    assert split_dense.shared_bytes(64, 64, 576, 2) == 229376 <= h200.shared_memory  # sm_90a build
+    cols = split_dense.block_cols(576, 512)
+    assert cols == 576 and split_dense.block_cols(80, 64) == 80
+    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=2)["bn"] == 64
+    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=4)["bn"] == 16
+
+
+def test_split_dense_halves_the_step_when_out_of_resources(monkeypatch):
+    import triton
+    real = split_dense._dense_split_kernel
+    tried = []
+
+    class TooBigAtFirstStep:        # the planned step runs out of shared memory, half of it fits
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                tried.append(kwargs["BN"])
+                if kwargs["BN"] == tried[0]:
+                    raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(split_dense, "_dense_split_kernel", TooBigAtFirstStep())
+    monkeypatch.setattr(split_dense, "_SMALLER_STEP", {})
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=47)
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.float32)
+    assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.float32)
+    first = tried[0]
+    assert first > 16 and tried == [first, first // 2, first // 2]   # then the step that fit
+    with pytest.raises(triton.runtime.errors.OutOfResources):   # an explicit step is not changed
+        split_dense.launch(*dense_args(c), config={"bn": first})
+
+
 def test_split_dense_gpu_tile_plan_on_k31_widths():
     """The GPU tiles (64 M-rows, 64-key steps = one 64-row cache block) at K3.1 Pro widths,
     in fp32 under the interpreter too, on a few rows of two requests."""

@@ -222,6 +222,8 @@ def _merge_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
 # ---- launch plan ------------------------------------------------------------------------------
 
 MAX_SPLITS = 64           # bounds the workspace: splits x N x Hq x dv fp32
+_SMALLER_STEP: dict = {}  # (device, row columns, element bytes) -> key step that fit, where the
+                          # planned one did not
 _MERGE_HEADS = 8          # heads per merge program
 
 
@@ -240,18 +242,31 @@ def choose_splits(programs: int, n_blocks: int, slots: int, most: int) -> int:
     return next(s for c, s in costs if c <= lowest * 1.03)
 
 
+def block_cols(width: int, dv: int) -> int:
+    """Columns of the kernel's row tiles: dv and the rest, each padded to a power of two."""
+    rest = width - dv
+    return max(16, triton.next_power_of_2(dv)) + (max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
+def shared_bytes(bm: int, bn: int, cols: int, elem: int) -> int:
+    """Shared memory of one program as Triton 3.6/3.7 lay it out for sm_90a: q [bm, cols], two
+    [bn, cols] key buffers, the [bm, bn] probabilities exchanged between the warp groups."""
+    return (bm + 2 * bn) * cols * elem + bm * bn * elem
+
+
 def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
-         config: dict | None = None, small: bool | None = None) -> dict:
+         config: dict | None = None, small: bool | None = None, cols: int = 576,
+         elem: int = 2) -> dict:
     """Tile sizes, warps, stages, rows per group and key splits for N rows of Hq heads, `n_req`
-    requests in the block table and `capacity` = block-table width x block size keys. `config`
-    overrides any of them (tuning, tests); small: the interpreter's small tiles (None: when
-    interpreting or off the GPU)."""
+    requests in the block table and `capacity` = block-table width x block size keys, row tiles
+    of `cols` (block_cols) elements of `elem` bytes. `config` overrides any of them (tuning,
+    tests); small: the interpreter's small tiles (None: when interpreting or off the GPU)."""
     cfg = dict(config or {})
     if small is None:
         small = interpreting() or target.device != "cuda"
     if small:
         cfg.setdefault("bm", 16)
-        cfg.setdefault("bn", 16)
+        cfg.setdefault("bn", 32)
         cfg.setdefault("num_warps", 4)
         cfg.setdefault("num_stages", 1)
     # 64 M-rows (one m64 wgmma row block; a [64, 512] fp32 accumulator over 8 warps), 64 keys a
@@ -259,9 +274,11 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
     # memory on sm_90a, of 227): each warp group's score wgmma is n32 (n16 with 32-key steps,
     # which re-read q from shared memory twice as often). bench_mla times 32 keys x 3 stages too.
     cfg.setdefault("bm", 64)
-    cfg.setdefault("bn", 64)
     cfg.setdefault("num_warps", 8)
     cfg.setdefault("num_stages", 2)
+    if "bn" not in cfg:          # 64 keys, fewer where q and two key buffers would not fit
+        cfg["bn"] = next((bn for bn in (64, 32) if shared_bytes(cfg["bm"], bn, cols, elem)
+                          <= (target.shared_memory or float("inf"))), 16)
     # the masked last steps too: an unpipelined loop loads each tile through registers (spills)
     cfg.setdefault("tail_stages", cfg["num_stages"])
     cfg.setdefault("programs_per_sm", 1)
@@ -300,7 +317,12 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
     n_req, max_blocks = block_table.shape
     block_size = latent_cache.shape[1]
     capacity = max_blocks * block_size
-    cfg = plan(target_of(q.device), n, n_heads, n_req, capacity, config)
+    cols = block_cols(width, dv)
+    fit_key = (q.device, cols, q.element_size())
+    if fit_key in _SMALLER_STEP and not (config and "bn" in config):
+        config = {**(config or {}), "bn": _SMALLER_STEP[fit_key]}
+    cfg = plan(target_of(q.device), n, n_heads, n_req, capacity, config, cols=cols,
+               elem=q.element_size())
     splits, bn = cfg["splits"], cfg["bn"]
     keys_per_split = -(-(-(-capacity // splits)) // bn) * bn       # a multiple of BN
     out = q.new_empty((n, n_heads, dv))
@@ -314,14 +336,22 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
         part = q.new_empty((splits, n, n_heads, dv), dtype=torch.float32)
         part_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
     precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
-    compiled = _dense_split_kernel[(cfg["tiles"], splits, cfg["groups"])](
-        q, latent_cache, block_table, row_req, row_len, part, part_lse,
-        n, n_heads, n_req, keys_per_split, float(sm_scale) * LOG2E,
-        q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
-        block_table.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        **_constexprs(cfg, dv, width, block_size, final, precision),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    try:
+        compiled = _dense_split_kernel[(cfg["tiles"], splits, cfg["groups"])](
+            q, latent_cache, block_table, row_req, row_len, part, part_lse,
+            n, n_heads, n_req, keys_per_split, float(sm_scale) * LOG2E,
+            q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
+            block_table.stride(0),
+            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+            **_constexprs(cfg, dv, width, block_size, final, precision),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    except triton.runtime.errors.OutOfResources:
+        # shared_bytes under-estimated this Triton's layout: half the key step, and remember it
+        # for these tiles (the launch raises before anything is enqueued)
+        if (config and "bn" in config) or bn <= 16:
+            raise
+        _SMALLER_STEP[fit_key] = bn // 2
+        return launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config, stats)
     if stats is not None:
         stats.update(cfg)
         if compiled is not None:
@@ -364,7 +394,7 @@ def aot_specs(shapes) -> list:
         n = shapes.batch * r
         for splits in (1, 2):
             p = plan(shapes.target, n, heads, shapes.batch, shapes.context, {"splits": splits},
-                     small=False)
+                     small=False, cols=block_cols(width, dv), elem=dt.itemsize)
             final = splits == 1
             specs.append(kernel_spec(
                 _dense_split_kernel, OP, f"R={r},{'final' if final else 'split'}",
