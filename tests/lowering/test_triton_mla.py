@@ -263,6 +263,29 @@ def test_split_dense_rows_of_several_requests_in_one_tile():
     assert not torch.allclose(one_pass_only[0], want[0], atol=1e-3)   # the second pass matters
 
 
+@pytest.mark.parametrize("case,cfg", [({}, None),                       # keys across blocks
+                                      ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2})])
+def test_split_dense_skips_unused_blocks(case, cfg):
+    """A -1 block-table entry inside a row's visible positions holds no keys (as in the one-pass
+    kernel); oracle: the reference sparse_mla over the visible positions outside that block."""
+    c = make_case(**{**SMALL, **case}, device=DEV, dtype=torch.float32, seed=48)
+    bs = c["latent_cache"].shape[1]
+    table = c["block_table"].clone()
+    table[0, 1] = -1                                     # request 0's second block
+    n = c["q"].shape[0]
+    width = int(c["row_len"].max())
+    indices = torch.full((n, width), -1, dtype=torch.int32)
+    for t in range(n):
+        pos = [p for p in range(int(c["row_len"][t]))
+               if not (int(c["row_req"][t]) == 0 and p // bs == 1)]
+        indices[t, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
+    want = torch.ops.k31c.sparse_mla(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
+                                     indices.to(DEV), c["sm_scale"], c["dv"])
+    got = split_dense.launch(c["q"], c["latent_cache"], table, c["row_req"], c["row_len"],
+                             c["sm_scale"], c["dv"], config=cfg)
+    assert_close(got, want, torch.float32)
+
+
 def test_split_dense_plan():
     from k31c.lowering.targets import get_target
     h200 = get_target("h200")

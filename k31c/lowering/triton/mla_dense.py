@@ -68,24 +68,24 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
             in_range = pos < limit
         else:
             in_range = offs_n >= 0
+        # a key in a -1 (unused) block is no key: its block reads as block 0, masked to zeros
         if BLOCK_SIZE % BN == 0:         # j is a multiple of BN: the BN keys are one block's rows
             blk = tl.load(bt_row + j // BLOCK_SIZE)
-            rows = cache_ptr + blk.to(tl.int64) * stride_cb + (j % BLOCK_SIZE + offs_n) * stride_cs
+            ok = in_range & (blk >= 0)
+            rows = (cache_ptr + tl.maximum(blk, 0).to(tl.int64) * stride_cb
+                    + (j % BLOCK_SIZE + offs_n) * stride_cs)
         else:
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_range, other=0)
-            rows = cache_ptr + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_cs
-        if MASKED:   # past the longest row: zeros (unwritten slots may hold NaN; p = 0 there)
-            k_v = tl.load(rows[:, None] + offs_v[None, :],
-                          mask=in_range[:, None] & v_mask[None, :], other=0.0).to(dt)
-        else:
-            k_v = tl.load(rows[:, None] + offs_v[None, :], mask=v_mask[None, :], other=0.0).to(dt)
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=in_range, other=-1)
+            ok = in_range & (blk >= 0)
+            rows = (cache_ptr + tl.maximum(blk, 0).to(tl.int64) * stride_cb
+                    + (pos % BLOCK_SIZE) * stride_cs)
+        # keys past the longest row or in no block read as zeros (unwritten slots may hold NaN,
+        # and p = 0 there must not meet one)
+        k_v = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_mask[None, :],
+                      other=0.0).to(dt)
         if DR > 0:
-            if MASKED:
-                k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
-                              mask=in_range[:, None] & r_mask[None, :], other=0.0).to(dt)
-            else:
-                k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=r_mask[None, :],
-                              other=0.0).to(dt)
+            k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :],
+                          other=0.0).to(dt)
             # both dots issued before either result is used: one wait for the pair
             s_r = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
             s_v = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
@@ -94,9 +94,9 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
             s = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION) * scale_log2
         if stop > start:     # always true inside the loop (the docstring says why it is here)
             if MASKED:
-                keep = sel[:, None] & (pos[None, :] < len_m[:, None])
+                keep = sel[:, None] & ok[None, :] & (pos[None, :] < len_m[:, None])
             else:
-                keep = sel[:, None] & in_range[None, :]
+                keep = sel[:, None] & ok[None, :]
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: avoid inf - inf
