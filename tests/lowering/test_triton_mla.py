@@ -232,6 +232,7 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2}),   # a step = one cache block
     ({"width": 64}, None),                             # dv == Dl: no rope columns
     ({"rows": 4, "requests": 2}, {"bm": 32, "splits": 2}),
+    ({"rows": 7, "requests": 2}, None),                # prefill-like: many rows a request
 ])
 def test_split_dense_matches_reference_small(case, cfg):
     """Rows of different lengths (one empty, one with a single key), shuffled block tables, key
@@ -259,6 +260,11 @@ def test_split_dense_rows_of_several_requests_in_one_tile():
         got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
         assert stats["passes"] >= 2
         assert_close(got, want, torch.float32)
+    five = {**c, "q": c["q"][:5], "row_req": c["row_req"][:5], "row_len": c["row_len"][:5]}
+    stats = {}                                         # 5 rows, 3 requests: one row a group
+    assert_close(split_dense.launch(*dense_args(five), stats=stats),
+                 torch.ops.k31c.dense_mla(*dense_args(five)), torch.float32)
+    assert stats["group"] == 1
     one_pass_only = split_dense.launch(*dense_args(c), config={"group": 2, "passes": 1})
     assert not torch.allclose(one_pass_only[0], want[0], atol=1e-3)   # the second pass matters
 
@@ -340,9 +346,11 @@ def test_split_dense_halves_the_step_when_out_of_resources(monkeypatch):
         split_dense.launch(*dense_args(c), config={"bn": first})
 
 
+@pytest.mark.skipif(CUDA, reason="fp32 rows at these tiles exceed shared memory; on the GPU the "
+                                 "bf16 K3.1 tests below run them")
 def test_split_dense_gpu_tile_plan_on_k31_widths():
-    """The GPU tiles (64 M-rows, 64-key steps = one 64-row cache block) at K3.1 Pro widths,
-    in fp32 under the interpreter too, on a few rows of two requests."""
+    """The GPU tiles for bf16 (64 M-rows, 64-key steps = one 64-row cache block) at K3.1 Pro
+    widths, in fp32 under the interpreter, on a few rows of two requests."""
     c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 4}, device=DEV,
                   dtype=torch.float32, seed=45)
     gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 4 * 64, {"splits": 2}, small=False)
