@@ -164,7 +164,7 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     keys_c = pp.contiguous_index_keys(idx_pool.cache, table, BLOCK, bi.DIM)
     latent_c = pp.contiguous_latent(lat.cache, table)
     contiguous_args = (pp.by_request(idx_pool.q, B), keys_c, pp.by_request(idx_pool.weights, B),
-                       row_len.view(B, R), pp.by_request(lat.q, B), latent_c, bm.SM_SCALE, DV)
+                       row_len.view(B, R), pp.by_request(lat.q, B), latent_c, bm.SM_SCALE, DV, K)
     for name, fn, args, warmup in (
             ("paged eager", plain_layer, plain_args, 1),
             ("paged torch.compile", compiled and compiled["paged"], plain_args, 2),

@@ -40,9 +40,9 @@ def contiguous_sparse_mla(qh, cache, idx, sm_scale: float, dv: int):
     return torch.einsum("brhk,brkd->brhd", p.to(qh.dtype), rows[..., :dv])
 
 
-def contiguous_sparse_layer(qi, ki, w, lens, qh, cache, sm_scale: float, dv: int):
-    """Appendix B's sparse layer: indexer, top-k, sparse MLA over the picks."""
-    return contiguous_sparse_mla(qh, cache, contiguous_indexer_topk(qi, ki, w, lens), sm_scale, dv)
+def contiguous_sparse_layer(qi, ki, w, lens, qh, cache, sm_scale: float, dv: int, k: int = TOPK):
+    """Appendix B's sparse layer: indexer, top-k (k picks), sparse MLA over the picks."""
+    return contiguous_sparse_mla(qh, cache, contiguous_indexer_topk(qi, ki, w, lens, k), sm_scale, dv)
 
 
 def contiguous_dense_mla(qh, cache, lens, sm_scale: float, dv: int):

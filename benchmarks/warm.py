@@ -104,7 +104,8 @@ def _layer_peers() -> None:
         keys = pp.contiguous_index_keys(idx_pool.cache, table, bm.BLOCK, bi.DIM)
         latent = pp.contiguous_latent(lat.cache, table)
         contiguous(pp.by_request(idx_pool.q, bm.B), keys, pp.by_request(idx_pool.weights, bm.B),
-                   row_len.view(bm.B, bm.R), pp.by_request(lat.q, bm.B), latent, bm.SM_SCALE, bm.DV)
+                   row_len.view(bm.B, bm.R), pp.by_request(lat.q, bm.B), latent, bm.SM_SCALE, bm.DV,
+                   bl.K)
         del lat, idx_pool, keys, latent
         torch.cuda.empty_cache()
 
