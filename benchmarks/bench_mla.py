@@ -1,14 +1,25 @@
 """Benchmark of the Triton sparse_mla / dense_mla kernels at K3.1 Pro shapes (issue 4,
 spec/performance.md §6 (a)/(b), goals G4, G6, G7 of §8).
 
-Shapes: B = 16 requests x R = 4 rows, 96 heads, 576-wide latent rows (512 + 64), dv = 512, top-k
-2048, block size 64, BF16 cache (plus the FP8 latent layout, fp8_ds_mla's 656-byte rows, for sparse
-at 128K and dense at 32K: `fp8_rows`). Peers in the
-same run: the eager reference op and torch.compile of a plain-torch gather + softmax formulation.
+Shapes: B = 16 requests x R rows, 96 heads, 576-wide latent rows (512 + 64), dv = 512, top-k
+2048, block size 64, BF16 cache (plus, for sparse at 128K and dense at 32K, the FP8 latent layout: fp8_ds_mla's 656-byte
+rows, `fp8_rows`). Sparse rows at
+R = 4; dense rows at R = 1 and R = 4.
+
+Dense: the registered kernel (k31c column) and both kernels by name (mla_dense.py's split-key
+kernel, mla.py's one-pass kernel), beside four plain-PyTorch peers: the paged formulation
+(`plain_dense_mla`: the rows gathered through the block table per query row, then softmax) and
+spec Appendix B's contiguous one (peers.contiguous_dense_mla over per-request contiguous rows),
+each eager and under torch.compile (paged: dynamic=True, one compile; contiguous:
+dynamic=False, as Appendix B measured it). G7 (§8): >= 600 TFLOP/s at R = 4, >= 3.5 TB/s
+effective (B·L·1152 bytes / time) at R = 1, never slower than the faster torch.compile peer.
+Sparse: the registered two-pass kernel, the one-pass kernel, the eager reference op and
+torch.compile of the paged plain-torch gather + softmax.
 Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; the bytes floor
 (latent rows read once; for sparse each row's 2048 rows, no overlap assumed) is in the note.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # table
+    PYTHONPATH=. python benchmarks/bench_mla.py --quick    # dense only, 32K and 128K
     PYTHONPATH=. python benchmarks/bench_mla.py --fp8      # the FP8 latent rows only (fp8_rows)
     PYTHONPATH=. python benchmarks/bench_mla.py --sweep    # launch-config sweep at 128K
 """
@@ -19,18 +30,25 @@ import sys
 import torch
 
 try:
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, \
-        measure_machine, time_ms
+    from benchmarks import peers as pp
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, \
+        markdown, measure_machine, record_goal, time_ms
 except ImportError:  # run as a script from benchmarks/
-    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, markdown, measure_machine, \
-        time_ms
+    import peers as pp
+    from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, markdown, \
+        measure_machine, record_goal, time_ms
 
 HEADS, WIDTH, DV, TOPK, BLOCK = 96, 576, 512, 2048, 64
 B, R = 16, 4
 N = B * R
 SM_SCALE = 192 ** -0.5                       # d_qk^-0.5 (spec §5.4)
 CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
+QUICK_CONTEXTS = (32 << 10, 128 << 10)
+DENSE_ROWS = (1, 4)                          # R of the dense rows
 EAGER_DENSE_MAX = 32 << 10                   # the reference materialises [N, L, 576] fp32 rows
+DENSE_PEER_MAX = 256 << 10                   # the plain peers' [B, R, H, L] fp32 scores beyond
+G7_TFLOPS, G7_TBPS = 600.0, 3.5              # §8 G7: R = 4 compute rate, R = 1 effective bandwidth
+DENSE_ROW_BYTES = WIDTH * 2                  # bf16 latent row read once per request
 
 
 def plain_sparse_mla(q, cache, block_table, row_req, indices, sm_scale: float, dv: int):
@@ -96,25 +114,34 @@ def _try_time(fn, **kw) -> float | None:
         return None
 
 
-def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+def run(machine: Machine, contexts=CONTEXTS, dense_rows=DENSE_ROWS, sparse: bool = True) -> list[Row]:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
-    from k31c.lowering.triton import mla, mla_two_pass as two_pass
-    one_pass = _one_pass()
 
     rows: list[Row] = []
     pool = Pool(max(contexts))
+    if sparse:
+        rows += _sparse_rows(machine, pool, contexts)
+    compiled = {"paged torch.compile": torch.compile(plain_dense_mla, dynamic=True),
+                "contiguous torch.compile": torch.compile(pp.contiguous_dense_mla, dynamic=False)}
+    for ctx in contexts:
+        for r in dense_rows:
+            rows.append(_dense_row(machine, pool, ctx, r, compiled))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
+    from k31c.lowering.triton import mla_two_pass as two_pass
+    one_pass = _one_pass()
+    rows = []
     q, cache, rr = pool.q, pool.cache, pool.row_req
     compiled_sparse = torch.compile(plain_sparse_mla, dynamic=False)
-    compiled_dense = torch.compile(plain_dense_mla, dynamic=False)
-    sparse_ms = {}
     for ctx in contexts:
         table, row_len, idx = pool.context(ctx)
         tag = f"B{B}xR{R} H{HEADS} L={ctx >> 10}K"
-
         # sparse over 2048 selected rows: the registered (two-pass) kernel, the one-pass as a peer
         args = (q, cache, table, rr, idx, SM_SCALE, DV)
         ms = time_ms(lambda: two_pass.sparse_mla(*args))
-        sparse_ms[ctx] = ms
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
         for name, fn in (("one-pass kernel", lambda: one_pass(*args)),
@@ -126,25 +153,6 @@ def run(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         rows.append(Row("sparse_mla bf16", f"{tag} k={TOPK}", ms,
                         flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                         _rate_note(ms, flops, nbytes, machine)))
-
-        # dense over every visible row (the control)
-        dargs = (q, cache, table, rr, row_len, SM_SCALE, DV)
-        long_ctx = ctx > EAGER_DENSE_MAX
-        ms = time_ms(lambda: mla.dense_mla(*dargs), warmup=1 if long_ctx else 3,
-                     reps=5 if long_ctx else 20)
-        flops, nbytes = _flops(ctx), B * ctx * WIDTH * cache.element_size()
-        peers = {}
-        if not long_ctx:
-            for name, fn in (("eager ref", lambda: torch.ops.k31c.dense_mla(*dargs)),
-                             ("torch.compile", lambda: compiled_dense(*dargs, ctx))):
-                if name == "torch.compile" and ctx > contexts[0]:
-                    continue                         # one compile (static shapes) is enough
-                t = _try_time(fn, warmup=1, reps=3)
-                if t is not None:
-                    peers[name] = t
-        rows.append(Row("dense_mla bf16", tag, ms, flops_floor_ms(flops, machine.bf16_tflops),
-                        "flops", peers, _rate_note(ms, flops, nbytes, machine)
-                        + f"; dense / sparse = {ms / sparse_ms[ctx]:.1f}x"))
 
     # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
@@ -203,6 +211,82 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
                     _rate_note(ms, flops, nbytes, machine) + "; "
                     + _out_error(mla.dense_mla(*dargs(fp8)), mla.dense_mla(*dargs(cache)))))
     return rows
+
+
+def dense_inputs(pool: Pool, ctx: int, r: int):
+    """(q, block_table, row_req, row_len) of B requests x r rows at context ctx (decode layout:
+    row b·r + i sees ctx - r + 1 + i keys), from the pool's first B·r query rows."""
+    q = pool.q[: B * r]
+    row_req = torch.arange(B, device="cuda", dtype=torch.int32).repeat_interleave(r)
+    row_len = (ctx - r + 1 + torch.arange(r, device="cuda", dtype=torch.int32)).repeat(B)
+    return q, pool.block_table[:, : ctx // BLOCK], row_req, row_len
+
+
+def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -> Row:
+    """One dense row: both k31c kernels, the four plain peers, G7's verdicts."""
+    from k31c.lowering.registry import lookup
+    from k31c.lowering.triton import mla, mla_dense
+
+    registered = lookup("k31c::dense_mla", "h200")
+    q, table, rr, row_len = dense_inputs(pool, ctx, r)
+    dargs = (q, pool.cache, table, rr, row_len, SM_SCALE, DV)
+    long_ctx = ctx > EAGER_DENSE_MAX
+    reps = dict(warmup=1 if long_ctx else 3, reps=5 if long_ctx else 20)
+    kernels = {"split kernel": lambda: mla_dense.dense_mla(*dargs),
+               "one-pass kernel": lambda: mla.launch(q, pool.cache, table, rr, None, row_len,
+                                                     SM_SCALE, DV)}
+    if ctx == 128 << 10:       # the split kernel's other candidate tile (mla_dense.plan)
+        kernels["split kernel bn=32"] = lambda: mla_dense.launch(
+            *dargs, config={"bn": 32, "num_stages": 3})
+    peers = {name: t for name, fn in kernels.items() if (t := _try_time(fn, **reps)) is not None}
+    ms = _try_time(lambda: registered.fn(*dargs), **reps)
+    notes = [f"registered: {registered.name.removeprefix('triton:k31c.lowering.triton.')}"]
+    if ms is None:                   # reported, not fatal: the peers below still get timed
+        ms = float("nan")
+        notes.append("the registered kernel FAILED (stderr)")
+
+    qh, lens = pp.by_request(q, B), row_len.view(B, r)
+    contiguous = pp.contiguous_latent(pool.cache, table) if ctx <= DENSE_PEER_MAX else None
+    plain = {}
+    if ctx <= DENSE_PEER_MAX:
+        plain = {"paged eager": lambda: plain_dense_mla(*dargs, ctx),
+                 "paged torch.compile": lambda: compiled["paged torch.compile"](*dargs, ctx),
+                 "contiguous eager": lambda: pp.contiguous_dense_mla(qh, contiguous, lens,
+                                                                     SM_SCALE, DV),
+                 "contiguous torch.compile": lambda: compiled["contiguous torch.compile"](
+                     qh, contiguous, lens, SM_SCALE, DV)}
+        for name, fn in plain.items():
+            t = _try_time(fn, warmup=2 if "compile" in name else 1, reps=5)
+            if t is not None:
+                peers[name] = t
+            torch.cuda.empty_cache()
+        if ms == ms:
+            out = registered.fn(*dargs)[0].float()
+            ref = pp.contiguous_dense_mla(qh, contiguous, lens, SM_SCALE, DV).flatten(0, 1).float()
+            notes.append(f"vs contiguous eager: max rel err "
+                         f"{float((out - ref).abs().max()) / max(float(ref.abs().max()), 1e-30):.1e}")
+            del out, ref
+        del contiguous
+    flops, nbytes = _flops(ctx) * r / R, B * ctx * DENSE_ROW_BYTES
+    tflops, tbps = flops / (ms * 1e-3) / 1e12, nbytes / (ms * 1e-3) / 1e12
+    tag = f"B{B}xR{r} H{HEADS} L={ctx >> 10}K"
+    if "split kernel" in peers and "one-pass kernel" in peers:
+        notes.append(f"one-pass / split = {peers['one-pass kernel'] / peers['split kernel']:.2f}x")
+    if r == 4:
+        record_goal(f"G7 dense MLA {tag}", f">= {G7_TFLOPS:.0f} TFLOP/s", f"{tflops:.0f} TFLOP/s "
+                    f"({ms:.3f} ms)", tflops >= G7_TFLOPS)
+    if r == 1:
+        record_goal(f"G7 dense MLA {tag}", f">= {G7_TBPS} TB/s effective",
+                    f"{tbps:.2f} TB/s ({ms:.3f} ms)", tbps >= G7_TBPS)
+    compiled_peers = {n: peers[n] for n in ("paged torch.compile", "contiguous torch.compile")
+                      if n in peers}
+    if compiled_peers:
+        name, best = min(compiled_peers.items(), key=lambda kv: kv[1])
+        record_goal(f"G7 dense MLA {tag} vs the faster torch.compile peer", "<= 1.00x its time",
+                    f"{ms / best:.2f}x ({ms:.3f} vs {best:.3f} ms, {name})", ms <= best)
+    return Row(f"dense_mla bf16 R={r}", tag, ms, flops_floor_ms(flops, machine.bf16_tflops), "flops",
+               peers, f"{tflops:.0f} TFLOP/s, {tbps * 1e3:.0f} GB/s effective; bytes floor "
+               f"{bytes_floor_ms(nbytes, machine) * 1e3:.1f} us; " + "; ".join(notes))
 
 
 def _one_pass():
@@ -295,7 +379,9 @@ def compile_only(which: int) -> None:
         one_pass(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
         two_pass.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
         one_pass(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx, SM_SCALE, DV)
-        mla.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
+        from k31c.lowering.triton import mla_dense
+        mla_dense.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
+        mla.launch(pool.q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV)
     torch.cuda.synchronize()
 
 
@@ -304,5 +390,11 @@ if __name__ == "__main__":
         compile_only(int(sys.argv[sys.argv.index("--compile") + 1]))
         sys.exit(0)
     m = measure_machine()
-    table = sweep(m) if "--sweep" in sys.argv else fp8_rows(m) if "--fp8" in sys.argv else run(m)
-    print(markdown(table, m), flush=True)
+    if "--sweep" in sys.argv:
+        print(markdown(sweep(m), m), flush=True)
+    elif "--fp8" in sys.argv:
+        print(markdown(fp8_rows(m), m), flush=True)
+    else:
+        quick = "--quick" in sys.argv
+        rows_ = run(m, QUICK_CONTEXTS, sparse=False) if quick else run(m)
+        print(markdown(rows_, m) + "\n\n" + goals_markdown(), flush=True)

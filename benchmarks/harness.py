@@ -120,3 +120,29 @@ def markdown(rows: list[Row], m: Machine) -> str:
                  *[f"{r.peers[p]:.4f}" if p in r.peers else "" for p in peers], r.note]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+@dataclass
+class Goal:
+    """One spec §8 goal judged in this run: what was measured against what, and the verdict."""
+    goal: str            # "G7 dense MLA, R=4, 128K"
+    target: str          # ">= 600 TFLOP/s"
+    measured: str        # "412 TFLOP/s (4.25 ms)"
+    met: bool
+
+
+GOALS: list[Goal] = []   # filled by the benchmark families as they run; printed after the table
+
+
+def record_goal(goal: str, target: str, measured: str, met: bool) -> None:
+    GOALS.append(Goal(goal, target, measured, met))
+    print(f"# {goal}: {measured} (target {target}): {'met' if met else 'missed'}", flush=True)
+
+
+def goals_markdown(goals: list[Goal] | None = None) -> str:
+    goals = GOALS if goals is None else goals
+    if not goals:
+        return ""
+    out = ["| goal | target | measured | status |", "|---|---|---|---|"]
+    out += [f"| {g.goal} | {g.target} | {g.measured} | {'met' if g.met else 'missed'} |" for g in goals]
+    return "\n".join(out)

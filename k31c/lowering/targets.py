@@ -31,6 +31,8 @@ class Target:
     runnable_here: bool = True               # False: artifacts are built and inspected, not run
     device_names: tuple[str, ...] = ()       # substrings of torch.cuda.get_device_name() that
                                              # identify this GPU when a launcher runs on it
+    shared_memory: int = 0                   # bytes of shared memory one program may use (0: not
+                                             # stated; launchers that size tiles by it skip the check)
 
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""
@@ -46,8 +48,10 @@ TARGETS = {
     "cpu": Target("cpu", "cpu", "host"),
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
                    executor="program", fast_dot_precision="tf32",
-                   default_variants=(("k31c::lightning_indexer", "tma"),),
-                   device_graphs=True, graph_streams=3, device_names=("H200",)),
+                   # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
+                   default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
+                   device_graphs=True, graph_streams=3, device_names=("H200",),
+                   shared_memory=232448),      # sm_90: 227 KB a block (opt-in)
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.
@@ -59,6 +63,16 @@ TARGETS = {
 }
 
 GPU_TARGETS: tuple[str, ...] = tuple(n for n, t in TARGETS.items() if t.triton_backend is not None)
+
+
+# the variant an op runs where a target's record names none (ops with several kernel modules)
+DEFAULT_VARIANTS = {"k31c::dense_mla": "one_pass"}
+
+
+def targets_running(op: str, variant: str) -> tuple[str, ...]:
+    """The GPU targets whose record picks `variant` for `op` (the registration list of the kernel
+    module that implements that variant), so the choice lives in the target record alone."""
+    return tuple(n for n in GPU_TARGETS if TARGETS[n].variant(op, DEFAULT_VARIANTS[op]) == variant)
 
 
 def get_target(name: str) -> Target:

@@ -3,7 +3,7 @@
 The builds run in a subprocess without TRITON_INTERPRET (conftest turns the interpreter on for
 this process, and interpreted kernels cannot be compiled). They share the repository's Triton
 cache, so a rerun is fast; a cold build takes ~25 s for the default tests and ~60 s more for the
-h200 build of the slow families (indexer, mla, topk: marked `slow`).
+h200 build of the slow families (indexer, mla_dense, topk: marked `slow`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the reason. Empty since dot precision is chosen per backend and top-k's histogram clear uses
 # atomic_and; the list may only grow together with a registration and a comment at the kernel.
 GFX950_UNSUPPORTED: dict[str, str] = {}
-SLOW_H200_FAMILIES = ("indexer", "mla", "topk", "indexer_topk")
+SLOW_H200_FAMILIES = ("indexer", "mla_dense", "topk", "indexer_topk")
 
 EM_AMDGPU, ELFOSABI_AMDGPU_HSA, EF_AMDGPU_MACH_GFX950 = 224, 64, 0x04F
 EM_CUDA, EF_CUDA_ARCH_SPECIFIC = 190, 0x800    # 'a' targets: e_flags 0x5a0d5a (sm_90: 0x5a055a)

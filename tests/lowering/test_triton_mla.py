@@ -1,5 +1,6 @@
 """Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*): the registered
-kernels (two-pass sparse, one-pass dense) and the one-pass kernel's sparse mode (the benchmarks'
+kernels (two-pass sparse; split-key dense on h200, one-pass dense elsewhere), the one-pass dense
+kernel and the one-pass kernel's sparse mode (the benchmarks'
 comparison, benchmarks/alternatives/mla_one_pass.py). Random inputs: shuffled block tables, -1
 slots, a row with no valid index, rows of different lengths (one empty), key splits merged by LSE.
 CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16 (and an FP8 latent cache)
@@ -10,6 +11,7 @@ import torch
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
+from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton import mla_two_pass as two_pass
 from benchmarks.alternatives.mla_one_pass import sparse_mla_one_pass as one_pass
 
@@ -115,7 +117,8 @@ def test_public_launchers_and_registry():
                  torch.float32)
     assert lookup("k31c::sparse_mla", "h200").fn is two_pass.sparse_mla
     assert lookup("k31c::sparse_mla", "mi350x").fn is two_pass.sparse_mla
-    assert lookup("k31c::dense_mla", "h200").fn is kernels.dense_mla
+    assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
+    assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
     assert_close(one_pass(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
                  torch.float32)
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
@@ -217,3 +220,167 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     assert (gpu_plan["big_ht"], gpu_plan["bk"], gpu_plan["dvc"]) == (64, 128, 256)
     assert_close(two_pass.launch(*sparse_args(c), config=gpu_plan),
                  torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
+
+
+# ---- the split-key dense kernel (mla_dense.py) -----------------------------------------------
+
+@pytest.mark.parametrize("case,cfg", [
+    ({}, None),                                        # decode layout: 2 rows a request
+    ({}, {"splits": 3}),                               # partials merged by LSE
+    ({}, {"group": 1, "splits": 2}),                   # one row a group
+    ({"heads": 5}, {"splits": 2}),                     # tiles cut across rows (5 heads, bm 16)
+    ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2}),   # a step = one cache block
+    ({"width": 64}, None),                             # dv == Dl: no rope columns
+    ({"rows": 4, "requests": 2}, {"bm": 32, "splits": 2}),
+    ({"rows": 7, "requests": 2}, None),                # prefill-like: many rows a request
+])
+def test_split_dense_matches_reference_small(case, cfg):
+    """Rows of different lengths (one empty, one with a single key), shuffled block tables, key
+    splits, M tiles that span rows, against the reference op."""
+    c = make_case(**{**SMALL, **case}, device=DEV, dtype=torch.float32, seed=41 + len(case))
+    c["row_len"][2] = 0
+    c["row_len"][3] = 1
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert torch.isinf(want[1][2]).all()              # the empty row really is empty
+    stats = {}
+    got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
+    if cfg and "splits" in cfg:
+        assert stats["splits"] == cfg["splits"]
+    assert_close(got, want, torch.float32)
+
+
+def test_split_dense_rows_of_several_requests_in_one_tile():
+    """row_req not in the decode layout (rows of one group belong to different requests, in any
+    order): the kernel runs one pass per request inside a tile and still matches."""
+    c = make_case(**{**SMALL, "requests": 3, "rows": 2}, device=DEV, dtype=torch.float32, seed=43)
+    c["row_req"] = torch.tensor([2, 0, 0, 1, 2, 1], dtype=torch.int32, device=DEV)
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    for cfg in ({"group": 2}, {"group": 3, "bm": 32, "splits": 2}):
+        stats = {}
+        got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
+        assert stats["passes"] >= 2
+        assert_close(got, want, torch.float32)
+    five = {**c, "q": c["q"][:5], "row_req": c["row_req"][:5], "row_len": c["row_len"][:5]}
+    stats = {}                                         # 5 rows, 3 requests: one row a group
+    assert_close(split_dense.launch(*dense_args(five), stats=stats),
+                 torch.ops.k31c.dense_mla(*dense_args(five)), torch.float32)
+    assert stats["group"] == 1
+    one_pass_only = split_dense.launch(*dense_args(c), config={"group": 2, "passes": 1})
+    assert not torch.allclose(one_pass_only[0], want[0], atol=1e-3)   # the second pass matters
+
+
+@pytest.mark.parametrize("case,cfg", [({}, None),                       # keys across blocks
+                                      ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2})])
+def test_split_dense_skips_unused_blocks(case, cfg):
+    """A -1 block-table entry inside a row's visible positions holds no keys (as in the one-pass
+    kernel); oracle: the reference sparse_mla over the visible positions outside that block."""
+    c = make_case(**{**SMALL, **case}, device=DEV, dtype=torch.float32, seed=48)
+    bs = c["latent_cache"].shape[1]
+    table = c["block_table"].clone()
+    table[0, 1] = -1                                     # request 0's second block
+    n = c["q"].shape[0]
+    width = int(c["row_len"].max())
+    indices = torch.full((n, width), -1, dtype=torch.int32)
+    for t in range(n):
+        pos = [p for p in range(int(c["row_len"][t]))
+               if not (int(c["row_req"][t]) == 0 and p // bs == 1)]
+        indices[t, : len(pos)] = torch.tensor(pos, dtype=torch.int32)
+    want = torch.ops.k31c.sparse_mla(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
+                                     indices.to(DEV), c["sm_scale"], c["dv"])
+    got = split_dense.launch(c["q"], c["latent_cache"], table, c["row_req"], c["row_len"],
+                             c["sm_scale"], c["dv"], config=cfg)
+    assert_close(got, want, torch.float32)
+
+
+def test_split_dense_plan():
+    from k31c.lowering.targets import get_target
+    h200 = get_target("h200")
+    p = split_dense.plan(h200, 64, 96, 16, 128 << 10, small=False)       # B16 x R4, 96 heads
+    assert (p["group"], p["tiles"], p["groups"], p["passes"]) == (4, 6, 16, 2)
+    assert (p["bm"], p["bn"], p["num_warps"]) == (64, 64, 8)
+    assert 1 <= p["splits"] <= split_dense.MAX_SPLITS
+    p1 = split_dense.plan(h200, 16, 96, 16, 128 << 10, small=False)      # R = 1: 64 + 32 heads
+    assert (p1["group"], p1["tiles"], p1["passes"]) == (1, 2, 1)
+    assert split_dense.rows_per_group(10, 4) == 1 and split_dense.rows_per_group(2, 4) == 1
+    # makespan: waves of 132 programs x key blocks per split
+    assert split_dense.choose_splits(96, 4096, 132, 64) in (4, 11)
+    assert split_dense.choose_splits(1056, 4096, 132, 64) == 1      # 8 full waves already
+    assert split_dense.choose_splits(1, 4096, 132, 64) == 64
+
+
+def test_split_dense_tile_fits_shared_memory():
+    """The key step shrinks where q and two key buffers would not fit the target's shared memory
+    (fp32 rows at K3.1 widths), and a launch that still runs out halves it and remembers that."""
+    from k31c.lowering.targets import get_target
+    h200 = get_target("h200")
+    assert split_dense.shared_bytes(64, 64, 576, 2) == 229376 <= h200.shared_memory  # sm_90a build
+    cols = split_dense.block_cols(576, 512)
+    assert cols == 576 and split_dense.block_cols(80, 64) == 80
+    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=2)["bn"] == 64
+    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=4)["bn"] == 16
+
+
+def test_split_dense_halves_the_step_when_out_of_resources(monkeypatch):
+    import triton
+    real = split_dense._dense_split_kernel
+    tried = []
+
+    class TooBigAtFirstStep:        # the planned step runs out of shared memory, half of it fits
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                tried.append(kwargs["BN"])
+                if kwargs["BN"] == tried[0]:
+                    raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(split_dense, "_dense_split_kernel", TooBigAtFirstStep())
+    monkeypatch.setattr(split_dense, "_SMALLER_STEP", {})
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=47)
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.float32)
+    assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.float32)
+    first = tried[0]
+    assert first > 16 and tried == [first, first // 2, first // 2]   # then the step that fit
+    with pytest.raises(triton.runtime.errors.OutOfResources):   # an explicit step is not changed
+        split_dense.launch(*dense_args(c), config={"bn": first})
+
+
+@pytest.mark.skipif(CUDA, reason="fp32 rows at these tiles exceed shared memory; on the GPU the "
+                                 "bf16 K3.1 tests below run them")
+def test_split_dense_gpu_tile_plan_on_k31_widths():
+    """The GPU tiles for bf16 (64 M-rows, 64-key steps = one 64-row cache block) at K3.1 Pro
+    widths, in fp32 under the interpreter, on a few rows of two requests."""
+    c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 4}, device=DEV,
+                  dtype=torch.float32, seed=45)
+    gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 4 * 64, {"splits": 2}, small=False)
+    assert (gpu["bm"], gpu["bn"], gpu["group"]) == (64, 64, 2)
+    assert_close(split_dense.launch(*dense_args(c), config=gpu),
+                 torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
+
+
+def get_target_h200():
+    from k31c.lowering.targets import get_target
+    return get_target("h200")
+
+
+def test_split_dense_bad_arguments():
+    c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="row_len"):
+        split_dense.dense_mla(*dense_args({**c, "row_len": c["row_len"].long()}))
+    with pytest.raises(ValueError, match="group"):
+        split_dense.launch(*dense_args(c), config={"group": 0})
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,cfg", [(4, None), (1, None), (4, {"splits": 1}), (4, {"splits": 5}),
+                                      (4, {"bn": 32, "num_stages": 3})])
+def test_split_dense_k31_shapes_bf16(rows, cfg):
+    c = make_case(**{**K31, "rows": rows, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
+                  seed=46 + rows)
+    c["row_len"][1] = 0
+    c["row_len"][2] = 77
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(split_dense.launch(*dense_args(c), config=cfg), want, torch.bfloat16)
+    if cfg is None:
+        assert_close(split_dense.dense_mla(*dense_args(c)), want, torch.bfloat16)

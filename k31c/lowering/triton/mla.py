@@ -1,5 +1,6 @@
 """One-pass Triton kernel for `k31c::dense_mla` (absorbed-form MLA decode, spec/model.md §5.4,
-§6.3), registered for every GPU target; its sparse mode (keys from index lists) is a comparison
+§6.3), registered for the GPU targets whose record picks the "one_pass" variant of dense_mla
+(targets.py; the others run mla_dense.py's split-key kernel); its sparse mode (keys from index lists) is a comparison
 for the registered two-pass sparse kernel (mla_two_pass.py), launched by the benchmarks.
 
 One program owns (query row t, a tile of heads, a split of the keys). Per step it gathers BN latent
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
-from k31c.lowering.targets import GPU_TARGETS, Target
+from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, target_of
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
@@ -300,7 +301,7 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
     return out, lse
 
 
-@register("k31c::dense_mla", GPU_TARGETS)
+@register("k31c::dense_mla", targets_running("k31c::dense_mla", "one_pass"))
 def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
