@@ -4,7 +4,9 @@
 #   1. the compiled-program tests on the GPU (tests/runtime: tiny float32/bfloat16 and bench
 #      configs against eager, every pass switched off, profile of a replayed step),
 #   2. the kernels' real-shape tests (tests/lowering), unless --no-kernels,
-#   3. with --bench, `k31c bench e2e` (benchmarks/e2e.py) into $OUT or ./bench-e2e.md.
+#   3. with --bench, `k31c bench e2e` (benchmarks/e2e.py), the MoE op at K3.1 Pro shapes
+#      (benchmarks/bench_moe.py) and the chunked 32K / 128K prefill (benchmarks/prefill.py), into
+#      $OUT or . (bench-e2e.md, bench-moe.md, prefill.md); about 4, 1 and 1.5 minutes.
 # --kernels-only runs part 2 alone. On an H200, part 1 takes about 9 minutes (Inductor compiles
 # included; measured in pieces) and part 2 about 4: where one command may run at most 10 minutes,
 # run `--no-kernels` and `--kernels-only` as two commands, and split part 1 with -k if needed.
@@ -35,5 +37,7 @@ if [ "$kernels" = 1 ]; then
 fi
 if [ "$bench" = 1 ]; then
     "$PY" -m k31c bench e2e --out "${OUT:-.}/bench-e2e.md" || status=1
+    "$PY" benchmarks/bench_moe.py > "${OUT:-.}/bench-moe.md" || status=1
+    "$PY" benchmarks/prefill.py --out "${OUT:-.}/prefill.md" || status=1
 fi
 exit $status
