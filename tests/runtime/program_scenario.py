@@ -1,12 +1,30 @@
 """The issue's end-to-end scenario for compiled programs, run the same way on the eager model and
 on a compiled one: a short prefill, a prefill longer than index_topk, a chunked prefill onto a
 prefix, decode with one request and with many of different lengths, a 4-row verification with
-rollback, and decode steps after it (which see the rolled-back state)."""
+rollback, and decode steps after it (which see the rolled-back state); and the bench-config
+models the GPU tests share."""
 from __future__ import annotations
 
 import torch
 
+from k31c.config import preset
+from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine
+
+
+def bench_model() -> K31ForCausalLM:
+    """The bench config with seeded random weights, on the GPU."""
+    torch.manual_seed(0)
+    m = K31ForCausalLM(preset("bench"))
+    m.reset_parameters(torch.Generator().manual_seed(0))
+    return m.eval().cuda()
+
+
+def float32_twin(model) -> K31ForCausalLM:
+    """The same weights in a float32 model: the oracle for bfloat16 programs."""
+    twin = K31ForCausalLM(model.config.replace(dtype="float32"))
+    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return twin.eval().cuda()
 
 
 def program_scenario(model, step_fn, device, batch: int = 16, long_extra: int = 40) -> list[torch.Tensor]:

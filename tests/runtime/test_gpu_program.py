@@ -8,10 +8,8 @@ import pytest
 import torch
 
 import k31c.api as k31c_api
-from k31c.config import preset
-from k31c.graph.model import K31ForCausalLM
 from k31c.passes.manager import DEFAULT_PIPELINE
-from program_scenario import max_rel_err, program_scenario
+from program_scenario import bench_model, float32_twin, max_rel_err, program_scenario
 from tiny_model import make_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -28,18 +26,6 @@ KERNEL_FAMILIES = {"cache writes": ("_latent_write_kernel", "_index_write_kernel
                    "MoE experts": ("_gate_up_kernel", "_down_kernel", "_combine_kernel")}
 
 
-def _bench():
-    torch.manual_seed(0)
-    m = K31ForCausalLM(preset("bench"))
-    m.reset_parameters(torch.Generator().manual_seed(0))
-    return m.eval().cuda()
-
-
-def _float32_twin(model):
-    """The same weights in a float32 model: the oracle for bfloat16 programs."""
-    twin = K31ForCausalLM(model.config.replace(dtype="float32"))
-    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    return twin.eval().cuda()
 
 
 def _check(model, compiled, batch=16, per_step=True):
@@ -56,7 +42,7 @@ def _check(model, compiled, batch=16, per_step=True):
     if model.config.torch_dtype == torch.float32:
         assert max(errs) < TOL_F32, errs
     else:
-        oracle = program_scenario(model, _float32_twin(model), "cuda", batch)
+        oracle = program_scenario(model, float32_twin(model), "cuda", batch)
         eager, ours = max_rel_err(want, oracle), max_rel_err(got, oracle)
         print(f"vs float32 twin: eager {['%.2e' % e for e in eager]}, compiled {['%.2e' % e for e in ours]}")
         if per_step:
@@ -88,7 +74,7 @@ def test_tiny_bfloat16(tiny):
 
 
 def test_bench_config():
-    m = _bench()
+    m = bench_model()
     compiled = k31c_api.compile(m, target="h200")
     _check(m, compiled, batch=16)
     print(compiled.report)

@@ -23,6 +23,7 @@ import torch
 import k31c.api as k31c_api
 from k31c.graph.blocks.mla import GatedMLA
 from k31c.runtime.engine import Engine
+from program_scenario import bench_model, float32_twin
 from tiny_model import close, make_model
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
@@ -192,26 +193,12 @@ def test_mla_kernels_split_rows_past_the_grid_limit(monkeypatch):
 
 # ---- GPU: the bench config ----------------------------------------------------------------
 
-def _bench_model():
-    from k31c.config import preset
-    from k31c.graph.model import K31ForCausalLM
-    torch.manual_seed(0)
-    m = K31ForCausalLM(preset("bench"))
-    m.reset_parameters(torch.Generator().manual_seed(0))
-    return m.eval().cuda()
-
-
-def _float32_twin(model):
-    from k31c.graph.model import K31ForCausalLM
-    twin = K31ForCausalLM(model.config.replace(dtype="float32"))
-    twin.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    return twin.eval().cuda()
 
 
 @pytest.fixture(scope="module")
 def bench():
-    m = _bench_model()
-    return m, k31c_api.compile(m, target="h200"), _float32_twin(m)
+    m = bench_model()
+    return m, k31c_api.compile(m, target="h200"), float32_twin(m)
 
 
 def _rel(a, b) -> float:
