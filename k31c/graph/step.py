@@ -44,25 +44,24 @@ def step_meta(*, slot_mapping, block_table, row_req, row_len, kda_slots, cu_seql
 
 
 def host_ints_to_device(groups: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Each list of host ints as a 1-D tensor on `device`, from one buffer moved by one copy.
+    """Each list of host ints as its own 1-D tensor on `device`.
 
-    On a CUDA device the buffer is pinned and the copy is non-blocking: a plain `torch.tensor(...,
-    device="cuda")` waits for the stream to drain, which would serialize every step's host work
-    with the previous step's kernels. Each group starts on a 16-byte boundary (kernels and Inductor
-    code specialise on aligned pointers)."""
+    On a CUDA device the ints go through one pinned host buffer with non-blocking copies: a plain
+    `torch.tensor(..., device="cuda")` waits for the stream to drain, which would serialize every
+    step's host work with the previous step's kernels. Each group gets its own device tensor (not
+    a view of one buffer): views at batch-dependent offsets would make Dynamo guard on them and
+    retrace for every batch size."""
     device = torch.device(device)
-    align = 16 // torch.empty((), dtype=dtype).element_size()
-    starts, flat = [], []
+    if device.type != "cuda":
+        return [torch.tensor(g, dtype=dtype, device=device) for g in groups]
+    pinned = torch.tensor([v for g in groups for v in g], dtype=dtype).pin_memory()
+    out, start = [], 0
     for g in groups:
-        flat += [0] * (-len(flat) % align)
-        starts.append(len(flat))
-        flat += g
-    host = torch.tensor(flat, dtype=dtype)
-    if device.type == "cuda":
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
-    return [dev[s:s + len(g)] for s, g in zip(starts, groups)]
+        t = torch.empty(len(g), dtype=dtype, device=device)
+        t.copy_(pinned[start:start + len(g)], non_blocking=True)
+        out.append(t)
+        start += len(g)
+    return out
 
 
 @dataclass
