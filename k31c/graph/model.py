@@ -42,8 +42,10 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, eps, dt)
             self.mlp_res_proj = nn.Linear(d, 1, bias=False, dtype=dt)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x, meta.row_len)      # padding rows read no expert
+        return self.mlp(x)
 
     def mixer(self, x, caches: Caches, meta: StepMeta, mode: str, rows: int, slot: int):
         if self.is_mla:
@@ -79,7 +81,7 @@ class K31Model(nn.Module):
             for i, layer in enumerate(self.layers):
                 x = layer.input_layernorm(p)
                 p = p + layer.mixer(x, caches, meta, mode, rows, self.cache_slot[i])
-                p = p + layer.ffn(layer.post_attention_layernorm(p))
+                p = p + layer.ffn(layer.post_attention_layernorm(p), meta)
             return self.norm(p)
         bank: list[torch.Tensor] = []
         partial: torch.Tensor | None = p
@@ -92,7 +94,7 @@ class K31Model(nn.Module):
             a = layer.mixer(layer.input_layernorm(h), caches, meta, mode, rows, self.cache_slot[i])
             partial = a if partial is None else partial + a
             h2 = attn_res(partial, bank, layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.ffn(layer.post_attention_layernorm(h2))
+            partial = partial + layer.ffn(layer.post_attention_layernorm(h2), meta)
         return self.norm(attn_res(partial, bank, self.output_attn_res_norm, self.output_attn_res_proj))
 
 

@@ -220,3 +220,37 @@ def test_experts_real_widths(n):
     idx = torch.rand(n, e, device=DEVICE, generator=gen).argsort(1)[:, :k].int()
     w = torch.rand(n, k, device=DEVICE, generator=gen) + 0.1
     _check_experts(z, idx, w, w13, w2)
+
+
+# ---- padding rows (row_len 0: a device graph's bucket padding) -------------------------------------
+
+def test_route_padding_rows_select_no_expert():
+    """Rows with row_len 0 get idx -1 and weight 0, in the reference and the kernel; the other
+    rows route as without row_len."""
+    gen = torch.Generator().manual_seed(11)
+    x, weight, bias = _router(gen, 7, 64, 16)
+    row_len = torch.tensor([5, 0, 3, 0, 0, 9, 1], dtype=torch.int32, device=DEVICE)
+    args = (4, 1, 1, "sigmoid", True, 1.0)
+    plain_idx, plain_w = torch.ops.k31c.moe_route(x, weight, bias, *args)
+    for idx, w in (torch.ops.k31c.moe_route(x, weight, bias, *args, row_len),
+                   moe_route.moe_route(x, weight, bias, *args, row_len)):
+        dead = row_len == 0
+        assert (idx[dead] == -1).all() and (w[dead] == 0).all()
+        got_idx, got_w = _by_expert(idx[~dead], w[~dead])
+        want_idx, want_w = _by_expert(plain_idx[~dead], plain_w[~dead])
+        assert torch.equal(got_idx, want_idx)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_rows_without_experts_are_zero():
+    """idx -1 selects no expert: such a row's output is 0 in the reference and the kernel."""
+    gen = torch.Generator().manual_seed(12)
+    w13, w2 = _experts(gen, 8, 32, 32, torch.float32)
+    z = torch.randn(5, 32, generator=gen).to(DEVICE)
+    idx, w = _routing(gen, 5, 8, 2)
+    idx[1], idx[3] = -1, -1
+    w[1], w[3] = 0.0, 0.0
+    ref = torch.ops.k31c.moe_experts(z, idx, w, w13, w2, "situ", 4.0, 25.0)
+    got = moe_experts.moe_experts(z, idx, w, w13, w2, "situ", 4.0, 25.0)
+    assert (ref[[1, 3]] == 0).all() and ref[[0, 2, 4]].abs().amax() > 0
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6)

@@ -3,6 +3,8 @@
 shared experts."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -96,13 +98,14 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
                                                     requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(idx int32 [N, k], weights fp32 [N, k])."""
+    def forward(self, x: torch.Tensor, row_len: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx int32 [N, k], weights fp32 [N, k]); rows with row_len <= 0 (padding) get idx -1."""
         c = self.cfg
         return torch.ops.k31c.moe_route(x, self.weight, self.e_score_correction_bias,
                                         c.num_experts_per_token, c.num_expert_group, c.topk_group,
                                         c.moe_router_activation_func, c.moe_renormalize,
-                                        float(c.routed_scaling_factor))
+                                        float(c.routed_scaling_factor), row_len)
 
     def reset_parameters(self, gen: torch.Generator) -> None:
         init_linear(self, gen)
@@ -137,11 +140,13 @@ class LatentMoE(nn.Module):
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps, dt)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [N, D]; `row_len` (the step's keys per row) marks a device graph's padding rows
+        (row_len 0), which then read no expert."""
         latent = self.cfg.routed_expert_hidden_size is not None
         # the down projection first: the dense ops before the two k31c ops form one piece
         z = self.routed_expert_down_proj(x) if latent else x
-        idx, w = self.gate(x)
+        idx, w = self.gate(x, row_len)
         u = torch.ops.k31c.moe_experts(z, idx, w, self.experts.w13, self.experts.w2, *self.act)
         if latent:
             if self.cfg.latent_moe_use_norm:

@@ -1,7 +1,7 @@
 """Routed experts of the MoE layers (spec/model.md §7.1, §7.2).
 
 Ops (namespace k31c):
-- `moe_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling)` →
+- `moe_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len)` →
   (idx int32 [N, k], weights fp32 [N, k]): the `noaux_tc` router. logits = x_f32 · weight_f32ᵀ;
   scores = sigmoid (or softmax) of them; selection on scores + bias (fp32 [E]), restricted to the
   best `topk_group` of `n_group` groups (group score: the sum of its top-2) when
@@ -9,11 +9,14 @@ Ops (namespace k31c):
   (k > 1 and renormalize) and multiplied by `scaling`.
   Tie rule: among equal choices (and equal group scores) the lower index wins. Reference order:
   choice descending, then index ascending (kernels may return any order; idx and weights pair up).
+  `row_len` (optional, int32 [N]: the step's keys per row): a row with row_len <= 0 is a padding
+  row of a device-graph bucket; it gets idx -1 and weight 0, so no expert is read for it.
 - `moe_experts(z, idx, weights, w13, w2, act, beta, linear_beta)` → u [N, W] in z's dtype:
   u[n] = Σ_j weights[n, j] · E_{idx[n, j]}(z[n]), accumulated in fp32, where
   E_e(z) = w2[e] · GLU(w13[e, :I] · z, w13[e, I:] · z) with norms.glu_activation
   (`act` "situ" or "silu"). Shapes: z [N, W], w13 [E, 2I, W] (gate rows, then up rows), w2 [E, W, I].
   Each expert's gate/up/down outputs are rounded to the weights' dtype, as nn.Linear's are.
+  idx -1 selects no expert (a padding row's routing); any other index outside 0..E-1 is an error.
 
 The reference applies every expert to every row weighted by its routing weight (zero when not
 selected): the same sum, in expert order, as a sparse dispatch. Kernels read only the selected
@@ -34,7 +37,8 @@ ACTIVATIONS = ("situ", "silu")
 
 # ---- argument checks (metadata only, shared by the real and the fake implementations) ------
 
-def check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling) -> None:
+def check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling,
+                row_len=None) -> None:
     if x.dim() != 2 or x.dtype not in _FLOATS:
         raise ValueError(f"x: expected a float [N, D] tensor, got {x.dtype} {tuple(x.shape)}")
     if weight.dim() != 2 or weight.dtype not in _FLOATS or weight.shape[1] != x.shape[1]:
@@ -55,6 +59,9 @@ def check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, s
         raise ValueError(f"k must be in 1..{eligible} (the experts the kept groups hold), got {k!r}")
     if grouped and e // n_group < 2:
         raise ValueError(f"groups of {e // n_group} expert: the group score needs the top 2")
+    if row_len is not None and (row_len.dtype != torch.int32 or tuple(row_len.shape) != (x.shape[0],)):
+        raise ValueError(f"row_len: expected int32 [{x.shape[0]}], got {row_len.dtype} "
+                         f"{tuple(row_len.shape)}")
 
 
 def check_experts(z, idx, weights, w13, w2, act, beta, linear_beta) -> None:
@@ -88,8 +95,8 @@ def _top(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling):
-    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling)
+def route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len=None):
+    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len)
     logits = x.float() @ weight.float().t()
     scores = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
     choice = scores + bias
@@ -103,7 +110,11 @@ def route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling
     w = scores.gather(1, idx)
     if k > 1 and renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return idx.to(torch.int32), w * scaling
+    idx, w = idx.to(torch.int32), w * scaling
+    if row_len is not None:                                   # padding rows select no expert
+        live = (row_len > 0).unsqueeze(1)
+        idx, w = torch.where(live, idx, -1), torch.where(live, w, 0.0)
+    return idx, w
 
 
 def expert_outputs(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int, act: str,
@@ -118,11 +129,11 @@ def expert_outputs(z: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int,
 def experts(z, idx, weights, w13, w2, act, beta, linear_beta):
     check_experts(z, idx, weights, w13, w2, act, beta, linear_beta)
     n_experts = w13.shape[0]
-    if idx.numel() and (bool((idx < 0).any()) or bool((idx >= n_experts).any())):
-        raise ValueError(f"idx: an expert index is outside 0..{n_experts - 1}")
-    # combine[n, e] = routing weight of expert e for row n (0 when not selected)
+    if idx.numel() and (bool((idx < -1).any()) or bool((idx >= n_experts).any())):
+        raise ValueError(f"idx: an expert index is outside 0..{n_experts - 1} (or -1: none)")
+    # combine[n, e] = routing weight of expert e for row n (0 when not selected; -1 selects none)
     combine = torch.zeros(z.shape[0], n_experts, dtype=torch.float32, device=z.device)
-    combine = combine.scatter_add(1, idx.long(), weights)
+    combine = combine.scatter_add(1, idx.long().clamp_min(0), torch.where(idx >= 0, weights, 0.0))
     u = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     for e in range(n_experts):
         u = u + combine[:, e:e + 1] * expert_outputs(z, w13, w2, e, act, beta, linear_beta).float()
@@ -133,14 +144,14 @@ def experts(z, idx, weights, w13, w2, act, beta, linear_beta):
 
 @torch.library.custom_op("k31c::moe_route", mutates_args=())
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
-              topk_group: int, scoring: str, renormalize: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling)
+              topk_group: int, scoring: str, renormalize: bool, scaling: float,
+              row_len: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len)
 
 
 @moe_route.register_fake
-def _(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling):
-    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling)
+def _(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len=None):
+    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len)
     n = x.shape[0]
     return x.new_empty((n, k), dtype=torch.int32), x.new_empty((n, k), dtype=torch.float32)
 

@@ -54,8 +54,8 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, n_rows, n_experts, d, d_per_split, st
 
 
 @triton.jit
-def _select_kernel(part_ptr, bias_ptr, idx_ptr, wout_ptr, n_rows, n_experts, group_size, scaling,
-                   SPLITS: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _select_kernel(part_ptr, bias_ptr, idx_ptr, wout_ptr, row_len_ptr, n_rows, n_experts, group_size,
+                   scaling, HAS_ROW_LEN: tl.constexpr, SPLITS: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                    GROUPS: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
     row = tl.program_id(0)
@@ -115,6 +115,10 @@ def _select_kernel(part_ptr, bias_ptr, idx_ptr, wout_ptr, n_rows, n_experts, gro
     w = tl.where(k_ids < K, w, 0.0)
     if RENORM and K > 1:
         w = w / (tl.sum(w, axis=0) + 1e-20)
+    if HAS_ROW_LEN:                          # a padding row (no keys) selects no expert
+        live = tl.load(row_len_ptr + row) > 0
+        sel = tl.where(live, sel, -1)
+        w = tl.where(live, w, 0.0)
     out = row.to(tl.int64) * K + k_ids
     tl.store(idx_ptr + out, sel, mask=k_ids < K)
     tl.store(wout_ptr + out, w * scaling, mask=k_ids < K)
@@ -147,9 +151,9 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 @register("k31c::moe_route", GPU_TARGETS)
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
-              topk_group: int, scoring: str, renormalize: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling)
+              topk_group: int, scoring: str, renormalize: bool, scaling: float,
+              row_len: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    check_route(x, weight, bias, k, n_group, topk_group, scoring, renormalize, scaling, row_len)
     n, d = x.shape
     n_experts = weight.shape[0]
     idx = torch.empty((n, k), dtype=torch.int32, device=x.device)
@@ -167,7 +171,8 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                          UPCAST=_upcast(x.dtype) or x.dtype != weight.dtype,
                          PRECISION=target_of(x.device).dot_precision(fast=False),
                          num_warps=p["num_warps"])
-    _select_kernel[(n,)](part, bias, idx, w, n, n_experts, n_experts // n_group, float(scaling),
+    _select_kernel[(n,)](part, bias, idx, w, idx if row_len is None else row_len, n, n_experts,
+                         n_experts // n_group, float(scaling), HAS_ROW_LEN=row_len is not None,
                          **select_constexprs(n_experts, k, n_group, topk_group, scoring, renormalize,
                                              p["splits"]), num_warps=4)
     return idx, w
@@ -187,6 +192,7 @@ def aot_specs(shapes) -> list:
                                cfg.topk_group, cfg.moe_router_activation_func, cfg.moe_renormalize,
                                p["splits"])
     select = kernel_spec(_select_kernel, op, f"E={cfg.num_experts},k={cfg.num_experts_per_token}",
-                         consts, dict(part_ptr=torch.float32, bias_ptr=torch.float32,
-                                      idx_ptr=torch.int32, wout_ptr=torch.float32, scaling="fp32"))
+                         dict(consts, HAS_ROW_LEN=True),
+                         dict(part_ptr=torch.float32, bias_ptr=torch.float32, idx_ptr=torch.int32,
+                              wout_ptr=torch.float32, row_len_ptr=torch.int32, scaling="fp32"))
     return [logits, select]
