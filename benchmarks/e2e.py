@@ -25,22 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import bytes_floor_ms, measure_machine  # noqa: E402
+from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
-from k31c.config import preset  # noqa: E402
-from k31c.graph.model import K31ForCausalLM  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
 
 CONTEXTS = (2304, 32768)
 BATCHES = (1, 16)
 
-
-def make_model():
-    torch.manual_seed(0)
-    m = K31ForCausalLM(preset("bench"))
-    m.reset_parameters(torch.Generator().manual_seed(0))
-    return m.eval().cuda()
 
 
 def fill_random(eng: Engine, batch: int, ctx: int) -> list[int]:
@@ -156,7 +148,7 @@ def main() -> int:
         print("k31c: error: bench e2e needs a CUDA device", file=sys.stderr)
         return 2
     machine = measure_machine()
-    model = make_model()
+    model = bench_model()
     max_len = max(contexts) + 64
     runners = {"eager": model}
     if not (args.skip_peer or args.quick):
@@ -216,10 +208,7 @@ def main() -> int:
         lines += [f"| {name[:90]} | {ms:.3f} | {n} |" for name, ms, n in table[:12]]
     if args.host_profile:
         lines += lines_host
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: the physical floors measured in the same run, timing, and the table.
+"""Shared benchmark plumbing: the physical floors measured in the same run, timing, the table, and
+the bench-config model and output of the end-to-end benchmarks.
 
 Every row reports the measured median, the floor it is compared with (bytes over the copy
 bandwidth measured now, or FLOPs over the matrix rate measured now), the ratio, and the peers'
@@ -146,3 +147,23 @@ def goals_markdown(goals: list[Goal] | None = None) -> str:
     out = ["| goal | target | measured | status |", "|---|---|---|---|"]
     out += [f"| {g.goal} | {g.target} | {g.measured} | {'met' if g.met else 'missed'} |" for g in goals]
     return "\n".join(out)
+
+
+def bench_model():
+    """The bench config (`preset("bench")`, bf16) with seeded random weights, on the GPU: the model
+    of the end-to-end benchmarks (e2e.py, prefill.py)."""
+    from k31c.config import preset
+    from k31c.graph.model import K31ForCausalLM
+    torch.manual_seed(0)
+    m = K31ForCausalLM(preset("bench"))
+    m.reset_parameters(torch.Generator().manual_seed(0))
+    return m.eval().cuda()
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print a benchmark's report and, with `out`, write it to that file too."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        from pathlib import Path
+        Path(out).write_text(text + "\n")

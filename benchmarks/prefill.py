@@ -34,21 +34,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harness import flops_floor_ms, measure_machine  # noqa: E402
+from harness import bench_model, emit, flops_floor_ms, measure_machine  # noqa: E402
 
 import k31c  # noqa: E402
-from k31c.config import preset  # noqa: E402
-from k31c.graph.model import K31ForCausalLM  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
 
 LENGTHS = (32768, 131072)
 
-
-def make_model():
-    torch.manual_seed(0)
-    m = K31ForCausalLM(preset("bench"))
-    m.reset_parameters(torch.Generator().manual_seed(0))
-    return m.eval().cuda()
 
 
 def projection_flops_per_token(model) -> float:
@@ -99,7 +91,7 @@ def main() -> int:
         return 2
     start = time.perf_counter()
     machine = measure_machine()
-    model = make_model()
+    model = bench_model()
     cfg = model.config
     compiled = k31c.compile(model, target="h200")
     max_len = max(args.lengths) + 64
@@ -150,10 +142,7 @@ def main() -> int:
         lines.append(f"| {length} | {seconds:.3f} | {length / seconds:,.0f} | {peak:.1f} | "
                      f"{floor_ms:.1f} | {seconds * 1e3 / floor_ms:.2f} | {split} |")
     lines.append(f"\ntotal wall time {time.perf_counter() - start:.1f} s")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -324,7 +324,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
     cfg = plan(target_of(q.device), n, n_heads, n_req, capacity, config, cols=cols,
                elem=q.element_size())
     splits, bn = cfg["splits"], cfg["bn"]
-    keys_per_split = -(-(-(-capacity // splits)) // bn) * bn       # a multiple of BN
+    keys_per_split = triton.cdiv(triton.cdiv(capacity, splits), bn) * bn   # a multiple of BN
     out = q.new_empty((n, n_heads, dv))
     lse = q.new_empty((n, n_heads), dtype=torch.float32)
     if n == 0 or n_heads == 0:
