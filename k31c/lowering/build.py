@@ -24,7 +24,7 @@ import torch
 from ..errors import CompilerError, KernelBindError
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
-from .program import Dense, Kernel, Program, Record, Ref, Wait
+from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
 from .registry import lookup
 from .targets import Target
 
@@ -74,8 +74,10 @@ def _args(node: torch.fx.Node, slots: dict[torch.fx.Node, int]) -> tuple:
         if isinstance(value, torch.fx.Node):
             value = Ref(slots[value])
         elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
-            raise CompilerError(f"build: {node.name}: argument '{arg.name}' is a list of graph values, "
-                                "which k31c ops do not take")
+            if not all(isinstance(v, torch.fx.Node) for v in value):
+                raise CompilerError(f"build: {node.name}: argument '{arg.name}' mixes graph values and "
+                                    "constants in one list")
+            value = Refs(tuple(slots[v] for v in value))
         out.append(value)
     return tuple(out)
 
@@ -171,7 +173,7 @@ def _reads(step) -> list[int]:
     if isinstance(step, Dense):
         return list(step.args)
     if isinstance(step, Kernel):
-        return [a.slot for a in step.args if isinstance(a, Ref)]
+        return [slot for a in step.args for slot in arg_slots(a)]
     return []
 
 

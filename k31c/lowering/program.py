@@ -4,7 +4,8 @@ A program holds its compiled dense pieces and a list of steps:
 - `Dense(piece, stream, args, outs)`: run compiled piece `piece` on the slots `args`, store its
   outputs in `outs`;
 - `Kernel(op, kernel, fn, stream, args, outs)`: call a k31c op's bound kernel (`fn`, with the op's
-  signature); `args` mixes slot references (`Ref`) and constants; `kernel` names what is bound,
+  signature); `args` mixes slot references (`Ref`), lists of them (`Refs`, a Tensor[] argument)
+  and constants; `kernel` names what is bound,
   `"reference"` when no kernel exists for the target and the op's reference implementation runs;
 - `Record(event, stream)` / `Wait(event, stream)`: the stream markers' fork/join events.
 Slots 0..n_inputs-1 are the program's inputs (weights, then the flattened step inputs); `free`
@@ -24,6 +25,17 @@ class Ref:
     slot: int
 
 
+@dataclass(frozen=True)
+class Refs:
+    """A Tensor[] argument: the slots of its tensors, in order."""
+    slots: tuple[int, ...]
+
+
+def arg_slots(arg) -> tuple[int, ...]:
+    """The slots a kernel argument reads (none for a constant)."""
+    return (arg.slot,) if isinstance(arg, Ref) else arg.slots if isinstance(arg, Refs) else ()
+
+
 @dataclass
 class Dense:
     piece: int
@@ -39,7 +51,7 @@ class Kernel:
     kernel: str                  # "triton:k31c.lowering.triton.mla_two_pass.sparse_mla" or "reference"
     fn: Callable
     stream: int
-    args: tuple[Any, ...]        # Ref(slot) or a constant, positional as in the op's schema
+    args: tuple[Any, ...]        # Ref(slot), Refs(slots) or a constant, positional as in the op's schema
     outs: tuple[Optional[int], ...]   # one slot per output (None: output unused)
     free: tuple[int, ...] = ()
 
@@ -108,7 +120,9 @@ class Program:
                 lines.append(f"  s{s.stream} dense piece{s.piece}({', '.join(map(slot, s.args))}) -> "
                              f"{', '.join(map(slot, s.outs))}")
             elif isinstance(s, Kernel):
-                args = ", ".join(slot(a.slot) if isinstance(a, Ref) else repr(a) for a in s.args)
+                args = ", ".join(slot(a.slot) if isinstance(a, Ref)
+                                 else "[" + ", ".join(map(slot, a.slots)) + "]" if isinstance(a, Refs)
+                                 else repr(a) for a in s.args)
                 lines.append(f"  s{s.stream} {s.op}[{s.kernel}]({args}) -> {', '.join(map(slot, s.outs))}")
             else:
                 lines.append(f"  s{s.stream} {type(s).__name__.lower()} e{s.event}")

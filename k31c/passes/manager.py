@@ -34,7 +34,8 @@ from ..lowering.targets import Target, get_target
 
 STAGES = ("prepare", "schedule", "rewrite", "group", "lower", "verify")
 DEFAULT_PIPELINE = ("canonicalize", "annotate_layers", "indexer_prolog", "fuse_index_write",
-                    "fuse_lightning_indexer", "quantize", "superkernels", "lower", "verify")
+                    "fuse_lightning_indexer", "quantize", "merge_projections", "superkernels", "lower",
+                    "verify")
 
 
 @dataclass

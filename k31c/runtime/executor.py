@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..errors import RuntimeFailure
-from ..lowering.program import Dense, Kernel, Program, Record, Ref, Wait
+from ..lowering.program import Dense, Kernel, Program, Record, Ref, Refs, Wait
 
 _SIDE_STREAMS: dict[tuple[str, int], list] = {}
 
@@ -63,7 +63,8 @@ class Executor:
             else:
                 consts = list(s.args)
                 refs = tuple((i, a.slot) for i, a in enumerate(s.args) if isinstance(a, Ref))
-                plan.append((1, stream, s.fn, (consts, refs), s.outs, s.free))
+                lists = tuple((i, a.slots) for i, a in enumerate(s.args) if isinstance(a, Refs))
+                plan.append((1, stream, s.fn, (consts, refs, lists), s.outs, s.free))
         return plan
 
     def __call__(self, inputs: list) -> tuple:
@@ -90,13 +91,15 @@ class Executor:
                 if kind == 0:
                     result = fn(*[env[a] for a in args])
                 else:
-                    consts, refs = args
+                    consts, refs, lists = args
                     call = list(consts)
                     for i, slot in refs:
                         call[i] = env[slot]
+                    for i, list_slots in lists:
+                        call[i] = [env[slot] for slot in list_slots]
                     result = fn(*call)
-            if len(outs) == 1:
-                env[outs[0]] = result[0] if kind == 0 else result
+            if len(outs) == 1:     # a piece returns a tuple; a kernel a tensor, or a list (Tensor[])
+                env[outs[0]] = result[0] if kind == 0 or isinstance(result, (list, tuple)) else result
             elif outs:
                 for slot, value in zip(outs, result):
                     if slot is not None:

@@ -10,6 +10,7 @@ indexer region): `format_graph(gm, layer=N)`. The per-pass detail lives in the l
 A golden differs: the test fails with a diff. If the change is intended, review the diff and
 rewrite the goldens with `pytest tests/passes/test_goldens.py --update-goldens`."""
 import difflib
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from k31c.config import preset
 from k31c.cli.inspect import inspect_graph, render, shape_model
 from k31c.graph.printer import format_graph
+from k31c.passes.manager import DEFAULT_PIPELINE
 from k31c.passes.graph_utils import INDEX_WRITES, info, stream_of
 from k31c.passes.verify import check_streams, check_superkernels
 
@@ -126,9 +128,16 @@ def test_no_unfused_key_chain_and_no_fusion_across_streams(tiny, graphs, step):
     assert check_superkernels(gm) > 0                                 # raises if one spans two streams
 
 
-def test_targets_differ_only_in_kernels(graphs):
+def test_targets_differ_only_in_kernels_and_merged_projections(tiny, graphs):
+    """Same graph on every target but for the kernels, and, on the GPU targets (which have a
+    linear_group kernel), the projections merge_projections grouped."""
+    cfg, model = tiny
+    unmerged = [p for p in DEFAULT_PIPELINE if p != "merge_projections"]
     for step in STEPS:
         texts = {t: render(*graphs[(step, t)], "text", step) for t in TARGETS}
         strip = {t: [line.split("  stream=")[0] for line in text.splitlines()] for t, text in texts.items()}
-        assert strip["cpu"] == strip["h200"] == strip["mi350x"]
+        assert strip["h200"] == strip["mi350x"]
+        assert "k31c.linear_group(" not in texts["cpu"] and "k31c.linear_group(" in texts["h200"]
+        plain = render(*inspect_graph(cfg, step, target="h200", model=model, passes=unmerged), "text", step)
+        assert strip["cpu"] == [line.split("  stream=")[0] for line in plain.splitlines()]
         assert "kernel=noop" in texts["cpu"] and "kernel=stream" in texts["h200"]

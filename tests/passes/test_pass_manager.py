@@ -19,7 +19,8 @@ def captured():
 
 def test_default_pipeline_is_the_design_order():
     assert DEFAULT_PIPELINE == ("canonicalize", "annotate_layers", "indexer_prolog", "fuse_index_write",
-                                "fuse_lightning_indexer", "quantize", "superkernels", "lower", "verify")
+                                "fuse_lightning_indexer", "quantize", "merge_projections", "superkernels",
+                                "lower", "verify")
     assert set(DEFAULT_PIPELINE) <= set(registered())
     assert resolve().names == DEFAULT_PIPELINE
     check_order(DEFAULT_PIPELINE)                      # the default order keeps every declaration
@@ -72,8 +73,9 @@ def test_all_pass_modules_are_loaded_and_a_pass_can_be_off_by_default(captured, 
         """Counts nodes."""
         return PassResult(len(gm.graph.nodes), False, stats={"nodes": len(gm.graph.nodes)})
 
-    monkeypatch.setattr(manager, "DEFAULT_PIPELINE", DEFAULT_PIPELINE[:7] + ("test_off_by_default",)
-                        + DEFAULT_PIPELINE[7:])
+    after_superkernels = DEFAULT_PIPELINE.index("superkernels") + 1
+    monkeypatch.setattr(manager, "DEFAULT_PIPELINE", DEFAULT_PIPELINE[:after_superkernels]
+                        + ("test_off_by_default",) + DEFAULT_PIPELINE[after_superkernels:])
     try:
         gm, _ = captured
         _, records, _ = passes(gm)

@@ -18,13 +18,14 @@ Conventions shared by all ops (see graph/step.py for the row layout):
 | sparse_mla, dense_mla                                     | mla.py |
 | kda_prefill, kda_decode                                   | kda.py |
 | moe_route, moe_experts                                    | moe.py |
+| linear_group                                              | linear.py |
 | region_enter, region_exit, event_record, event_wait       | streams.py |
 """
 import importlib
 
 import torch
 
-for _m in ("cache_write", "indexer", "mla", "kda", "moe", "streams"):
+for _m in ("cache_write", "indexer", "mla", "kda", "moe", "linear", "streams"):
     importlib.import_module(f"{__name__}.{_m}")
 
 

@@ -193,11 +193,19 @@ def _values_kernel(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out
                     stride_on, stride_oh, DV, DVC, BK, BK2, BLOCK_SIZE, SMALL_HT, PRECISION, FP8)
 
 
-def plan(n_heads: int, config: dict | None = None, small: bool | None = None) -> dict:
+def plan(n_heads: int, config: dict | None = None, small: bool | None = None,
+         rows: int | None = None, dv: int = 512, sm_count: int = 132) -> dict:
     """Launch plan: GPU tiles, or small ones under the interpreter (`small` None: by the env);
-    `config` overrides any of them (tuning, tests)."""
+    `config` overrides any of them (tuning, tests). With `rows` known and too few values programs
+    to cover the SMs at 256 value columns each (a decode step of a few rows: 4 programs at one
+    row of K3.1's 96 heads), each values program takes 64 columns instead."""
     cfg = dict(config or {})
     small = interpreting() if small is None else small
+    if not small and rows is not None and "dvc" not in cfg:
+        tiles = head_tiles(n_heads, cfg.get("big_ht", 64), cfg.get("min_tile", 16))
+        n_tiles = tiles[1] + (1 if n_heads > tiles[1] * tiles[0] else 0)
+        if rows * n_tiles * triton.cdiv(dv, 256) < sm_count:
+            cfg["dvc"] = 64
     cfg.setdefault("big_ht", 16 if small else 64)
     cfg.setdefault("min_tile", 1 if small else 16)      # tl.dot needs >= 16 on the GPU
     cfg.setdefault("bk", 16 if small else 128)           # keys per scores program
@@ -247,7 +255,7 @@ def launch(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tenso
         return out, lse
     if indices.shape[1] == 0:
         return out.zero_(), lse.fill_(float("inf"))
-    cfg = plan(n_heads, config)
+    cfg = plan(n_heads, config, rows=n, dv=dv, sm_count=target_of(q.device).sm_count)
     scores = scores_pass(cfg, q, latent_cache, block_table, row_req, indices, sm_scale)
     values_pass(cfg, scores, latent_cache, out, lse, dv)
     return out, lse
@@ -299,6 +307,7 @@ def aot_specs(shapes) -> list:
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
     p = plan(heads, None, small=False)
+    few = plan(heads, None, small=False, rows=shapes.batch, dv=dv, sm_count=shapes.target.sm_count)
     op = "k31c::sparse_mla"
     tiles = _tiles(p, shapes.block_size, shapes.target.dot_precision(dt != torch.float32))
     specs = [slots_spec(shapes, op)]
@@ -313,10 +322,12 @@ def aot_specs(shapes) -> list:
                         dict(q_ptr=dt, **cache, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
                              scale_log2="fp32"),
                         num_warps=p["warps_scores"], num_stages=p["stages_scores"]),
-            kernel_spec(_values_kernel, op, f"{tag}values",
-                        dict(DV=dv, DVC=p["dvc"], BK=p["bk"], BK2=p["bk2"], **tiles, FP8=fp8),
-                        dict(cache_ptr=cache["cache_ptr"], cache_f32_ptr=cache["cache_f32_ptr"],
-                             slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt, lse_ptr=f32),
-                        num_warps=p["warps_values"], num_stages=p["stages_values"]),
         ]
+        specs += [kernel_spec(_values_kernel, op, f"{tag}values,dvc={dvc}",
+                              dict(DV=dv, DVC=dvc, BK=p["bk"], BK2=p["bk2"], **tiles, FP8=fp8),
+                              dict(cache_ptr=cache["cache_ptr"], cache_f32_ptr=cache["cache_f32_ptr"],
+                                   slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt,
+                                   lse_ptr=f32),
+                              num_warps=p["warps_values"], num_stages=p["stages_values"])
+                  for dvc in sorted({p["dvc"], few["dvc"]})]
     return specs

@@ -1,0 +1,75 @@
+"""Triton linear_group (the grouped decode GEMV) vs an fp64 oracle (interpreter on CPU, compiled
+on CUDA): several weights of odd widths (a zero-width one, one row, widths not multiples of the
+tile), more weights than one launch takes, M from 1 to past the GEMV limit (the cuBLAS path),
+fp32 and bf16, x with leading dims and a strided x; on CUDA the bench config's decode groups.
+
+Tolerances: fp32 near its accumulation error over K; bf16 one rounding of the output (the kernel
+accumulates in fp32 like cuBLAS, so bf16 outputs differ from the oracle by the final rounding:
+half an ulp on the GPU, up to one ulp under the interpreter, whose fp32 -> bf16 cast truncates)."""
+import pytest
+import torch
+
+import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.lowering.triton import linear_group as lg
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu_only = pytest.mark.skipif(not CUDA, reason="bench-config widths run on CUDA only")
+
+
+def _check(x, weights, ys):
+    assert len(ys) == len(weights)
+    for i, (y, w) in enumerate(zip(ys, weights)):
+        want = x.double() @ w.double().t()
+        assert y.shape == want.shape and y.dtype == x.dtype and y.is_contiguous(), i
+        if not want.numel():
+            continue
+        scale = want.abs().max().item() + 1e-30
+        err = (y.double() - want).abs().max().item() / scale
+        tol = 2e-6 if x.dtype == torch.float32 else 2 ** -8 if CUDA else 2 ** -7
+        assert err <= tol, f"weight {i} [{tuple(w.shape)}]: max error {err:.2e} of the largest output"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 16, 40, 65])
+def test_random_groups_match_the_oracle(m, dtype):
+    gen = torch.Generator().manual_seed(m)
+    k = 72
+    widths = [40, 0, 1, 17, 33, 5, 9, 16, 3, 50]            # 10 weights: two launches
+    weights = [torch.randn(n, k, generator=gen).to(DEVICE, dtype) for n in widths]
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    _check(x, weights, lg.linear_group(x, weights))
+    # the reference op agrees (what a program on the CPU target runs)
+    _check(x, weights, torch.ops.k31c.linear_group(x, weights))
+
+
+def test_leading_dims_and_a_strided_x():
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(n, 48, generator=gen).to(DEVICE) for n in (24, 7)]
+    x = torch.randn(2, 3, 96, generator=gen).to(DEVICE)[..., ::2]      # stride 2 in the last dim
+    ys = lg.linear_group(x, weights)
+    assert [tuple(y.shape) for y in ys] == [(2, 3, 24), (2, 3, 7)]
+    _check(x.reshape(6, 48), weights, [y.reshape(6, -1) for y in ys])
+
+
+def test_bad_arguments_name_the_input():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"weights\[1\]: expected torch.float32 \[N, 8\]"):
+        lg.linear_group(x, [torch.randn(3, 8), torch.randn(3, 9)])
+    with pytest.raises(ValueError, match=r"weights\[0\]: expected torch.float32"):
+        lg.linear_group(x, [torch.randn(3, 8, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="at least one"):
+        torch.ops.k31c.linear_group(x, [])
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_bench_config_decode_groups(m):
+    """The groups merge_projections makes in the bench config (hidden 7168): a KDA layer's six
+    inputs, an MLA layer's three, a MoE's three, the dense MLP's two, and an o_proj alone."""
+    gen = torch.Generator().manual_seed(11)
+    groups = [[12288, 12288, 12288, 128, 96, 12288], [1536, 576, 12288], [3584, 512, 512], [4096, 4096]]
+    for widths, k in [(g, 7168) for g in groups] + [([7168], 12288)]:
+        weights = [(torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16) for n in widths]
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        _check(x, weights, lg.linear_group(x, weights))
