@@ -5,8 +5,9 @@
 #      configs against eager, every pass switched off, profile of a replayed step),
 #   2. the kernels' real-shape tests (tests/lowering), unless --no-kernels,
 #   3. with --bench, `k31c bench e2e` (benchmarks/e2e.py), the MoE op at K3.1 Pro shapes
-#      (benchmarks/bench_moe.py) and the chunked 32K / 128K prefill (benchmarks/prefill.py), into
-#      $OUT or . (bench-e2e.md, bench-moe.md, prefill.md); about 4, 1 and 1.5 minutes.
+#      (benchmarks/bench_moe.py), the chunked 32K / 128K prefill (benchmarks/prefill.py) and the
+#      decode projections (benchmarks/bench_linear.py), into $OUT or . (bench-e2e.md,
+#      bench-moe.md, prefill.md, bench-linear.md); about 4, 1, 1.5 and 1 minutes.
 # --kernels-only runs part 2 alone. On an H200, part 1 takes about 9 minutes (Inductor compiles
 # included; measured in pieces) and part 2 about 4: where one command may run at most 10 minutes,
 # run `--no-kernels` and `--kernels-only` as two commands, and split part 1 with -k if needed.
@@ -39,5 +40,6 @@ if [ "$bench" = 1 ]; then
     "$PY" -m k31c bench e2e --out "${OUT:-.}/bench-e2e.md" || status=1
     "$PY" benchmarks/bench_moe.py > "${OUT:-.}/bench-moe.md" || status=1
     "$PY" benchmarks/prefill.py --out "${OUT:-.}/prefill.md" || status=1
+    "$PY" benchmarks/bench_linear.py > "${OUT:-.}/bench-linear.md" || status=1
 fi
 exit $status

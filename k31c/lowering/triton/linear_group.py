@@ -116,6 +116,11 @@ def _launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tenso
 
 @register("k31c::linear_group", GPU_TARGETS)
 def linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return launch(x, weights)
+
+
+def launch(x: torch.Tensor, weights: list[torch.Tensor], config: dict | None = None) -> list[torch.Tensor]:
+    """`k31c::linear_group`; `config` overrides the tiles of `plan` (tuning, benchmarks)."""
     check_linear_group(x, weights)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -130,7 +135,7 @@ def linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Ten
         for y in outs:
             y.zero_()
     elif m > 0:
-        p = plan(m, sum(w.shape[0] for w in weights), k)
+        p = {**plan(m, sum(w.shape[0] for w in weights), k), **(config or {})}
         for i in range(0, len(weights), MAX_SEGMENTS):
             live = [j for j in range(i, min(i + MAX_SEGMENTS, len(weights))) if weights[j].shape[0]]
             if live:
