@@ -37,7 +37,8 @@ from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, target_of
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
-                                             head_tiles, in_row_slices, resolve_slots, rope_latent_cols)
+                                             head_tiles, in_row_slices, merge_splits_kernel, resolve_slots,
+                                             rope_latent_cols)
 
 
 @triton.jit
@@ -171,39 +172,6 @@ def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req
                      FP8, N_SCALES)
 
 
-@triton.jit
-def _merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
-                         stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
-                         stride_on, stride_oh, stride_ln,
-                         DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr):
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
-    offs_v = tl.arange(0, BLOCK_V)
-    h_mask = offs_h < n_heads
-    hv_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    lse_row = part_lse_ptr + t.to(tl.int64) * stride_pln + offs_h
-    m = tl.full([HB], float("-inf"), tl.float32)
-    for s in range(n_splits):
-        m = tl.maximum(m, tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, BLOCK_V], tl.float32)
-    for s in range(n_splits):
-        lse_s = tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf"))
-        w = tl.exp(lse_s - m_use)                       # 0 for an empty split
-        part = tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pn
-                       + offs_h[:, None] * stride_ph + offs_v[None, :],
-                       mask=hv_mask & (lse_s > float("-inf"))[:, None], other=0.0)
-        acc += w[:, None] * part
-        den += w
-    has_key = den > 0.0
-    out = acc / tl.where(has_key, den, 1.0)[:, None]
-    lse = tl.where(has_key, m_use + tl.log(tl.where(has_key, den, 1.0)), float("inf"))
-    tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hv_mask)
-    tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
-
-
 # ---- launch plan ------------------------------------------------------------------------------
 
 def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int, dense: bool,
@@ -293,7 +261,7 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
                      spills=getattr(compiled, "n_spills", None),
                      shared=getattr(compiled.metadata, "shared", None))
     if not final:
-        _merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
+        merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
@@ -333,7 +301,7 @@ def aot_specs(shapes) -> list:
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
             num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
     block_v = max(16, triton.next_power_of_2(dv))
-    specs.append(kernel_spec(_merge_splits_kernel, op, "merge",
+    specs.append(kernel_spec(merge_splits_kernel, op, "merge",
                              dict(DV=dv, BLOCK_V=block_v, HB=_MERGE_HEADS),
                              dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
     return specs

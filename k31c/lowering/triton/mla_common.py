@@ -2,7 +2,8 @@
 two-pass sparse kernel; spec/model.md §5.4): the argument checks, the head tiling (96 heads =
 one 64-head tile + one 32-head tile, no padding to 128), the kernel that resolves sparse
 index lists to physical cache slots once, so the attention loops have one level of indirection,
-and the on-chip dequantisation of FP8 latent rows (`fp8_latent_cols`, `rope_latent_cols`)."""
+the on-chip dequantisation of FP8 latent rows (`fp8_latent_cols`, `rope_latent_cols`), and the
+merge of key-split partial outputs by their LSE (`merge_splits_kernel`, mla.py and mla_dense.py)."""
 from __future__ import annotations
 
 import torch
@@ -168,3 +169,37 @@ def check_mla_args(q, latent_cache, block_table, row_req, dv, keys, keys_name) -
     devices = {t.device for t in (q, latent_cache, block_table, row_req, keys)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+@triton.jit
+def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
+                  stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
+                  stride_on, stride_oh, stride_ln,
+                  DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr):
+    """out[t, h] = Σ_s exp(lse_s - lse) · part_s[t, h], lse = log Σ_s exp(lse_s) (+inf if none)."""
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
+    offs_v = tl.arange(0, BLOCK_V)
+    h_mask = offs_h < n_heads
+    hv_mask = h_mask[:, None] & (offs_v < DV)[None, :]
+    lse_row = part_lse_ptr + t.to(tl.int64) * stride_pln + offs_h
+    m = tl.full([HB], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, BLOCK_V], tl.float32)
+    for s in range(n_splits):
+        lse_s = tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf"))
+        w = tl.exp(lse_s - m_use)                                # 0 for an empty split
+        part = tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pn
+                       + offs_h[:, None] * stride_ph + offs_v[None, :],
+                       mask=hv_mask & (lse_s > float("-inf"))[:, None], other=0.0)
+        acc += w[:, None] * part
+        den += w
+    has_key = den > 0.0
+    out = acc / tl.where(has_key, den, 1.0)[:, None]
+    lse = tl.where(has_key, m_use + tl.log(tl.where(has_key, den, 1.0)), float("inf"))
+    tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=hv_mask)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)

@@ -12,8 +12,8 @@ M-rows, as keys (every Dl column) and as values (the first dv). The tiles of one
 are adjacent in the grid, so they read the same slice together and HBM sees it once.
 
 Online softmax in fp32 (log2 domain). Each split writes its normalised partial output and LSE
-to a workspace [splits, N, Hq, dv] (fp32); `_merge_kernel` combines them by LSE (with one split
-the kernel writes the result directly). A row with no visible key gives out = 0, lse = +inf.
+to a workspace [splits, N, Hq, dv] (fp32); `mla_common.merge_splits_kernel` combines them by
+LSE (with one split the kernel writes the result directly). A row with no visible key gives out = 0, lse = +inf.
 
 Any row_req is accepted: a tile whose rows belong to several requests (rows of a group that are
 not one request's) runs one pass per request, each pass updating only that request's rows; in
@@ -33,7 +33,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, check_mla_args
+from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_splits_kernel
 
 OP = "k31c::dense_mla"
 VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's: "one_pass")
@@ -185,40 +185,6 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
              mask=m_real)
 
 
-@triton.jit
-def _merge_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
-                  stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
-                  stride_on, stride_oh, stride_ln,
-                  DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr):
-    """out[t, h] = Σ_s exp(lse_s - lse) · part_s[t, h], lse = log Σ_s exp(lse_s) (+inf if none)."""
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
-    offs_v = tl.arange(0, BLOCK_V)
-    h_mask = offs_h < n_heads
-    hv_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    lse_row = part_lse_ptr + t.to(tl.int64) * stride_pln + offs_h
-    m = tl.full([HB], float("-inf"), tl.float32)
-    for s in range(n_splits):
-        m = tl.maximum(m, tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf")))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, BLOCK_V], tl.float32)
-    for s in range(n_splits):
-        lse_s = tl.load(lse_row + s * stride_pls, mask=h_mask, other=float("-inf"))
-        w = tl.exp(lse_s - m_use)                                # 0 for an empty split
-        part = tl.load(part_ptr + s * stride_ps + t.to(tl.int64) * stride_pn
-                       + offs_h[:, None] * stride_ph + offs_v[None, :],
-                       mask=hv_mask & (lse_s > float("-inf"))[:, None], other=0.0)
-        acc += w[:, None] * part
-        den += w
-    has_key = den > 0.0
-    out = acc / tl.where(has_key, den, 1.0)[:, None]
-    lse = tl.where(has_key, m_use + tl.log(tl.where(has_key, den, 1.0)), float("inf"))
-    tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hv_mask)
-    tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
-
-
 # ---- launch plan ------------------------------------------------------------------------------
 
 MAX_SPLITS = 64           # bounds the workspace: splits x N x Hq x dv fp32
@@ -359,7 +325,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
                          spills=getattr(compiled, "n_spills", None),
                          shared=getattr(compiled.metadata, "shared", None))
     if not final:
-        _merge_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
+        merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
@@ -407,7 +373,7 @@ def aot_specs(shapes) -> list:
                 dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, row_len_ptr=i32,
                      out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
                 num_warps=p["num_warps"], num_stages=p["num_stages"]))
-    specs.append(kernel_spec(_merge_kernel, OP, "merge",
+    specs.append(kernel_spec(merge_splits_kernel, OP, "merge",
                              dict(DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),
                                   HB=_MERGE_HEADS),
                              dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
