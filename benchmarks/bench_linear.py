@@ -77,8 +77,9 @@ def rows(m: int, sweep: bool, machine) -> list[Row]:
                     ms = graph_ms(lambda: [lg.launch(x, ws, cfg) for ws in sets]) / n
                 except Exception:  # noqa: BLE001  (a tile that does not fit shared memory)
                     continue
-                best = min(best or (ms, cfg), (ms, cfg), key=lambda t: t[0])
-            note += f"; best swept {best[0]:.4f} ms at {best[1]}"
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            note += f"; best swept {best[0]:.4f} ms at {best[1]}" if best else "; no swept tile ran"
         floor = bytes_floor_ms(sum(widths) * k * 2, machine)
         out.append(Row(f"linear_group: {name}", f"M={m}, K={k}, N={sum(widths)}", kernel, floor, "bytes",
                        peers, note))

@@ -30,18 +30,16 @@ from .manager import PassResult, register_pass
 aten = torch.ops.aten
 
 
-def _weight_of(node: torch.fx.Node):
-    """The weight of a bias-free linear whose weight is a graph input in x's dtype, else None."""
+def _mergeable(node: torch.fx.Node) -> bool:
+    """A bias-free linear whose weight is a graph input (a parameter) in x's dtype."""
     if node.op != "call_function" or node.target is not aten.linear.default:
-        return None
+        return False
     args = list(node.args) + [None] * (3 - len(node.args))
     x, w, bias = args[0], args[1], node.kwargs.get("bias", args[2])
     if bias is not None or not isinstance(w, torch.fx.Node) or w.op not in ("placeholder", "get_attr"):
-        return None
+        return False
     xv, wv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None, w.meta.get("val")
-    if xv is None or wv is None or wv.dim() != 2 or wv.dtype != xv.dtype:
-        return None
-    return w
+    return xv is not None and wv is not None and wv.dim() == 2 and wv.dtype == xv.dtype
 
 
 @register_pass("merge_projections", stage="rewrite", after=("indexer_prolog",),
@@ -58,7 +56,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
     graph = gm.graph
     groups: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        if _weight_of(node) is not None:
+        if _mergeable(node):
             groups.setdefault((node.args[0], stream_of(node), region_of(node)), []).append(node)
     made, replaced, largest = 0, 0, 0
     now = {}                            # a linear already merged -> the getitem that stands for it

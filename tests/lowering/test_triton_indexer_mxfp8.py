@@ -13,6 +13,7 @@ from k31c.graph.ops.fp8_layouts import mx_row_bytes
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import indexer as tix
 from k31c.lowering.triton import indexer_topk
+from test_triton_indexer import _block_table
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -32,12 +33,7 @@ def _mx_problem(*, heads, d, block_size, row_req, row_len, gen, q_dtype=torch.fl
                              .float()).repeat_interleave(32, 1)
     cache = torch.zeros(num_blocks, block_size * mx_row_bytes(d), dtype=torch.float8_e4m3fn)
     torch.ops.k31c.index_cache_write(cache, keys, torch.arange(num_blocks * block_size))
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.full((n_req, max_blocks), -1, dtype=torch.int32)
-    at = 0
-    for b, u in enumerate(used):
-        table[b, :u] = perm[at: at + u].int()
-        at += u
+    table = _block_table(n_req, max_blocks, used, num_blocks, gen)
     n = row_req.shape[0]
     q = torch.randn(n, heads, d, generator=gen) * torch.exp2(
         torch.randint(-4, 4, (n, heads, d // 32), generator=gen).float()).repeat_interleave(32, 2)

@@ -222,7 +222,7 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     assert_close(two_pass.launch(*sparse_args(c), config=gpu_plan), want, torch.float32)
     # few rows: 2 head tiles x 2 chunks of 256 columns would leave SMs idle -> 64 columns a program
     few = two_pass.plan(96, None, small=False, rows=2, dv=512, sm_count=132)
-    assert few["dvc"] == 64 and two_pass.plan(96, None, small=False, rows=64, dv=512)["dvc"] == 256
+    assert few["dvc"] == 64 and two_pass.plan(96, None, small=False, rows=64, dv=512, sm_count=132)["dvc"] == 256
     assert_close(two_pass.launch(*sparse_args(c), config=few), want, torch.float32)
 
 

@@ -28,6 +28,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether a kernel casts its `tl.dot` operands to fp32: for fp32 data, and for any dtype under
+    the interpreter, whose bf16 `tl.dot` gives wrong products."""
+    return dtype == torch.float32 or interpreting()
+
+
 def target_of(device: torch.device) -> Target:
     """The target record a launcher takes its facts from for tensors on `device`."""
     chosen = _OVERRIDE.get()

@@ -20,7 +20,7 @@ from k31c.graph.ops.linear import check_linear_group
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
 
 MAX_SEGMENTS = 8
 MAX_GEMV_ROWS = 64
@@ -69,7 +69,7 @@ def _linear_group_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, w5_ptr, 
         k_mask = (k + rk) < K
         w = tl.load(w_rows + (k + rk)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + (k + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if UPCAST:     # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot
+        if UPCAST:     # device.upcast_dots
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     tl.store(y_ptr + rm.to(tl.int64)[:, None] * n + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -104,14 +104,14 @@ def _launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tenso
     widths = [w.shape[0] for w in weights]
     blocks = sum(triton.cdiv(n, p["BN"]) for n in widths)
     pad = MAX_SEGMENTS - len(weights)
-    unused = x.new_empty(1)          # the pointer of each absent segment (never read)
     starts = _segment_starts(widths, p["BN"])
+    # an absent segment's weight and output pointers: x (never dereferenced)
     _linear_group_kernel[(blocks, triton.cdiv(m, p["BM"]))](
-        x, *weights, *[unused] * pad, *outs, *[unused] * pad, *widths, *[0] * pad, m, k, x.stride(0),
+        x, *weights, *[x] * pad, *outs, *[x] * pad, *widths, *[0] * pad, m, k, x.stride(0),
         **{f"S{i + 1}": s for i, s in enumerate(starts)}, NSEG=len(weights),
         BM=p["BM"], BN=p["BN"], BK=p["BK"],
         PRECISION=target_of(x.device).dot_precision(fast=x.dtype != torch.float32),
-        UPCAST=interpreting() and x.dtype != torch.float32, num_warps=p["num_warps"], num_stages=p["num_stages"])
+        UPCAST=upcast_dots(x.dtype), num_warps=p["num_warps"], num_stages=p["num_stages"])
 
 
 @register("k31c::linear_group", GPU_TARGETS)
@@ -154,7 +154,8 @@ def aot_specs(shapes) -> list:
     starts = _segment_starts(widths, p["BN"])
     consts = {f"S{i + 1}": s for i, s in enumerate(starts)}
     consts.update(NSEG=len(widths), BM=p["BM"], BN=p["BN"], BK=p["BK"],
-                  PRECISION=shapes.target.dot_precision(fast=dt != torch.float32), UPCAST=False)
+                  PRECISION=shapes.target.dot_precision(fast=dt != torch.float32),
+                  UPCAST=dt == torch.float32)
     ptrs = {"x_ptr": dt, **{f"w{i}_ptr": dt for i in range(8)}, **{f"y{i}_ptr": dt for i in range(8)}}
     return [kernel_spec(_linear_group_kernel, "k31c::linear_group", f"kda_in,{dt}".replace("torch.", ""),
                         consts, ptrs, num_warps=p["num_warps"], num_stages=p["num_stages"])]

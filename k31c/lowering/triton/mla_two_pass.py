@@ -194,33 +194,29 @@ def _values_kernel(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out
 
 
 def plan(n_heads: int, config: dict | None = None, small: bool | None = None,
-         rows: int | None = None, dv: int = 512, sm_count: int = 132) -> dict:
+         rows: int | None = None, dv: int = 512, sm_count: int | None = None) -> dict:
     """Launch plan: GPU tiles, or small ones under the interpreter (`small` None: by the env);
-    `config` overrides any of them (tuning, tests). With `rows` known and too few values programs
-    to cover the SMs at 256 value columns each (a decode step of a few rows: 4 programs at one
-    row of K3.1's 96 heads), each values program takes 64 columns instead."""
+    `config` overrides any of them (tuning, tests). Given `rows` (and the target's `sm_count`),
+    a values program takes 64 value columns instead of 256 where 256 would leave SMs idle (a
+    decode step of a few rows: 4 programs at one row of K3.1's 96 heads)."""
     cfg = dict(config or {})
     small = interpreting() if small is None else small
-    if not small and rows is not None and "dvc" not in cfg:
-        tiles = head_tiles(n_heads, cfg.get("big_ht", 64), cfg.get("min_tile", 16))
-        n_tiles = tiles[1] + (1 if n_heads > tiles[1] * tiles[0] else 0)
-        if rows * n_tiles * triton.cdiv(dv, 256) < sm_count:
-            cfg["dvc"] = 64
     cfg.setdefault("big_ht", 16 if small else 64)
     cfg.setdefault("min_tile", 1 if small else 16)      # tl.dot needs >= 16 on the GPU
+    big, n_big, small_ht = head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
+    cfg.update(big=big, n_big=n_big, small=small_ht,
+               n_tiles=n_big + (1 if n_heads > n_big * big else 0))
+    few_rows = rows is not None and rows * cfg["n_tiles"] * triton.cdiv(dv, 256) < sm_count
     cfg.setdefault("bk", 16 if small else 128)           # keys per scores program
     cfg.setdefault("bd", 16 if small else 64)            # row columns per scores step
     cfg.setdefault("bk2", 8 if small else 64)            # keys per values step (divides bk)
-    cfg.setdefault("dvc", 32 if small else 256)          # value columns per values program
+    cfg.setdefault("dvc", 32 if small else 64 if few_rows else 256)   # value columns per values program
     cfg.setdefault("warps_scores", 4)
     cfg.setdefault("warps_values", 4 if small else 8)
     cfg.setdefault("stages_scores", 1 if small else 4)
     cfg.setdefault("stages_values", 1 if small else 3)
     if cfg["bk"] % cfg["bk2"]:
         raise ValueError(f"config: bk2={cfg['bk2']} must divide bk={cfg['bk']}")
-    big, n_big, small_ht = head_tiles(n_heads, cfg["big_ht"], cfg["min_tile"])
-    cfg.update(big=big, n_big=n_big, small=small_ht,
-               n_tiles=n_big + (1 if n_heads > n_big * big else 0))
     return cfg
 
 

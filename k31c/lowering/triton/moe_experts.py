@@ -30,7 +30,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.cache_write import to_storage
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
 
 MAX_EXPERTS = 8192           # experts the one-program offsets pass holds in registers
 
@@ -229,10 +229,6 @@ def max_tiles(n_experts: int, n_assign: int, bm: int) -> int:
     return min(n_experts, n_assign) + n_assign // bm
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or interpreting()
-
-
 def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None = None):
     """The launch sequence on checked arguments (`config`: plan overrides)."""
     n, width = z.shape
@@ -264,7 +260,7 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK)
     tiles = max_tiles(n_experts, n_assign, bm)
     precision = target_of(dev).dot_precision(fast=False)
-    upcast = _upcast(w13.dtype)
+    upcast = upcast_dots(w13.dtype)
     _gate_up_kernel[(tiles, triton.cdiv(inter, p["BN"]))](
         z, w13, h, sorted_a, counts, offsets, tile_end, n_experts, width, inter, k, z.stride(0),
         w13.stride(0), w13.stride(1), float(beta), float(linear_beta or 1.0),

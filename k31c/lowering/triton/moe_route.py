@@ -23,7 +23,7 @@ from k31c.graph.ops.moe import check_route
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
 
 
 @triton.jit
@@ -145,10 +145,6 @@ def select_constexprs(n_experts: int, k: int, n_group: int, topk_group: int, sco
                 SOFTMAX=scoring == "softmax", RENORM=bool(renormalize))
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or interpreting()
-
-
 @register("k31c::moe_route", GPU_TARGETS)
 def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int,
               topk_group: int, scoring: str, renormalize: bool, scaling: float,
@@ -168,7 +164,7 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     grid = (triton.cdiv(n_experts, p["BE"]), triton.cdiv(n, p["BM"]), p["splits"])
     _logits_kernel[grid](x, weight, part, n, n_experts, d, p["d_per_split"], x.stride(0),
                          weight.stride(0), BM=p["BM"], BE=p["BE"], BK=p["BK"],
-                         UPCAST=_upcast(x.dtype) or x.dtype != weight.dtype,
+                         UPCAST=upcast_dots(x.dtype) or x.dtype != weight.dtype,
                          PRECISION=target_of(x.device).dot_precision(fast=False),
                          num_warps=p["num_warps"])
     _select_kernel[(n,)](part, bias, idx, w, idx if row_len is None else row_len, n, n_experts,
