@@ -1,6 +1,5 @@
-"""Benchmark of the Triton top-k and the fused indexer + top-k comparison kernel
-(benchmarks/alternatives/indexer_topk_fused.py) at K3.1 Pro shapes (spec/performance.md §8
-goals G2 and G3).
+"""Benchmark of the Triton top-k and of the lowering of `k31c::lightning_indexer_topk` (the scan,
+then the select) at K3.1 Pro shapes (spec/performance.md §8 goals G2 and G3).
 
 topk_select: 64 rows (B = 16 requests x R = 4 rows) of fp32 scores, k = 2048, contexts 16K..1M.
 Peers in the same run: torch.topk (sorted=False) on the same scores, the eager reference op, and
@@ -8,15 +7,17 @@ torch.compile of the reference function. Floor: the scores read once (N·L·4 by
 bandwidth measured now. A ReLU-zero-heavy 1M row set (the exact fallback path) is timed too.
 
 lightning_indexer_topk: 16 x 4 rows, 32 heads x 128, FP8 index cache (132 B/token), block 64,
-k = 2048. Peers: the eager reference op, the unfused pair (Triton lightning_indexer + Triton
-topk_select) and the Triton scan alone (goal G3: fused <= 1.15x the scan). Floor: the keys read
-once per request (B·L·132 bytes), as in spec §6.
+k = 2048. Peers: the eager reference op and the Triton scan alone (goal G3: scan + select
+<= 1.15x the scan). Floor: the keys read once per request (B·L·132 bytes), as in spec §6.
 
 k31c and the Triton peers are timed as CUDA-graph replays (how the model runs them: no launch
 overhead); "k31c eager" is the same call launched from Python. Every row also checks that the
 selected sets equal the reference op's.
 
-    PYTHONPATH=. python benchmarks/bench_topk.py
+    PYTHONPATH=. python benchmarks/bench_topk.py [--quick]
+
+--quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
+then each kernel's device time from the profiler.
 """
 from __future__ import annotations
 
@@ -42,12 +43,14 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
     compiled = torch.compile(ref_ops.select_topk, dynamic=True) if compile_peer else None
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [(ctx, "random") for ctx in contexts] + [(contexts[-1], "relu-zeros")]
-    for ctx, kind in cases:
-        scores = torch.randn(N, ctx, device="cuda", generator=gen)
+    # 64 rows (B = 16 x R = 4) at every context; decode steps' 1 and 16 rows at 32K
+    cases = ([(ctx, "random", N) for ctx in contexts] + [(contexts[-1], "relu-zeros", N)]
+             + [(32 << 10, "random", n) for n in (1, 16)])
+    for ctx, kind, n_rows in cases:
+        scores = torch.randn(n_rows, ctx, device="cuda", generator=gen)
         if kind == "relu-zeros":      # ~1,000 positives per row, the rest exact 0: ties at the k-th
-            scores = scores.relu() * (torch.rand(N, ctx, device="cuda", generator=gen) < 1e-3)
-        row_len = torch.full((N,), ctx, dtype=torch.int32, device="cuda")
+            scores = scores.relu() * (torch.rand(n_rows, ctx, device="cuda", generator=gen) < 1e-3)
+        row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
         ref = torch.ops.k31c.topk_select(scores, row_len, K)
         got = topk.topk_select(scores, row_len, K)
         exact = same_sets(got, ref)
@@ -67,8 +70,8 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
         if kind == "random":
             tk = torch.topk(scores, K, dim=1, sorted=False).indices.int()
             note += f", {'==' if same_sets(got, tk) else '!='} torch.topk"
-        rows.append(Row("topk_select", f"{N}x{ctx >> 10}K k={K} {kind}", ms,
-                        bytes_floor_ms(N * ctx * 4, machine), "bytes", peers, note))
+        rows.append(Row("topk_select", f"{n_rows}x{ctx >> 10}K k={K} {kind}", ms,
+                        bytes_floor_ms(n_rows * ctx * 4, machine), "bytes", peers, note))
         del scores
     return rows
 
@@ -93,13 +96,9 @@ class IndexPool:
         return self.perm[: B * per].view(B, per).contiguous()
 
 
-def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
-    from k31c.lowering.triton import indexer, topk
-    try:
-        from benchmarks.alternatives.indexer_topk_fused import lightning_indexer_topk_fused as fused
-    except ImportError:  # run as a script from benchmarks/
-        from alternatives.indexer_topk_fused import lightning_indexer_topk_fused as fused
+    from k31c.lowering.triton import indexer, indexer_topk
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -112,21 +111,18 @@ def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         args = (q, w, pool.cache, table, row_req, row_len)
 
         def pair():
-            return topk.topk_select(indexer.lightning_indexer(*args), row_len, K)
+            return indexer_topk.lightning_indexer_topk(*args, K)
 
-        got = fused(*args, K)
-        agree = same_sets(got, pair())           # same FP8 scoring as the Triton scan
+        got = pair()
         ref = torch.ops.k31c.lightning_indexer_topk(*args, K)   # fp32 q: FP8 q moves a few picks
-        overlap = torch.isin(got + (torch.arange(N, device="cuda") * (ctx + 1))[:, None],
-                             ref + (torch.arange(N, device="cuda") * (ctx + 1))[:, None]).float().mean()
-        peers = {"k31c eager": time_ms(lambda: fused(*args, K)),
-                 "unfused pair (triton)": graph_ms(pair),
+        offset = (torch.arange(N, device="cuda") * (ctx + 1))[:, None]
+        overlap = torch.isin(got + offset, ref + offset).float().mean()
+        peers = {"k31c eager": time_ms(pair),
                  "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
-        ms = graph_ms(lambda: fused(*args, K))
+        ms = graph_ms(pair)
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
-                f"sets {'==' if agree else '!='} triton indexer + topk_select; "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")
         rows.append(Row("lightning_indexer_topk (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K k={K}",
                         ms, bytes_floor_ms(B * ctx * (DIM + 4), machine), "bytes", peers, note))
@@ -134,9 +130,37 @@ def fused_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
 
 
 def run(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
-    return topk_rows(machine, contexts, compile_peer) + fused_rows(machine, contexts)
+    return topk_rows(machine, contexts, compile_peer) + indexer_topk_rows(machine, contexts)
+
+
+def kernel_times(contexts=(32 << 10, 128 << 10, 1 << 20), row_counts=(1, 16, N)) -> str:
+    """Per-kernel device time (us) of one topk_select call on random rows, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    from k31c.lowering.triton import topk
+    lines = ["| rows x context | " + " | ".join(("plan", "filter", "refine")) + " |", "|---|---|---|---|"]
+    for ctx in contexts:
+        for n_rows in row_counts:
+            scores = torch.randn(n_rows, ctx, device="cuda")
+            row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
+            for _ in range(3):
+                topk.topk_select(scores, row_len, K)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    topk.topk_select(scores, row_len, K)
+                torch.cuda.synchronize()
+            us = {e.key: e.device_time_total / e.count for e in prof.key_averages() if e.count}
+            cells = [f"{us.get(name, 0.0):.1f}" for name in ("_plan_kernel", "_filter_kernel", "_refine_kernel")]
+            lines.append(f"| {n_rows}x{ctx >> 10}K | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
+    import sys
     m = measure_machine()
-    print(markdown(run(m), m))
+    if "--quick" in sys.argv:    # the select alone at 128K and 1M, no torch.compile peer; per-kernel times
+        print(markdown(topk_rows(m, (128 << 10, 1 << 20), compile_peer=False), m))
+        print()
+        print(kernel_times())
+    else:
+        print(markdown(run(m), m))

@@ -1,6 +1,5 @@
-"""The lowering of k31c::lightning_indexer_topk, the registered scan-then-select pair, and the fused
-comparison kernel (benchmarks/alternatives/indexer_topk_fused.py), both vs the reference op
-(interpreter on CPU, compiled on CUDA).
+"""The lowering of k31c::lightning_indexer_topk, the registered scan-then-select pair, vs the
+reference op (interpreter on CPU, compiled on CUDA).
 
 Inputs are test_triton_topk's exact-grid index caches (every score exact in fp32, ties abound), so
 the selected sets must equal the reference's exactly; top-k's constants are shrunk on every device
@@ -13,22 +12,20 @@ import torch
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import indexer, indexer_topk, topk
-from benchmarks.alternatives.indexer_topk_fused import lightning_indexer_topk_fused
 from test_triton_topk import _indexer_inputs, _same_sets   # the exact-grid input builder
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-LAUNCHERS = {"pair": indexer_topk.lightning_indexer_topk, "fused": lightning_indexer_topk_fused}
 
 
 pytestmark = pytest.mark.usefixtures("small_topk_constants")   # tests/lowering/conftest.py
 
 
-def _run(launcher, args, row_len, k):
+def _run(args, row_len, k):
     args = [a.to(DEVICE) for a in args]
     row_len = row_len.to(DEVICE)
     ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, k)
-    got = LAUNCHERS[launcher](*args, row_len, k)
+    got = indexer_topk.lightning_indexer_topk(*args, row_len, k)
     _same_sets(got, ref)
     return got, args, row_len
 
@@ -41,24 +38,22 @@ def test_op_lowers_to_the_pair(target):
     assert lookup("k31c::lightning_indexer_topk", "cpu") is None     # the CPU runs the reference
 
 
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
 @pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),
                                               ("fp8", "fallback")])
-def test_matches_reference(launcher, cache_kind, path, monkeypatch, topk_paths):
+def test_matches_reference(cache_kind, path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: long rows fall back
         monkeypatch.setattr(topk, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(14)
     B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
     args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)
     row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
-    got, args, row_len = _run(launcher, args, row_len, k)
+    got, args, row_len = _run(args, row_len, k)
     assert (got[3, 7:] == -1).all() and (got[3, :7] >= 0).all()     # row_len < k: -1 fill
     long = "sampled" if path == "sampled" else "fallback"
     assert topk_paths() == [long] * 3 + ["direct"] * 2 + ["all"] * 2 + [long] * 5
 
 
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_rows_of_mixed_requests(launcher, topk_paths):
+def test_rows_of_mixed_requests(topk_paths):
     """Rows of several requests in any order, zero-heavy rows and one all-zero row (tie rule)."""
     gen = torch.Generator().manual_seed(15)
     B, H, d, block_size, max_blocks, k = 4, 4, 16, 8, 20, 16
@@ -68,10 +63,9 @@ def test_rows_of_mixed_requests(launcher, topk_paths):
     weights[:4] = -weights[:4].abs()
     weights[4] = 0.0
     row_len = torch.tensor([160, 3, 100, 16, 140, 33, 158, 159], dtype=torch.int32)
-    _run(launcher, (q, weights, cache, bt, row_req), row_len, k)
-    # the all-zero row: the pair's select scans the ties at T; the fused kernel has no tie scan
-    zero_row = "ties" if launcher == "pair" else "fallback"
-    assert topk_paths() == ["sampled", "direct", "sampled", "direct", zero_row, "all", "sampled", "sampled"]
+    _run((q, weights, cache, bt, row_req), row_len, k)
+    # the all-zero row: the select scans the ties at T
+    assert topk_paths() == ["sampled", "direct", "sampled", "direct", "ties", "all", "sampled", "sampled"]
 
 
 def test_pair_is_the_two_launchers_and_not_the_reference(monkeypatch):
@@ -95,12 +89,11 @@ def test_pair_is_the_two_launchers_and_not_the_reference(monkeypatch):
     _same_sets(got, ref)
 
 
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_rejects_bad_arguments(launcher):
+def test_rejects_bad_arguments():
     gen = torch.Generator().manual_seed(17)
     args = [a.to(DEVICE) for a in _indexer_inputs(gen, 2, 2, 4, 16, 8, 4, torch.float32, "fp8")]
     row_len = torch.tensor([30, 31, 20, 32], dtype=torch.int32, device=DEVICE)
-    fn = LAUNCHERS[launcher]
+    fn = indexer_topk.lightning_indexer_topk
     for k in (0, -3, 2.0):
         with pytest.raises(ValueError, match="k must be"):
             fn(*args, row_len, k)
@@ -114,15 +107,14 @@ def test_rejects_bad_arguments(launcher):
 
 @pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
 @pytest.mark.usefixtures("real_topk_constants")
-@pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_real_shapes(launcher):
+def test_real_shapes():
     """16 requests x 4 rows, 32 heads x 128, FP8 keys, block 64, 128K context, k = 2048, bf16 q."""
     gen = torch.Generator(device="cuda").manual_seed(18)
     B, R, H, d, block_size, k = 16, 4, 32, 128, 64, 2048
     args = _indexer_inputs(gen, B, R, H, d, block_size, 131072 // block_size, torch.bfloat16, "fp8")
     row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
     row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
-    _run(launcher, args, row_len, k)
+    _run(args, row_len, k)
 
 
 def test_strided_index_arguments_are_rejected():

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get(
 TOL_F32 = 2e-3
 KERNEL_FAMILIES = {"cache writes": ("_latent_write_kernel", "_index_write_kernel"),
                    "indexer": ("_indexer_tma_kernel", "_indexer_kernel"),
-                   "top-k": ("_plan_kernel", "_filter_kernel", "_radix_select", "_fb_digit_kernel"),
+                   "top-k": ("_plan_kernel", "_filter_kernel", "_refine_kernel"),
                    "sparse MLA": ("_scores_kernel", "_values_kernel"),
                    "KDA decode": ("_kda_state_kernel", "_kda_prep_kernel", "_kda_decode_kernel"),
                    "MoE router": ("_logits_kernel", "_select_kernel"),

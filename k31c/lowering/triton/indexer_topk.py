@@ -1,8 +1,8 @@
 """Triton lowering of `k31c::lightning_indexer_topk`: the indexer's scan, then the top-k select.
 
 indexer.py's scan writes the [N, L] fp32 scores to a workspace, topk.py's select reads them. A
-single fused kernel that selects from scores computed in-kernel, never writing them out, was
-measured slower (benchmarks/alternatives/indexer_topk_fused.py; BENCHMARKS.md, top-k).
+single fused kernel that selected from scores computed in-kernel, never writing them out, was
+measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
 """
 from __future__ import annotations
 

@@ -77,17 +77,23 @@ def _linear_group_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, w5_ptr, 
 
 
 def plan(m: int, total_n: int, k: int, small: bool | None = None) -> dict:
-    """Tile sizes: BM the rows (16, 32 or 64), BN/BK by the width of the group (wide groups:
-    64-column tiles; narrow ones: 16 columns, so the grid still covers the SMs)."""
+    """Tile sizes: BM the rows (16, 32 or 64), BN/BK by the width of the group and K (wide groups:
+    64-column tiles, 32 when K is short; narrower ones: 32 or 16 columns, so the grid still
+    covers the SMs). bench_linear.py --sweep measures the alternatives."""
     small = interpreting() if small is None else small
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     if small:
         return dict(BM=bm, BN=16, BK=32, num_warps=4, num_stages=1)
-    if total_n >= 4096:
-        bn, bk = 64, 128 if (k <= 2048 or bm > 16) else 256
+    stages = 4 if bm == 16 else 3
+    if total_n > 4096 and 1024 < k <= 2048:   # short K: 32-column tiles, more programs stream it
+        bn, bk, stages = 32, 128, 3
+    elif total_n > 4096:
+        bn, bk = 64, 128 if bm > 16 else 256
+    elif total_n >= 2048:
+        bn, bk = 32, 512 if bm <= 16 else 128
     else:
         bn, bk = 16, 512 if bm == 16 else 128
-    return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=4 if bm == 16 else 3)
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
 
 
 def _segment_starts(widths: list[int], bn: int) -> list[int]:
