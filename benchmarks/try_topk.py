@@ -1,0 +1,112 @@
+"""The top-k select's building blocks and its filter's launch shapes, timed on the GPU.
+
+1. Micro-costs of one program (CUDA-graph replays of 20 launches; an empty kernel for the
+   launch cost): tl.histogram levels over 2048 / 8192 register-resident keys (32 bins),
+   `topk.select_kth` (7 levels of 5-bit digits), and the cumsum compaction the refine ends with.
+2. `topk._filter_kernel` at 64 rows x 128K and x 1M over filter programs in all (1024, 4096,
+   16384), score tiles (1024, 2048, 4096) and warps (4, 8), after one plan launch. Its counters
+   are not reset between launches, so later launches append past the buffer (masked stores, the
+   same atomics): the time is what is measured, not the result.
+
+    PYTHONPATH=. python benchmarks/try_topk.py
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k31c.lowering.triton import topk
+from k31c.lowering.triton.topk import select_kth
+
+
+@triton.jit
+def _hist_levels(x_ptr, out_ptr, N: tl.constexpr, LEVELS: tl.constexpr, BINS: tl.constexpr):
+    offs = tl.arange(0, N)
+    v = tl.load(x_ptr + tl.program_id(0) * N + offs).to(tl.uint32, bitcast=True)
+    acc = tl.zeros([BINS], tl.int32)
+    live = offs < N
+    for level in range(LEVELS):
+        d = ((v >> (level * 3).to(tl.uint32)) & (BINS - 1)).to(tl.int32)
+        acc += tl.histogram(d, BINS, mask=live)
+        live = live & (d != 3)            # a mask that changes per level, as in select_kth
+    tl.store(out_ptr + tl.program_id(0) * BINS + tl.arange(0, BINS), acc)
+
+
+@triton.jit
+def _select(x_ptr, out_ptr, k, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    v = tl.load(x_ptr + tl.program_id(0) * N + offs).to(tl.uint32, bitcast=True)
+    t, _, _ = select_kth(v, offs < N, k, 7)
+    tl.store(out_ptr + tl.program_id(0), t.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _compact(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    sel = (tl.load(x_ptr + tl.program_id(0) * N + offs) > 0).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(0) * N + tl.cumsum(sel, 0) - sel, offs, mask=sel > 0)
+
+
+@triton.jit
+def _empty(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1)
+
+
+def graph_us(fn, launches: int = 20, replays: int = 10) -> float:
+    """Mean time of one launch of `fn`, from replays of a CUDA graph of `launches` launches."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(launches):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (launches * replays) * 1e3
+
+
+def micro_costs() -> None:
+    out = torch.zeros(1 << 20, dtype=torch.int32, device="cuda")
+    print(f"empty kernel: {graph_us(lambda: _empty[(1,)](out)):.1f} us")
+    for n in (2048, 8192):
+        x = torch.randn(n, device="cuda")
+        for warps in ((4, 16) if n == 2048 else (8, 16)):
+            one = graph_us(lambda: _hist_levels[(1,)](x, out, N=n, LEVELS=1, BINS=32, num_warps=warps))
+            seven = graph_us(lambda: _hist_levels[(1,)](x, out, N=n, LEVELS=7, BINS=32, num_warps=warps))
+            sel = graph_us(lambda: _select[(1,)](x, out, 2048 if n > 2048 else 500, N=n, num_warps=warps))
+            comp = graph_us(lambda: _compact[(1,)](x, out, N=n, num_warps=warps))
+            print(f"{n} keys, {warps} warps: histogram 1 level {one:.1f} us, 7 levels {seven:.1f} us; "
+                  f"select_kth {sel:.1f} us; cumsum compaction {comp:.1f} us")
+
+
+def filter_sweep() -> None:
+    for ctx in (128 << 10, 1 << 20):
+        scores = torch.randn(64, ctx, device="cuda")
+        row_len = torch.full((64,), ctx, dtype=torch.int32, device="cuda")
+        out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
+        for programs in (1024, 4096, 16384):
+            for tile in (1024, 2048, 4096):
+                p = topk.plan(64, ctx, 2048, tile=tile, programs=programs)
+                ws = p.workspace("cuda")
+                topk._plan_kernel[(64,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
+                                         p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
+                                         TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+                for warps in (4, 8):
+                    us = graph_us(lambda: topk._filter_kernel[(64, p.n_chunks)](
+                        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
+                        p.cap, p.chunk, TILE=tile, num_warps=warps), launches=10, replays=4)
+                    print(f"filter 64x{ctx >> 10}K: {programs} programs, tile {tile}, {warps} warps "
+                          f"(chunk {p.chunk}): {us:.1f} us")
+
+
+if __name__ == "__main__":
+    micro_costs()
+    filter_sweep()
