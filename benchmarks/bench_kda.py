@@ -2,8 +2,7 @@
 
 Decode: B = 16 requests x R = 1 or 4 rows, 96 heads x 128, bf16 activations and conv window, fp32
 state. k31c's `kda_decode` (the split variant, the registered default: prep, state pass, norm;
-best of a few (BV, warps) tiles) against, in the same run: its one-kernel "fused variant" at that
-variant's default tile, fla's `fused_recurrent_kda` alone
+best of a few (BV, warps) tiles) against, in the same run: fla's `fused_recurrent_kda` alone
 (gate, beta sigmoid and q/k L2 norm in its kernel; inputs already convolved), fla's chain (its
 causal conv + fused_recurrent_kda + FusedRMSNormGated), the eager reference op and torch.compile
 of the reference math. Everything but the eager reference is timed as CUDA-graph replays (fla's
@@ -124,14 +123,9 @@ def fla_decode_peers(tok, lay, B, R):
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
                 configs=((64, 4), (32, 4), (32, 2), (16, 2)), rows=(1, 4)) -> list[Row]:
-    """kda_decode's split variant swept over `configs` (BV, warps), best reported; the fused
-    variant at its default tile ((32, 4) at R=1, (64, 4) at R>1) as the "fused variant" peer;
-    R > 1 also with per-row snapshots, split at the launcher's default tile."""
+    """kda_decode swept over `configs` (BV, warps), best reported; R > 1 also with per-row
+    snapshots, at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
-    try:
-        from benchmarks.alternatives.kda_decode_fused import FUSED_TILES, kda_decode_fused
-    except ImportError:  # run as a script from benchmarks/
-        from alternatives.kda_decode_fused import FUSED_TILES, kda_decode_fused
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
     lay = layer(B, gen)
@@ -142,17 +136,14 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         snap = (torch.empty(B, R, W - 1, 3 * P, device="cuda", dtype=ACT),
                 torch.empty(B, R, H, K, K, device="cuda"))
 
-        def run(cfg=(None, None), sn=(None, None), variant="split"):
-            fn = kda_decode_fused if variant == "fused" else launch_kda_decode
-            return fn(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0], num_warps=cfg[1])
+        def run(cfg=(None, None), sn=(None, None)):
+            return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
+                                     num_warps=cfg[1])
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
-        fused_cfg = decode_tile(R, K, defaults=FUSED_TILES)
-        peers = {"fused variant": graph_ms(lambda: run(fused_cfg, variant="fused"))}
-        notes = ["split (BV,warps) " + " ".join(f"{bv},{nw}:{t * 1e3:.1f}us"
-                                                 for (bv, nw), t in sweep.items()),
-                 f"fused at {fused_cfg}"]
+        peers = {}
+        notes = ["(BV,warps) " + " ".join(f"{bv},{nw}:{t * 1e3:.1f}us" for (bv, nw), t in sweep.items())]
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
@@ -181,16 +172,14 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         if fla:
             notes.append(f"fla/k31c {fla / sweep[best]:.2f}x")
         out.append(Row("kda_decode", shape, sweep[best], floor, "bytes", peers,
-                       f"split, best (BV,warps) {best} (default {decode_tile(R, K)}); "
+                       f"best (BV,warps) {best} (default {decode_tile(R, K)}); "
                        + "; ".join(notes)))
         if R > 1:
             ms = graph_ms(lambda: run(sn=snap))
-            fused_ms = graph_ms(lambda: run(fused_cfg, snap, "fused"))
             out.append(Row("kda_decode +snapshots", shape, ms,
-                           bytes_floor_ms(decode_bytes(B, R, True), m), "bytes",
-                           {"fused variant": fused_ms},
-                           f"split at its default (BV,warps) {decode_tile(R, K)}, fused at "
-                           f"{fused_cfg}; state + conv window written after every row"))
+                           bytes_floor_ms(decode_bytes(B, R, True), m), "bytes", {},
+                           f"at its default (BV,warps) {decode_tile(R, K)}; state + conv window "
+                           "written after every row"))
     return out
 
 

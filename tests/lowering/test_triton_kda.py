@@ -2,8 +2,7 @@
 inputs: outputs, the written-back conv windows and recurrent states, and the per-row snapshots.
 
 On CPU the kernels run under the Triton interpreter at small shapes (H=2, K=16/32, W=4); on a GPU
-the same tests also run at K3 shapes (96 heads x 128) in bf16. The one-kernel decode the
-benchmarks compare with (benchmarks/alternatives/kda_decode_fused.py) has its tests here too."""
+the same tests also run at K3 shapes (96 heads x 128) in bf16."""
 import pytest
 import torch
 
@@ -12,7 +11,6 @@ from functools import partial
 
 from k31c.lowering.triton.kda_decode import decode_tile, kda_decode, launch_kda_decode
 from k31c.lowering.triton.kda_prefill import kda_prefill, launch_kda_prefill
-from benchmarks.alternatives.kda_decode_fused import kda_decode_fused
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"        # small shapes: the GPU when there is one
@@ -93,7 +91,7 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-bv8", "fused"])
+@pytest.mark.parametrize("kernel", ["split", "split-bv8"])
 def test_decode_padding_rows_with_garbage_inputs(kernel):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
@@ -105,8 +103,7 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     slots[1] = -1
     for t in tok.values():
         t[rows:2 * rows] = float("nan")                        # the padding request's rows
-    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8),
-          "fused": kda_decode_fused}[kernel]
+    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8)}[kernel]
     got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
@@ -193,28 +190,6 @@ def test_decode_rejects_bad_layout():
     with pytest.raises(ValueError, match="rows"):
         kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                    torch.tensor([0, 1]), 3, -5.0, EPS, None, None)
-
-
-# ---- the one-kernel comparison (benchmarks/alternatives/kda_decode_fused.py) -----------------
-
-@pytest.mark.parametrize("rows,lb", [(1, -5.0), (2, None), (4, -5.0)])
-def test_fused_decode_small(rows, lb):
-    check_decode(H=2, K=16, B=3, rows=rows, lb=lb, snaps=rows > 1, dtype=torch.float32,
-                 device=DEV, seed=rows + (lb is None), fn=kda_decode_fused)
-
-
-def test_fused_decode_value_tiles_fp16():
-    # 2 programs per head meet in the gated norm; the last to arrive writes the head's tail
-    check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=11, fn=partial(kda_decode_fused, block_v=16))
-
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
-def test_fused_decode_k3_shapes_cuda(rows, snaps):
-    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=rows, num_slots=20, fn=kda_decode_fused)
 
 
 # ---- kda_prefill -----------------------------------------------------------------------------

@@ -5,8 +5,8 @@ activations and windows ~2-10 MB), so the time is roughly (state bytes per SM / 
 resident per SM) x program lifetime: the state pass is kept lean, with nothing on a program's
 latency chain but its [K, BV] state slice and the R delta-rule steps. A kernel that also runs
 the conv, the norms and the gates in every state-tile program, and meets its head's other tiles
-through an atomic counter for the gated norm, was measured slower (benchmarks/alternatives/
-kda_decode_fused.py; BENCHMARKS.md).
+through an atomic counter for the gated norm, was measured slower at every tile (110.6 / 213.0
+us at R = 1 / 4, BENCHMARKS.md) and removed (git history has it).
 
 Three launches, all with grids from static shapes (CUDA-graph safe; slots read on device):
   1. prep, one program per (request, head): conv + SiLU over the cached window for the R rows,
@@ -205,11 +205,11 @@ class DecodePlan:
         return dict(ROWS=self.rows, K=self.K, BR=self.norm_rows)
 
 
-def decode_tile(rows: int, K: int, block_v: int | None = None, num_warps: int | None = None,
-                defaults: tuple = (_TILE_ONE_ROW, _TILE_ROWS)) -> tuple[int, int]:
+def decode_tile(rows: int, K: int, block_v: int | None = None,
+                num_warps: int | None = None) -> tuple[int, int]:
     """(BV, num_warps) of the state pass: the explicit ones, else the default for one row or for
-    more (`defaults`). BV is capped at K."""
-    bv, nw = defaults[0] if rows == 1 else defaults[1]
+    more. BV is capped at K."""
+    bv, nw = _TILE_ONE_ROW if rows == 1 else _TILE_ROWS
     BV = min(bv if block_v is None else block_v, K)
     if BV < 1 or K % BV or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two dividing K={K}, got {block_v}")
