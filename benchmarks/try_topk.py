@@ -7,6 +7,10 @@
    16384), score tiles (1024, 2048, 4096) and warps (4, 8), after one plan launch. Its counters
    are not reset between launches, so later launches append past the buffer (masked stores, the
    same atomics): the time is what is measured, not the result.
+3. Where the filter's time goes: the same loop at the registered launch shape with its work
+   added step by step (stream the keys and reduce them; + the threshold compares and tie
+   counts; + one atomic per tile on the row's counter; + the cumsum compaction and the stores,
+   which is the real filter).
 
     PYTHONPATH=. python benchmarks/try_topk.py
 """
@@ -46,6 +50,43 @@ def _compact(x_ptr, out_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     sel = (tl.load(x_ptr + tl.program_id(0) * N + offs) > 0).to(tl.int32)
     tl.store(out_ptr + tl.program_id(0) * N + tl.cumsum(sel, 0) - sel, offs, mask=sel > 0)
+
+
+@triton.jit
+def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, cap, chunk, n,
+                  TILE: tl.constexpr, STEP: tl.constexpr):
+    """topk._filter_kernel's loop with its work cut at STEP: 0 stream + reduce, 1 + compares and
+    tie counts, 2 + one atomic per tile, 3 + cumsum compaction and stores (the whole filter)."""
+    row = tl.program_id(0)
+    st = state_ptr + row * topk.ROW_STATE
+    thresh = tl.load(st + topk.ST_THRESH).to(tl.uint32, bitcast=True)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    src_row = src_ptr + row.to(tl.int64) * src_stride
+    acc = tl.zeros([TILE], tl.int32)
+    for start in range(lo, hi, TILE):
+        pos = start + tl.arange(0, TILE)
+        live = pos < hi
+        key = topk.order_key(tl.load(src_row + pos, mask=live, other=0.0))
+        if STEP == 0:
+            acc = acc ^ key.to(tl.int32, bitcast=True)
+        else:
+            acc += (live & (key == thresh)).to(tl.int32)
+            sel = live & (key > thresh)
+            seli = sel.to(tl.int32)
+            nsel = tl.sum(seli, 0)
+            if STEP == 1:
+                acc += nsel
+            else:
+                base = tl.atomic_add(st + topk.ST_CNT, nsel)
+                if STEP == 2:
+                    acc += base
+                else:
+                    idx = base + tl.cumsum(seli, 0) - seli
+                    ok = sel & (idx < cap)
+                    tl.store(ckey_ptr + row.to(tl.int64) * cap + idx, key.to(tl.int32, bitcast=True), mask=ok)
+                    tl.store(cpos_ptr + row.to(tl.int64) * cap + idx, pos, mask=ok)
+    tl.store(sink_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))   # keeps the work live
 
 
 @triton.jit
@@ -107,6 +148,28 @@ def filter_sweep() -> None:
                           f"(chunk {p.chunk}): {us:.1f} us")
 
 
+def filter_steps() -> None:
+    for ctx in (128 << 10, 1 << 20):
+        scores = torch.randn(64, ctx, device="cuda")
+        row_len = torch.full((64,), ctx, dtype=torch.int32, device="cuda")
+        out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
+        p = topk.plan(64, ctx, 2048)
+        ws = p.workspace("cuda")
+        topk._plan_kernel[(64,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
+                                 p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
+                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+        sink = torch.empty(64 * p.n_chunks, dtype=torch.int32, device="cuda")
+        floor_us = 64 * ctx * 4 / 4.1e6     # bytes over ~4.1 TB/s
+        for step, what in enumerate(("stream + reduce", "+ compares, tie counts", "+ atomic per tile",
+                                     "+ cumsum, stores (the filter)")):
+            us = graph_us(lambda: _filter_probe[(64, p.n_chunks)](
+                scores, scores.stride(0), ws["state"], ws["ckey"], ws["cpos"], sink, p.cap, p.chunk, ctx,
+                TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10, replays=4)
+            print(f"filter steps 64x{ctx >> 10}K (chunk {p.chunk}, tile {topk.SCORE_TILE}): {what}: "
+                  f"{us:.1f} us (read floor ~{floor_us:.1f})")
+
+
 if __name__ == "__main__":
     micro_costs()
     filter_sweep()
+    filter_steps()
