@@ -128,18 +128,25 @@ def micro_costs() -> None:
                   f"select_kth {sel:.1f} us; cumsum compaction {comp:.1f} us")
 
 
+def _planned(scores: torch.Tensor, **plan_args):
+    """The plan and workspace of a top-k over `scores` (64 rows, k = 2048), the plan launch run."""
+    n_rows, ctx = scores.shape
+    row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty(n_rows, 2048, dtype=torch.int32, device="cuda")
+    p = topk.plan(n_rows, ctx, 2048, **plan_args)
+    ws = p.workspace("cuda")
+    topk._plan_kernel[(n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
+                                 p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
+                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+    return row_len, p, ws
+
+
 def filter_sweep() -> None:
     for ctx in (128 << 10, 1 << 20):
         scores = torch.randn(64, ctx, device="cuda")
-        row_len = torch.full((64,), ctx, dtype=torch.int32, device="cuda")
-        out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
         for programs in (1024, 4096, 16384):
             for tile in (1024, 2048, 4096):
-                p = topk.plan(64, ctx, 2048, tile=tile, programs=programs)
-                ws = p.workspace("cuda")
-                topk._plan_kernel[(64,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
-                                         p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
-                                         TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+                row_len, p, ws = _planned(scores, tile=tile, programs=programs)
                 for warps in (4, 8):
                     us = graph_us(lambda: topk._filter_kernel[(64, p.n_chunks)](
                         scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
@@ -151,13 +158,7 @@ def filter_sweep() -> None:
 def filter_steps() -> None:
     for ctx in (128 << 10, 1 << 20):
         scores = torch.randn(64, ctx, device="cuda")
-        row_len = torch.full((64,), ctx, dtype=torch.int32, device="cuda")
-        out = torch.empty(64, 2048, dtype=torch.int32, device="cuda")
-        p = topk.plan(64, ctx, 2048)
-        ws = p.workspace("cuda")
-        topk._plan_kernel[(64,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
-                                 p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
-                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+        _, p, ws = _planned(scores)
         sink = torch.empty(64 * p.n_chunks, dtype=torch.int32, device="cuda")
         floor_us = 64 * ctx * 4 / 4.1e6     # bytes over ~4.1 TB/s
         for step, what in enumerate(("stream + reduce", "+ compares, tie counts", "+ atomic per tile",

@@ -18,7 +18,9 @@ Executors (`options={"executor": ...}`):
   Inductor and binds every k31c op to its registered kernel, and `runtime/executor.py` runs the
   result on real streams; decode and verification steps replay one device graph per batch bucket
   (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
-  `buckets`, `streams`. On a machine without a GPU it runs a GPU target's program on CPU tensors
+  `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
+  pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
+  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU target's program on CPU tensors
   when `TRITON_INTERPRET=1` (the Triton kernels in the interpreter, no device graph).
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
@@ -32,6 +34,7 @@ step run through its references says so as fallbacks.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,7 +59,7 @@ from .runtime.graphs import DEFAULT_BUCKETS, DecodeGraphs, StepInputs, check_buc
 
 EXECUTORS = ("inductor", "fx", "iree", "program")
 COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
-                   "buckets": DEFAULT_BUCKETS, "streams": None}
+                   "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None}
 
 
 @dataclass
@@ -148,6 +151,10 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         compile_opts["buckets"] = check_buckets(compile_opts["buckets"])
     except ValueError as e:
         raise UsageError(f"option {e}") from None
+    if compile_opts["pdl"] is None:
+        compile_opts["pdl"] = target.pdl
+    if not isinstance(compile_opts["pdl"], bool):
+        raise UsageError(f"option pdl must be True or False, got {compile_opts['pdl']!r}")
     streams = compile_opts["streams"]
     if streams is None:
         compile_opts["streams"] = target.graph_streams
@@ -281,7 +288,7 @@ class CompiledModel:
             print(file=sys.stderr)
         device = meta.slot_mapping.device
         program.kernels = kp
-        program.executor = Executor(kp, device, self.options["streams"])
+        program.executor = Executor(kp, device, self.options["streams"], target=self.target)
         program.fn = lambda *flat: program.executor(list(flat))
         if step.mode == "decode" and self.options["device_graphs"] and device.type == "cuda":
             if kp.fallbacks():
@@ -351,13 +358,15 @@ def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = N
 
     passes:  None for the default pipeline, or the list of pass names to run, in order.
     disable: pass names to switch off (the rest of `passes` runs in its order).
-    options: compile options (executor, dense_codegen, device_graphs, buckets, streams; see the
+    options: compile options (executor, dense_codegen, device_graphs, buckets, streams, pdl; see the
              module docstring) and per-pass options under the pass name,
              e.g. {"quantize": {"mxfp8_indexer": True}}.
     Unknown models, targets, passes and options are errors naming them."""
     check_model(model)
     t = get_target(target) if isinstance(target, str) else target
     compile_opts, pass_opts = split_options(options, t)
+    if compile_opts["pdl"] != t.pdl:     # the program's kernels and dense pieces launch with it
+        t = dataclasses.replace(t, pdl=compile_opts["pdl"])
     if isinstance(disable, str):
         disable = [disable]
     return CompiledModel(model, t, resolve(passes, pass_opts, disable=disable), compile_opts)

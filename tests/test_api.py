@@ -96,6 +96,8 @@ def test_errors_name_the_model_target_pass_and_option(model):
         k31c_api.compile(model, options={"quantize": {"fp4": True}})
     with pytest.raises(ValueError, match="executor must be one of"):
         k31c_api.compile(model, options={"executor": "tvm"})
+    with pytest.raises(ValueError, match="option pdl must be True or False, got 'on'"):
+        k31c_api.compile(model, target="h200", options={"pdl": "on"})
 
 
 def test_compile_only_targets_build_but_do_not_run(model, compiled_run):

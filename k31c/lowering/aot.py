@@ -110,6 +110,8 @@ def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
             ops = tuple(op for op in spec.ops if op in registered)
             if not ops:
                 continue
+            if "PDL" in spec.constexprs:    # the kernels as the target launches them
+                spec = spec._replace(constexprs={**spec.constexprs, "PDL": target.pdl})
             key = (spec.kernel.__name__, json.dumps(spec.signature, sort_keys=True),
                    repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
             if key in seen:    # one build; it lists every op whose launchers make it
@@ -162,6 +164,8 @@ def _compile(spec: AotSpec, target_name: str):
     options = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:
         options["num_stages"] = spec.num_stages
+    if spec.constexprs.get("PDL"):
+        options["launch_pdl"] = True
     gpu = GPUTarget(target.triton_backend, target.triton_arch, target.warp_size)
     return triton.compile(src, target=gpu, options=options)
 

@@ -38,9 +38,10 @@ class AotSpec(NamedTuple):
 
 def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
                 num_stages: Optional[int] = None) -> AotSpec:
-    """An AotSpec with the full signature: constexprs by name, pointers from `types` (a torch
-    dtype per pointer argument: every `*_ptr` argument must be listed), other scalars from
-    `types` as Triton type strings ("fp32", "i64"), "i32" when unlisted."""
+    """An AotSpec with the full signature: constexprs by name (a constexpr with a default, such as
+    PDL, takes it unless given), pointers from `types` (a torch dtype per pointer argument: every
+    `*_ptr` argument must be listed), other scalars from `types` as Triton type strings ("fp32",
+    "i64"), "i32" when unlisted."""
     import torch  # lazily: `k31c --help` builds this command's parser without importing torch
     names = list(kernel.arg_names)
     unknown = (set(constexprs) | set(types)) - set(names)
@@ -56,8 +57,13 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
             raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
         else:
             signature[name] = types.get(name, "i32")
-    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs
+               and not p.has_default]
     if missing:
         raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
-    return AotSpec(kernel, signature, dict(constexprs), num_warps, num_stages, variant,
+    values = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    values.update(constexprs)
+    for name in values:
+        signature[name] = "constexpr"
+    return AotSpec(kernel, signature, values, num_warps, num_stages, variant,
                    tuple([ops] if isinstance(ops, str) else ops))

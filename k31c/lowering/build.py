@@ -45,13 +45,17 @@ def bind(target_op, target: Target) -> tuple[str, Callable]:
     return "reference", target_op
 
 
-def compile_piece(gm: torch.fx.GraphModule, codegen: str) -> Callable:
+def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False) -> Callable:
+    """The piece as a callable: Inductor's code (with `pdl`, its kernels launched with
+    programmatic dependent launch, as the k31c kernels are), or the FX module itself."""
     if codegen == "fx":
         return gm
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
+    patch = {"triton.enable_pdl": True} if pdl and hasattr(inductor_config.triton, "enable_pdl") else {}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), inductor_config.patch(patch):
             return compile_fx(gm, example)
     except Exception as e:                      # Inductor's errors carry the failing op
         raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
@@ -127,7 +131,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
                 if progress is not None:
                     progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
                 compiled[key] = len(pieces)
-                pieces.append(compile_piece(gm.get_submodule(node.target), dense_codegen))
+                pieces.append(compile_piece(gm.get_submodule(node.target), dense_codegen, target.pdl))
                 piece_names.append(key)
             step = Dense(compiled[key], stream, tuple(slots[a] for a in node.args), tuple())
             step.outs = [None] * _n_outputs(node)

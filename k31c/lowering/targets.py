@@ -33,6 +33,8 @@ class Target:
                                              # identify this GPU when a launcher runs on it
     shared_memory: int = 0                   # bytes of shared memory one program may use (0: not
                                              # stated; launchers that size tiles by it skip the check)
+    pdl: bool = False                        # programmatic dependent launch of the k31c kernels
+                                             # (lowering/triton/device.py; sm_90+)
 
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""

@@ -17,6 +17,8 @@ import torch
 
 from ..errors import RuntimeFailure
 from ..lowering.program import Dense, Kernel, Program, Record, Ref, Refs, Wait
+from ..lowering.targets import Target
+from ..lowering.triton.device import using_target
 
 _SIDE_STREAMS: dict[tuple[str, int], list] = {}
 
@@ -31,8 +33,10 @@ def side_streams(device: torch.device, n: int) -> list:
 
 
 class Executor:
-    def __init__(self, program: Program, device: torch.device, streams: Optional[int] = None):
+    def __init__(self, program: Program, device: torch.device, streams: Optional[int] = None,
+                 target: Optional[Target] = None):
         self.program = program
+        self.target = target          # the record the kernels' launchers take their facts from
         self.device = torch.device(device)
         used = program.streams
         gpu = self.device.type == "cuda"
@@ -68,6 +72,12 @@ class Executor:
         return plan
 
     def __call__(self, inputs: list) -> tuple:
+        if self.target is None:
+            return self._run(inputs)
+        with using_target(self.target):
+            return self._run(inputs)
+
+    def _run(self, inputs: list) -> tuple:
         prog = self.program
         if len(inputs) != prog.n_inputs:
             raise RuntimeFailure(f"program {prog.name} takes {prog.n_inputs} inputs, got {len(inputs)}")

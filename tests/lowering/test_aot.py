@@ -143,3 +143,26 @@ def test_cli_hook_and_errors(capsys):
     if os.environ.get("TRITON_INTERPRET") == "1":     # this process: kernels are interpreted
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             collect_specs("mi350x")
+
+
+_PDL_PROBE = """
+import dataclasses
+from k31c.lowering import aot, targets
+for pdl in (False, True):
+    targets.TARGETS["h200"] = dataclasses.replace(targets.TARGETS["h200"], pdl=pdl)
+    spec = next(s for s in aot.collect_specs("h200", families=["topk"]) if s.kernel.__name__ == "_filter_kernel")
+    ck = aot.compile_spec(spec, "h200")
+    ptx = ck.asm["ptx"]
+    print(pdl, spec.constexprs["PDL"], "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+          bool(ck.metadata.launch_pdl))
+"""
+
+
+def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
+    """With the target's `pdl`, the sm_90a build of a kernel waits for its producer and lets the
+    next kernel launch (griddepcontrol) and is marked for PDL launch; without it, neither."""
+    out = subprocess.run([sys.executable, "-c", _PDL_PROBE], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False False False False False", "True True True True True"]
+

@@ -86,6 +86,14 @@ def test_each_pass_switched_off(tiny, off):
     _check(tiny, compiled)
 
 
+def test_programmatic_dependent_launch(tiny):
+    """options={"pdl": True}: every k31c kernel and Inductor kernel may launch while the one
+    before it runs and waits at its first access; the logits must not change."""
+    compiled = k31c_api.compile(tiny, target="h200", options={"pdl": True})
+    assert compiled.target.pdl
+    _check(tiny, compiled)
+
+
 def test_single_stream_equals_three(tiny):
     one = k31c_api.compile(tiny, target="h200", options={"dense_codegen": "fx", "streams": 1})
     _check(tiny, one)

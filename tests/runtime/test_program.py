@@ -1,6 +1,7 @@
 """The program executor on the CPU: partition into dense pieces, stream markers as events, bucket
 padding, fallback counting, and the h200 program running its Triton kernels under the
 interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on a machine without CUDA) against eager."""
+import dataclasses
 import operator
 
 import pytest
@@ -11,6 +12,8 @@ import k31c.lowering.build as build
 from k31c.graph.capture import StepKind, clone_graph
 from k31c.lowering.build import build_program
 from k31c.lowering.program import Dense, Kernel, Record, Wait
+from k31c.lowering.targets import get_target
+from k31c.lowering.triton import device
 from k31c.graph.ops import is_k31c
 from k31c.passes.graph_utils import dense_runs, is_marker_node, region_of, stream_of
 from k31c.passes.partition import is_piece_call, partition
@@ -135,9 +138,19 @@ def test_h200_program_runs_its_kernels_and_matches_eager(model):
 
 
 def test_a_missing_kernel_is_a_counted_fallback(model, monkeypatch):
-    lookup = build.lookup
-    monkeypatch.setattr(build, "lookup", lambda op, t: None if op == "k31c::sparse_mla" else lookup(op, t))
-    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    """Also: the program's kernels run under its own target record (here with the `pdl` option,
+    which the launchers read from it; on CPU tensors they launch without PDL)."""
+    lookup, seen = build.lookup, []
+
+    def spy(op, t):
+        if op == "k31c::sparse_mla":
+            return None
+        k = lookup(op, t)
+        if op != "k31c::lightning_indexer_topk":
+            return k
+        return dataclasses.replace(k, fn=lambda *a: seen.append(device._OVERRIDE.get()) or k.fn(*a))
+    monkeypatch.setattr(build, "lookup", spy)
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx", "pdl": True})
     eng, ref = _engine(model, compiled), _engine(model)
     for e in (eng, ref):
         r = e.add_request()
@@ -149,6 +162,10 @@ def test_a_missing_kernel_is_a_counted_fallback(model, monkeypatch):
     executor = next(p.executor for s, p in compiled._programs.items() if s.name == "decode")
     assert executor.reference_calls == 2                 # counted from the runs, per call
     assert "reference fallbacks: k31c::sparse_mla x2" in str(compiled.report)
+    assert seen and all(t is compiled.target for t in seen)
+    assert compiled.target.name == "h200" and compiled.target.pdl and not get_target("h200").pdl
+    with device.using_target(compiled.target):
+        assert device.pdl_launch(torch.device("cpu")) == {}
 
 
 def test_padding_requests_read_and_write_nothing(model):

@@ -28,6 +28,7 @@ from k31c.graph.ops.fp8_layouts import (MX_GROUP, is_mxfp8_index_cache, latent_f
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 _TOKENS_PER_PROGRAM = 16
 _LATENT_CHUNK = 128          # latent columns per program (576 = 4.5 chunks)
@@ -109,7 +110,8 @@ def exp2_int(e):
 
 @triton.jit
 def _latent_write_kernel(cache_ptr, rows_ptr, row_stride, col_stride, slot_ptr, n_rows, n_slots, width,
-                         TOKENS: tl.constexpr, CHUNK: tl.constexpr):
+                         TOKENS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     slot = tl.load(slot_ptr + t, mask=t < n_rows, other=-1)
@@ -124,9 +126,11 @@ def _latent_write_kernel(cache_ptr, rows_ptr, row_stride, col_stride, slot_ptr, 
 def _latent_write_fp8_kernel(cache_ptr, cache_f32_ptr, cache_bf16_ptr, rows_ptr, row_stride, col_stride,
                              slot_ptr, n_rows, n_slots, row_bytes,
                              TOKENS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
-                             GROUP: tl.constexpr, GROUPS: tl.constexpr, ROPE_PAD: tl.constexpr):
+                             GROUP: tl.constexpr, GROUPS: tl.constexpr, ROPE_PAD: tl.constexpr,
+                             PDL: tl.constexpr = False):
     """FP8 latent rows: bytes [0, NOPE) e4m3 (scale max(amax, 1e-4)/448 per 128 values), then
     ceil(NOPE/128) fp32 scales, then ROPE bf16 values; row_bytes apart."""
+    wait_for_producers(PDL)
     WIDTH: tl.constexpr = GROUP * GROUPS
     N_SCALES: tl.constexpr = (NOPE + 127) // 128
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
@@ -158,7 +162,7 @@ def _latent_write_fp8_kernel(cache_ptr, cache_f32_ptr, cache_bf16_ptr, rows_ptr,
 def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_stride,
                         ln_w_ptr, ln_b_ptr, slot_ptr, n_rows, n_slots, d, block_size, block_stride, eps,
                         TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                        FP8: tl.constexpr, NORM: tl.constexpr, MX: tl.constexpr):
+                        FP8: tl.constexpr, NORM: tl.constexpr, MX: tl.constexpr, PDL: tl.constexpr = False):
     """TOKENS keys per program: [LayerNorm] → [FP8 quantise per GROUP values] → write.
 
     MX (with FP8): GROUP = 32, a power-of-two scale per group stored as one E8M0 byte at
@@ -168,6 +172,7 @@ def _index_write_kernel(cache_ptr, cache_f32_ptr, keys_ptr, key_stride, key_col_
     blk*block_stride + off*d + c; its group g's scale (fp32 units) at
     (blk*block_stride + block_size*d) / 4 + off*n_groups + g. Else: element slot*d + c.
     """
+    wait_for_producers(PDL)
     WIDTH: tl.constexpr = GROUP * GROUPS
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     cols = tl.arange(0, WIDTH)
@@ -235,12 +240,12 @@ def mla_cache_write(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch
         _latent_write_fp8_kernel[(triton.cdiv(n, _TOKENS_PER_PROGRAM),)](
             cache, cache.view(torch.float32), cache.view(torch.bfloat16), rows, rows.stride(0),
             rows.stride(1), slot_mapping, n, cache.shape[0] * cache.shape[1], cache.shape[2],
-            **latent_fp8_plan(nope, width - nope))
+            **latent_fp8_plan(nope, width - nope), **pdl_launch(cache.device))
         return
     grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM), triton.cdiv(width, _LATENT_CHUNK))
     _latent_write_kernel[grid](cache, rows, rows.stride(0), rows.stride(1), slot_mapping, n,
                                cache.shape[0] * cache.shape[1], width,
-                               TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK)
+                               TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK, **pdl_launch(cache.device))
 
 
 def latent_fp8_plan(nope: int, rope: int) -> dict:
@@ -282,7 +287,8 @@ def _launch_index_write(cache, keys, ln_weight, ln_bias, slot_mapping, eps, norm
     grid = (triton.cdiv(n, _TOKENS_PER_PROGRAM),)
     _index_write_kernel[grid](cache, cache_f32, keys, keys.stride(0), keys.stride(1), ln_w, ln_b,
                               slot_mapping, n, cache.shape[0] * block_size, d, block_size,
-                              cache.stride(0), float(eps), **index_write_plan(d, fp8, norm, mx))
+                              cache.stride(0), float(eps), **index_write_plan(d, fp8, norm, mx),
+                              **pdl_launch(cache.device))
 
 
 @register("k31c::index_cache_write", GPU_TARGETS)

@@ -8,6 +8,15 @@ the current device's: the `cpu` record for CPU tensors (the Triton interpreter);
 record of torch's backend (ROCm: "hip", CUDA: "cuda") whose `device_names` match the device's
 name, else that backend's first GPU target (h200 for CUDA, mi350x for ROCm). A new GPU is thus
 one record in targets.py.
+
+Programmatic dependent launch (PDL, sm_90 and later): every k31c kernel starts with
+`wait_for_producers(PDL)` and every launcher passes `**pdl_launch(device)`. With PDL on, a kernel
+may be launched while the one before it in its stream still runs; its programs wait at their
+first line until that kernel has finished and its writes are visible, then let the next kernel
+launch. Waiting before the first memory access makes this safe whatever the kernel reads, and
+the wait is transitive (the kernel before waited for its own predecessor before it finished).
+`Target.pdl` switches it (`k31c.compile(..., options={"pdl": True})` sets it for one program,
+whose executor runs under `using_target`).
 """
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from k31c.lowering.targets import GPU_TARGETS, Target, get_target
 
@@ -68,3 +79,30 @@ def using_target(target: Target):
 def sm_count(device: torch.device) -> int:
     """SMs / CUs to size a grid for, from the target record (the CPU: the interpreter's stand-in)."""
     return target_of(device).sm_count
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch: the kernels' PDL constexpr and Triton's
+    launch_pdl option when the target record in force has `pdl` and the device is sm_90+; else
+    none (the kernels' PDL defaults to off)."""
+    if device.type != "cuda" or interpreting() or torch.version.hip or not target_of(device).pdl:
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _PDL_ON if _sm90(index) else {}
+
+
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before this one in the stream has finished (its writes
+    visible), then let the next kernel launch. A kernel calls it before any memory access."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

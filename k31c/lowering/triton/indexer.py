@@ -47,7 +47,7 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton import indexer_mxfp8, indexer_tma
-from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
 from k31c.lowering.triton.unit_stride import require_unit_stride
@@ -72,12 +72,13 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                     KEYS: tl.constexpr, TAIL: tl.constexpr, FP8_CACHE: tl.constexpr,
                     QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr,
                     HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    HW_CVT: tl.constexpr):
+                    HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
     """HW_CVT: quantise q with the hardware e4m3 conversion (GPU only) rather than the bit-exact
     fp32 emulation (same values: both round x / scale to nearest-even).
     HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
     W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r (OUT >= 16 columns, rows past
     ROWS unused); else ReLU, x w and a sum over a [KEYS, ROWS_PAD, H_PAD] view (OUT = ROWS_PAD)."""
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     first_row = tile * ROWS
@@ -281,7 +282,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
         index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
         row_req, row_len, scores, n, block_table.shape[0], capacity, p.splits,
-        **p.gather_constexprs(block_size), num_warps=p.num_warps)
+        **p.gather_constexprs(block_size), num_warps=p.num_warps, **pdl_launch(q.device))
     return scores
 
 

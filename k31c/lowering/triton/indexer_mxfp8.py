@@ -23,6 +23,7 @@ from k31c.graph.ops.fp8_layouts import MX_GROUP
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.cache_write import exp2_int, mx_exponent, round_to_e4m3
 from k31c.lowering.triton.indexer_tile import fill_tail, rows_of_tile
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 MAX_GROUPS = 4
 
@@ -69,7 +70,8 @@ def _indexer_mx_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, 
                        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr,
                        H_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        KEYS: tl.constexpr, TAIL: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                       NUM_STAGES: tl.constexpr):
+                       NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     GROUPS: tl.constexpr = D // 32
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -164,7 +166,7 @@ def launch_indexer_mx(q, weights, index_cache, block_table, row_req, row_len, sc
         values, raw, raw.stride(0), block_table, block_table.stride(0), row_req, row_len, scores,
         n, block_table.shape[0], scores.shape[1], splits,
         **constexprs(rows, rows_pad, heads, d, block_size, keys, on_gpu, exact_dot, num_stages),
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl_launch(q.device))
     return scores
 
 

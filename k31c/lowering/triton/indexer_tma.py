@@ -35,6 +35,7 @@ import triton.language as tl
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 
 @triton.jit
@@ -46,7 +47,8 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                         TAIL: tl.constexpr, FP8_CACHE: tl.constexpr, QUANT_Q: tl.constexpr,
                         HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr,
-                        NUM_STAGES: tl.constexpr):
+                        NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     first_row = tile * ROWS
@@ -142,7 +144,7 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
         row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
         **_constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8,
                       quant_q, q_rcp, dot_dtype, head_dot, num_stages),
-        num_warps=num_warps, **extra)
+        num_warps=num_warps, **extra, **pdl_launch(q.device))
     return scores
 
 

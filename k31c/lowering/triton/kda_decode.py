@@ -38,6 +38,7 @@ from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, kda_gate_math,
                                              update_windows)
 from k31c.lowering.triton.unit_stride import require_unit_stride
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
 NORM_WARPS = 4
@@ -49,7 +50,9 @@ def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
                      conv_ptr, slots_ptr, snap_conv_ptr, qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr,
                      H, lower_bound, scale,
                      ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                     WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr):
+                     WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     P = H * K
@@ -120,7 +123,9 @@ def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_p
 def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
                       state_ptr, slots_ptr, snap_state_ptr, H, eps,
                       ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                      HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr):
+                      HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     NV: tl.constexpr = K // BV
     pid = tl.program_id(0)
     vt = pid % NV
@@ -152,9 +157,10 @@ def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, n
 
 @triton.jit
 def _kda_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H, eps,
-                     ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr):
+                     ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
     """Gated RMSNorm of raw o viewed as [N*H, K] rows (one head of one token per row); rows of a
     padding request (slot -1) come out 0 whatever their gate holds."""
+    wait_for_producers(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     offs = tl.arange(0, K)
     in_range = rows < n_rows
@@ -289,7 +295,8 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
             H, 0.0 if lower_bound is None else float(lower_bound), K ** -0.5,
-            **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps)
+            **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps,
+            **pdl_launch(q.device))
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
@@ -297,11 +304,11 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
         _kda_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
-            **p.state_constexprs(has_snap), num_warps=p.num_warps)
+            **p.state_constexprs(has_snap), num_warps=p.num_warps, **pdl_launch(qs.device))
     if "n" in stages and not p.fuse_norm:
         _kda_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
-            num_warps=NORM_WARPS)
+            num_warps=NORM_WARPS, **pdl_launch(o_raw.device))
     return out
 
 

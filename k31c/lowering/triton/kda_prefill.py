@@ -34,7 +34,7 @@ from k31c.graph.ops.kda import check_prefill
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
-from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, kda_gate_math,
                                              row_of, window_rows)
 from k31c.lowering.triton.unit_stride import require_unit_stride
@@ -67,7 +67,8 @@ def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_pt
                       B, H, lower_bound, scale,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     cid = tl.program_id(0)
     h = tl.program_id(1)
     P = H * K
@@ -193,7 +194,9 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
                       q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr,
                       conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                      W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr):
+                      W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     vt = tl.program_id(2)
@@ -276,8 +279,9 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
 
 @triton.jit
 def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
-                       K: tl.constexpr, BT: tl.constexpr):
+                       K: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
     """out = RMSNorm(o)·w·σ(gate) per (token, head) when the state pass split V."""
+    wait_for_producers(PDL)
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, K)
@@ -373,15 +377,16 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         _kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
-            num_warps=p.chunk_warps)
+            num_warps=p.chunk_warps, **pdl_launch(q.device))
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     _kda_state_kernel[(B, H, K // BV)](
         qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
         conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
-        num_warps=p.state_warps, num_stages=p.state_stages)
+        num_warps=p.state_warps, num_stages=p.state_stages, **pdl_launch(qg.device))
     if BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
-                                                    float(eps), K=K, BT=16, num_warps=4)
+                                                    float(eps), K=K, BT=16, num_warps=4,
+                                                    **pdl_launch(o_raw.device))
     return out
 
 

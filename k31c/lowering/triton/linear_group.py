@@ -20,7 +20,7 @@ from k31c.graph.ops.linear import check_linear_group
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, upcast_dots, wait_for_producers
 
 MAX_SEGMENTS = 8
 MAX_GEMV_ROWS = 64
@@ -33,7 +33,8 @@ def _linear_group_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, w5_ptr, 
                          S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr, S4: tl.constexpr,
                          S5: tl.constexpr, S6: tl.constexpr, S7: tl.constexpr,
                          NSEG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     # the segment of this block: the last one whose first block is <= pid
     w_ptr, y_ptr, n, local = w0_ptr, y0_ptr, n0, pid
@@ -117,7 +118,8 @@ def _launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tenso
         **{f"S{i + 1}": s for i, s in enumerate(starts)}, NSEG=len(weights),
         BM=p["BM"], BN=p["BN"], BK=p["BK"],
         PRECISION=target_of(x.device).dot_precision(fast=x.dtype != torch.float32),
-        UPCAST=upcast_dots(x.dtype), num_warps=p["num_warps"], num_stages=p["num_stages"])
+        UPCAST=upcast_dots(x.dtype), num_warps=p["num_warps"], num_stages=p["num_stages"],
+        **pdl_launch(x.device))
 
 
 @register("k31c::linear_group", GPU_TARGETS)

@@ -34,7 +34,7 @@ import triton.language as tl
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
                                              head_tiles, in_row_slices, merge_splits_kernel, resolve_slots,
@@ -142,9 +142,10 @@ def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req
                 BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
                 SMALL_HT: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
                 FINAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                N_SCALES: tl.constexpr):
+                N_SCALES: tl.constexpr, PDL: tl.constexpr = False):
     # grid (head tiles, rows, splits): head tiles vary fastest, so the programs that gather the
     # same rows are scheduled together
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     t = tl.program_id(1)
     split = tl.program_id(2)
@@ -255,7 +256,7 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
         **_constexprs(cfg, dv, width, latent_cache.shape[1], dense, final, precision,
                       latent_cache.dtype == torch.uint8),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     if stats is not None and compiled is not None:
         stats.update(cfg, regs=getattr(compiled, "n_regs", None),
                      spills=getattr(compiled, "n_spills", None),
@@ -265,7 +266,8 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4)
+            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4,
+            **pdl_launch(part.device))
     return out, lse
 
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from k31c.graph.ops.fp8_layouts import latent_fp8_nope, latent_fp8_scales
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # float8_e4m3fn: raw e4m3 rows upcast on load with no scale (a benchmark comparison, no op's
@@ -74,9 +75,10 @@ def fp8_latent_consts(latent_cache: torch.Tensor, width: int) -> dict:
 
 @triton.jit
 def slots_kernel(idx_ptr, bt_ptr, row_req_ptr, slots_ptr, n_keys, stride_in, stride_btb,
-                 stride_sn, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                 stride_sn, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Physical slot of every selected position (-1 stays -1): the sparse index lists resolved
     once, so the attention loop has a single level of indirection to pipeline."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < n_keys
@@ -98,7 +100,7 @@ def resolve_slots(indices: torch.Tensor, block_table: torch.Tensor, row_req: tor
     slots = torch.empty_like(indices)
     slots_kernel[(n, triton.cdiv(n_keys, SLOTS_BLOCK))](
         indices, block_table, row_req, slots, n_keys, indices.stride(0), block_table.stride(0),
-        slots.stride(0), BLOCK_SIZE=block_size, BLOCK=SLOTS_BLOCK, num_warps=4)
+        slots.stride(0), BLOCK_SIZE=block_size, BLOCK=SLOTS_BLOCK, num_warps=4, **pdl_launch(indices.device))
     return slots
 
 
@@ -175,8 +177,9 @@ def check_mla_args(q, latent_cache, block_table, row_req, dv, keys, keys_name) -
 def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
                   stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
                   stride_on, stride_oh, stride_ln,
-                  DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr):
+                  DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, h] = Σ_s exp(lse_s - lse) · part_s[t, h], lse = log Σ_s exp(lse_s) (+inf if none)."""
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_v = tl.arange(0, BLOCK_V)

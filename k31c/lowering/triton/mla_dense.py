@@ -32,7 +32,7 @@ import triton.language as tl
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_splits_kernel
 
 OP = "k31c::dense_mla"
@@ -123,7 +123,8 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
                         BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PASSES: tl.constexpr,
                         STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, FINAL: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     group = tl.program_id(2)
@@ -310,7 +311,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
             block_table.stride(0),
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             **_constexprs(cfg, dv, width, block_size, final, precision),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     except triton.runtime.errors.OutOfResources:
         # shared_bytes under-estimated this Triton's layout: half the key step, and remember it
         # for these tiles (the launch raises before anything is enqueued)
@@ -329,7 +330,8 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
             part, part_lse, out, lse, splits, n_heads,
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4)
+            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4,
+            **pdl_launch(part.device))
     return out, lse
 
 

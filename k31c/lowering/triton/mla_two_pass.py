@@ -34,7 +34,7 @@ import triton.language as tl
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_consts,
                                              fp8_latent_views, head_tiles, in_row_slices, resolve_slots,
                                              rope_latent_cols, slots_spec)
@@ -99,8 +99,9 @@ def _scores_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots_ptr, p
                    WIDTH: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
                    SMALL_HT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                   NOPE: tl.constexpr, N_SCALES: tl.constexpr):
+                   NOPE: tl.constexpr, N_SCALES: tl.constexpr, PDL: tl.constexpr = False):
     # grid (head tiles, key blocks, rows): the tiles that gather the same rows run side by side
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     kb = tl.program_id(1)
     t = tl.program_id(2)
@@ -177,7 +178,9 @@ def _values_kernel(cache_ptr, cache_f32_ptr, slots_ptr, p_ptr, m_ptr, l_ptr, out
                    stride_mn, stride_mk, stride_on, stride_oh,
                    DV: tl.constexpr, DVC: tl.constexpr, BK: tl.constexpr, BK2: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
-                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                   SMALL_HT: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     tile = tl.program_id(0)
     c = tl.program_id(1)
     t = tl.program_id(2)
@@ -276,7 +279,7 @@ def scores_pass(cfg: dict, q, latent_cache, block_table, row_req, indices, sm_sc
         p.stride(0), p.stride(1), m_blk.stride(0), m_blk.stride(1),
         WIDTH=width, BD=cfg["bd"], BK=cfg["bk"], **_tiles(cfg, bs, precision),
         **fp8_latent_consts(latent_cache, width),
-        num_warps=cfg["warps_scores"], num_stages=cfg["stages_scores"])
+        num_warps=cfg["warps_scores"], num_stages=cfg["stages_scores"], **pdl_launch(q.device))
     return slots, p, m_blk, l_blk, precision
 
 
@@ -291,7 +294,7 @@ def values_pass(cfg: dict, scores: tuple, latent_cache, out, lse, dv: int) -> No
         m_blk.stride(0), m_blk.stride(1), out.stride(0), out.stride(1),
         DV=dv, DVC=cfg["dvc"], BK=cfg["bk"], BK2=cfg["bk2"],
         **_tiles(cfg, latent_cache.shape[1], precision), FP8=latent_cache.dtype == torch.uint8,
-        num_warps=cfg["warps_values"], num_stages=cfg["stages_values"])
+        num_warps=cfg["warps_values"], num_stages=cfg["stages_values"], **pdl_launch(views[0].device))
 
 
 def aot_specs(shapes) -> list:

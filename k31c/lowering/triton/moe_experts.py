@@ -30,7 +30,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.cache_write import to_storage
-from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, upcast_dots, wait_for_producers
 
 MAX_EXPERTS = 8192           # experts the one-program offsets pass holds in registers
 
@@ -38,7 +38,8 @@ MAX_EXPERTS = 8192           # experts the one-program offsets pass holds in reg
 # ---- grouping ---------------------------------------------------------------------------------
 
 @triton.jit
-def _count_kernel(idx_ptr, counts_ptr, n_assign, n_experts, BLOCK: tl.constexpr):
+def _count_kernel(idx_ptr, counts_ptr, n_assign, n_experts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(idx_ptr + a, mask=a < n_assign, other=-1)
     ok = (e >= 0) & (e < n_experts)
@@ -47,7 +48,8 @@ def _count_kernel(idx_ptr, counts_ptr, n_assign, n_experts, BLOCK: tl.constexpr)
 
 @triton.jit
 def _offsets_kernel(counts_ptr, offsets_ptr, tile_end_ptr, n_experts, BM: tl.constexpr,
-                    EP: tl.constexpr):
+                    EP: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     cols = tl.arange(0, EP)
     ok = cols < n_experts
     c = tl.load(counts_ptr + cols, mask=ok, other=0)
@@ -57,7 +59,8 @@ def _offsets_kernel(counts_ptr, offsets_ptr, tile_end_ptr, n_experts, BM: tl.con
 
 @triton.jit
 def _scatter_kernel(idx_ptr, offsets_ptr, cursor_ptr, sorted_ptr, n_assign, n_experts,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(idx_ptr + a, mask=a < n_assign, other=-1)
     ok = (e >= 0) & (e < n_experts)
@@ -115,7 +118,8 @@ def _gate_up_kernel(z_ptr, w13_ptr, h_ptr, sorted_ptr, counts_ptr, offsets_ptr, 
                     n_experts, width, inter, k, stride_z, stride_we, stride_wr, beta, linear_beta,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr,
                     SITU: tl.constexpr, LINEAR_BETA: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     if t < tl.load(tile_end_ptr + n_experts - 1):
         e, row0, row_end = _tile(t, counts_ptr, offsets_ptr, tile_end_ptr, n_experts, BM, EP)
@@ -154,7 +158,8 @@ def _gate_up_kernel(z_ptr, w13_ptr, h_ptr, sorted_ptr, counts_ptr, offsets_ptr, 
 def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, wts_ptr, counts_ptr, offsets_ptr, tile_end_ptr,
                  n_experts, width, inter, stride_we, stride_wr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     t = tl.program_id(0)
     if t < tl.load(tile_end_ptr + n_experts - 1):
         e, row0, row_end = _tile(t, counts_ptr, offsets_ptr, tile_end_ptr, n_experts, BM, EP)
@@ -183,7 +188,8 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, sorted_ptr, wts_ptr, counts_ptr, offsets_
 
 @triton.jit
 def _combine_kernel(y_ptr, idx_ptr, out_ptr, n_experts, width, stride_out,
-                    K: tl.constexpr, BW: tl.constexpr):
+                    K: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BW + tl.arange(0, BW)
     col_ok = cols < width
@@ -255,9 +261,10 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     h = torch.empty((n_assign, inter), dtype=w13.dtype, device=dev)
     y = torch.empty((n_assign, width), dtype=torch.float32, device=dev)
     groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
-    _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK)
-    _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep)
-    _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK)
+    _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl_launch(idx.device))
+    _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl_launch(counts.device))
+    _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK,
+                            **pdl_launch(idx.device))
     tiles = max_tiles(n_experts, n_assign, bm)
     precision = target_of(dev).dot_precision(fast=False)
     upcast = upcast_dots(w13.dtype)
@@ -265,13 +272,14 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
         z, w13, h, sorted_a, counts, offsets, tile_end, n_experts, width, inter, k, z.stride(0),
         w13.stride(0), w13.stride(1), float(beta), float(linear_beta or 1.0),
         BM=bm, BN=p["BN"], BK=p["BK"], EP=ep, SITU=act == "situ", LINEAR_BETA=linear_beta is not None,
-        UPCAST=upcast, PRECISION=precision, num_warps=p["num_warps"], num_stages=p["up_stages"])
+        UPCAST=upcast, PRECISION=precision, num_warps=p["num_warps"], num_stages=p["up_stages"],
+        **pdl_launch(z.device))
     _down_kernel[(tiles, triton.cdiv(width, p["BN"]))](
         h, w2, y, sorted_a, weights, counts, offsets, tile_end, n_experts, width, inter,
         w2.stride(0), w2.stride(1), BM=bm, BN=p["BN"], BK=p["BK"], EP=ep, UPCAST=upcast,
-        PRECISION=precision, num_warps=p["num_warps"], num_stages=p["down_stages"])
+        PRECISION=precision, num_warps=p["num_warps"], num_stages=p["down_stages"], **pdl_launch(h.device))
     _combine_kernel[(n, triton.cdiv(width, _COMBINE_BW))](y, idx, out, n_experts, width, out.stride(0),
-                                                          K=k, BW=_COMBINE_BW)
+                                                          K=k, BW=_COMBINE_BW, **pdl_launch(y.device))
     return out
 
 

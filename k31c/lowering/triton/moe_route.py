@@ -23,14 +23,15 @@ from k31c.graph.ops.moe import check_route
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import interpreting, target_of, upcast_dots
+from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, upcast_dots, wait_for_producers
 
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, part_ptr, n_rows, n_experts, d, d_per_split, stride_x, stride_w,
                    BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """part[s, rows, experts] = Σ_{k in split s} x[rows, k] · w[experts, k] (fp32)."""
+    wait_for_producers(PDL)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     experts = tl.program_id(0) * BE + tl.arange(0, BE)
     split = tl.program_id(2)
@@ -57,7 +58,8 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, n_rows, n_experts, d, d_per_split, st
 def _select_kernel(part_ptr, bias_ptr, idx_ptr, wout_ptr, row_len_ptr, n_rows, n_experts, group_size,
                    scaling, HAS_ROW_LEN: tl.constexpr, SPLITS: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                    GROUPS: tl.constexpr, GP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   SOFTMAX: tl.constexpr, RENORM: tl.constexpr):
+                   SOFTMAX: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, EP)
     valid = cols < n_experts
@@ -166,11 +168,11 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
                          weight.stride(0), BM=p["BM"], BE=p["BE"], BK=p["BK"],
                          UPCAST=upcast_dots(x.dtype) or x.dtype != weight.dtype,
                          PRECISION=target_of(x.device).dot_precision(fast=False),
-                         num_warps=p["num_warps"])
+                         num_warps=p["num_warps"], **pdl_launch(x.device))
     _select_kernel[(n,)](part, bias, idx, w, idx if row_len is None else row_len, n, n_experts,
                          n_experts // n_group, float(scaling), HAS_ROW_LEN=row_len is not None,
                          **select_constexprs(n_experts, k, n_group, topk_group, scoring, renormalize,
-                                             p["splits"]), num_warps=4)
+                                             p["splits"]), num_warps=4, **pdl_launch(part.device))
     return idx, w
 
 

@@ -39,6 +39,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.unit_stride import require_unit_stride
+from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 CAP = 8192             # candidate buffer per row (at least 4k; ~2.5k expected, +5 sd at 80 samples above T)
 TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
@@ -167,8 +168,9 @@ def _select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE: tl.constexpr
 
 @triton.jit
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, k, cap, target,
-                 SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr):
+                 SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
     """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     n = tl.load(row_len_ptr + row)
     st = state_ptr + row * ST_WORDS
@@ -191,8 +193,9 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 @triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                   chunk, TILE: tl.constexpr):
+                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold."""
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     rows = row + tl.zeros([1], tl.int32)
     st_rows = state_ptr + rows * ST_WORDS
@@ -219,11 +222,12 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
 @triton.jit
 def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, ckey_ptr,
                    cpos_ptr, ties_ptr, k, cap, chunk, n_chunks, CP: tl.constexpr, BUF: tl.constexpr,
-                   TILE: tl.constexpr):
+                   TILE: tl.constexpr, PDL: tl.constexpr = False):
     """Per row, with G keys > threshold T in the buffer and E keys == T in the row:
     k <= G <= cap: exact top-k of the buffer (key digits, then positions among ties);
     G < k <= G + E: the whole buffer plus the k - G highest positions at T, found by reading
     chunks of the scores from the top; anything else: exact selection from the whole row."""
+    wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
     if tl.load(st + ST_MODE) == 0:
@@ -367,14 +371,17 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
     _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
-                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples))
+                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples),
+                            **pdl_launch(scores.device))
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS)
+                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
+                                         **pdl_launch(scores.device))
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)))
+                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)),
+                              **pdl_launch(scores.device))
     if DEBUG_PATHS:
         last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
