@@ -68,3 +68,30 @@ def test_a_gpu_is_matched_by_name_else_its_backends_first_target(monkeypatch):
         assert device.target_of(torch.device("cuda", 1)).name == "mi350x"   # ROCm's first
     finally:
         device._gpu_target.cache_clear()
+
+
+def test_pdl_launch_arguments_follow_the_record_and_the_device(monkeypatch):
+    """Programmatic dependent launch: the kernels' PDL flag and Triton's launch_pdl only when the
+    record in force has `pdl`, on CUDA sm_90+, compiled (not interpreted); else no arguments."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(device, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    capability = {0: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: capability[i])
+    device._sm90.cache_clear()
+    on = dataclasses.replace(get_target("h200"), pdl=True)
+    try:
+        with device.using_target(on):
+            assert device.pdl_launch(cuda) == {"PDL": True, "launch_pdl": True}
+            assert device.pdl_launch(torch.device("cpu")) == {}          # the record is for CUDA
+        with device.using_target(get_target("h200")):                   # h200's default: off
+            assert device.pdl_launch(cuda) == {}
+        capability[0] = (8, 0)                                           # an A100 has no griddepcontrol
+        device._sm90.cache_clear()
+        with device.using_target(on):
+            assert device.pdl_launch(cuda) == {}
+        monkeypatch.setattr(device, "interpreting", lambda: True)
+        with device.using_target(on):
+            assert device.pdl_launch(cuda) == {}
+    finally:
+        device._sm90.cache_clear()
