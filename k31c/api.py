@@ -155,6 +155,9 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         compile_opts["pdl"] = target.pdl
     if not isinstance(compile_opts["pdl"], bool):
         raise UsageError(f"option pdl must be True or False, got {compile_opts['pdl']!r}")
+    if compile_opts["pdl"] and target.triton_backend != "cuda":
+        raise UsageError(f"option pdl: target '{target.name}' has no programmatic dependent launch "
+                         "(CUDA sm_90 and later only)")
     streams = compile_opts["streams"]
     if streams is None:
         compile_opts["streams"] = target.graph_streams

@@ -98,6 +98,8 @@ def test_errors_name_the_model_target_pass_and_option(model):
         k31c_api.compile(model, options={"executor": "tvm"})
     with pytest.raises(ValueError, match="option pdl must be True or False, got 'on'"):
         k31c_api.compile(model, target="h200", options={"pdl": "on"})
+    with pytest.raises(ValueError, match="target 'mi350x' has no programmatic dependent launch"):
+        k31c_api.compile(model, target="mi350x", options={"pdl": True})
 
 
 def test_compile_only_targets_build_but_do_not_run(model, compiled_run):
