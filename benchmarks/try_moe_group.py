@@ -19,6 +19,10 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton import moe_experts as mx
+try:
+    from benchmarks.harness import graph_ms
+except ImportError:  # run as a script from benchmarks/
+    from harness import graph_ms
 
 
 @triton.jit
@@ -74,23 +78,9 @@ def check(idx: torch.Tensor, n_experts: int, bm: int) -> None:
         assert bool((idx.flatten()[got.long()] == ex).all())
 
 
-def graph_us(fn, launches: int = 20, replays: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (launches * replays) * 1e3
+def graph_us(fn, launches: int = 20) -> float:
+    """Median time of one launch of `fn`, replayed from a CUDA graph of `launches` launches."""
+    return 1e3 * graph_ms(fn, calls=launches)
 
 
 def main() -> None:

@@ -22,6 +22,10 @@ import triton.language as tl
 
 from k31c.lowering.triton import topk
 from k31c.lowering.triton.topk import select_kth
+try:
+    from benchmarks.harness import graph_ms
+except ImportError:  # run as a script from benchmarks/
+    from harness import graph_ms
 
 
 @triton.jit
@@ -94,24 +98,9 @@ def _empty(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 1)
 
 
-def graph_us(fn, launches: int = 20, replays: int = 10) -> float:
-    """Mean time of one launch of `fn`, from replays of a CUDA graph of `launches` launches."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (launches * replays) * 1e3
+def graph_us(fn, launches: int = 20) -> float:
+    """Median time of one launch of `fn`, replayed from a CUDA graph of `launches` launches."""
+    return 1e3 * graph_ms(fn, calls=launches)
 
 
 def micro_costs() -> None:
@@ -150,7 +139,7 @@ def filter_sweep() -> None:
                 for warps in (4, 8):
                     us = graph_us(lambda: topk._filter_kernel[(64, p.n_chunks)](
                         scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
-                        p.cap, p.chunk, TILE=tile, num_warps=warps), launches=10, replays=4)
+                        p.cap, p.chunk, TILE=tile, num_warps=warps), launches=10)
                     print(f"filter 64x{ctx >> 10}K: {programs} programs, tile {tile}, {warps} warps "
                           f"(chunk {p.chunk}): {us:.1f} us")
 
@@ -165,7 +154,7 @@ def filter_steps() -> None:
                                      "+ cumsum, stores (the filter)")):
             us = graph_us(lambda: _filter_probe[(64, p.n_chunks)](
                 scores, scores.stride(0), ws["state"], ws["ckey"], ws["cpos"], sink, p.cap, p.chunk, ctx,
-                TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10, replays=4)
+                TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10)
             print(f"filter steps 64x{ctx >> 10}K (chunk {p.chunk}, tile {topk.SCORE_TILE}): {what}: "
                   f"{us:.1f} us (read floor ~{floor_us:.1f})")
 
