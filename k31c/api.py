@@ -20,8 +20,9 @@ Executors (`options={"executor": ...}`):
   (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
   `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
   pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
-  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU target's program on CPU tensors
-  when `TRITON_INTERPRET=1` (the Triton kernels in the interpreter, no device graph).
+  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
+  target's program on CPU tensors when `TRITON_INTERPRET=1` (the Triton kernels in the
+  interpreter, no device graph).
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
 - `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
@@ -291,7 +292,7 @@ class CompiledModel:
             print(file=sys.stderr)
         device = meta.slot_mapping.device
         program.kernels = kp
-        program.executor = Executor(kp, device, self.options["streams"], target=self.target)
+        program.executor = Executor(kp, device, self.target, self.options["streams"])
         program.fn = lambda *flat: program.executor(list(flat))
         if step.mode == "decode" and self.options["device_graphs"] and device.type == "cuda":
             if kp.fallbacks():

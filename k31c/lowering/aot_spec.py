@@ -47,9 +47,15 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
     unknown = (set(constexprs) | set(types)) - set(names)
     if unknown:
         raise ValueError(f"{kernel.__name__}: no arguments named {sorted(unknown)}")
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs
+               and not p.has_default]
+    if missing:
+        raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
+    values = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    values.update(constexprs)
     signature = {}
     for name in names:
-        if name in constexprs:
+        if name in values:
             signature[name] = "constexpr"
         elif isinstance(types.get(name), torch.dtype):
             signature[name] = "*" + _PTR_TYPES[str(types[name]).removeprefix("torch.")]
@@ -57,13 +63,5 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
             raise ValueError(f"{kernel.__name__}: pointer argument '{name}' needs a dtype in types")
         else:
             signature[name] = types.get(name, "i32")
-    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs
-               and not p.has_default]
-    if missing:
-        raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
-    values = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
-    values.update(constexprs)
-    for name in values:
-        signature[name] = "constexpr"
     return AotSpec(kernel, signature, values, num_warps, num_stages, variant,
                    tuple([ops] if isinstance(ops, str) else ops))

@@ -53,9 +53,8 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False) -> 
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
-    patch = {"triton.enable_pdl": True} if pdl and hasattr(inductor_config.triton, "enable_pdl") else {}
     try:
-        with torch.no_grad(), inductor_config.patch(patch):
+        with torch.no_grad(), inductor_config.patch({"triton.enable_pdl": True} if pdl else {}):
             return compile_fx(gm, example)
     except Exception as e:                      # Inductor's errors carry the failing op
         raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "

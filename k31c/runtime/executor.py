@@ -33,8 +33,8 @@ def side_streams(device: torch.device, n: int) -> list:
 
 
 class Executor:
-    def __init__(self, program: Program, device: torch.device, streams: Optional[int] = None,
-                 target: Optional[Target] = None):
+    def __init__(self, program: Program, device: torch.device, target: Target,
+                 streams: Optional[int] = None):
         self.program = program
         self.target = target          # the record the kernels' launchers take their facts from
         self.device = torch.device(device)
@@ -72,8 +72,6 @@ class Executor:
         return plan
 
     def __call__(self, inputs: list) -> tuple:
-        if self.target is None:
-            return self._run(inputs)
         with using_target(self.target):
             return self._run(inputs)
 

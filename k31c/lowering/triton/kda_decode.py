@@ -287,6 +287,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     K = p.K
     P = H * K
     dev = q.device
+    pdl = pdl_launch(dev)
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     has_snap = snap_conv is not None
@@ -295,8 +296,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
             H, 0.0 if lower_bound is None else float(lower_bound), K ** -0.5,
-            **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps,
-            **pdl_launch(q.device))
+            **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps, **pdl)
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
@@ -304,11 +304,11 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
         _kda_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
-            **p.state_constexprs(has_snap), num_warps=p.num_warps, **pdl_launch(qs.device))
+            **p.state_constexprs(has_snap), num_warps=p.num_warps, **pdl)
     if "n" in stages and not p.fuse_norm:
         _kda_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
-            num_warps=NORM_WARPS, **pdl_launch(o_raw.device))
+            num_warps=NORM_WARPS, **pdl)
     return out
 
 

@@ -373,20 +373,20 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     ge = torch.empty(n_chunks_max, NB, H, K, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     lb = 0.0 if lower_bound is None else float(lower_bound)
+    pdl = pdl_launch(q.device)
     if n_chunks_max > 0:
         _kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
-            num_warps=p.chunk_warps, **pdl_launch(q.device))
+            num_warps=p.chunk_warps, **pdl)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     _kda_state_kernel[(B, H, K // BV)](
         qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
         conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
-        num_warps=p.state_warps, num_stages=p.state_stages, **pdl_launch(qg.device))
+        num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
     if BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
-                                                    float(eps), K=K, BT=16, num_warps=4,
-                                                    **pdl_launch(o_raw.device))
+                                                    float(eps), K=K, BT=16, num_warps=4, **pdl)
     return out
 
 

@@ -37,7 +37,7 @@ from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
-                                             head_tiles, in_row_slices, merge_splits_kernel, resolve_slots,
+                                             head_tiles, in_row_slices, merge_spec, merge_splits, resolve_slots,
                                              rope_latent_cols)
 
 
@@ -216,9 +216,6 @@ def _constexprs(cfg: dict, dv: int, width: int, block_size: int, dense: bool, fi
                 DENSE=dense, FINAL=final, PRECISION=precision)
 
 
-_MERGE_HEADS = 8        # heads per merge program
-
-
 def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv, config=None,
            stats: dict | None = None):
     """The one-pass kernel over all keys below row_len (indices None) or over the listed keys
@@ -262,12 +259,7 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
                      spills=getattr(compiled, "n_spills", None),
                      shared=getattr(compiled.metadata, "shared", None))
     if not final:
-        merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
-            part, part_lse, out, lse, splits, n_heads,
-            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4,
-            **pdl_launch(part.device))
+        merge_splits(part, part_lse, out, lse)
     return out, lse
 
 
@@ -302,8 +294,5 @@ def aot_specs(shapes) -> list:
             dict(q_ptr=dt, cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
             num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
-    block_v = max(16, triton.next_power_of_2(dv))
-    specs.append(kernel_spec(merge_splits_kernel, op, "merge",
-                             dict(DV=dv, BLOCK_V=block_v, HB=_MERGE_HEADS),
-                             dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
+    specs.append(merge_spec(op, dv, dt))
     return specs

@@ -3,7 +3,7 @@ two-pass sparse kernel; spec/model.md §5.4): the argument checks, the head tili
 one 64-head tile + one 32-head tile, no padding to 128), the kernel that resolves sparse
 index lists to physical cache slots once, so the attention loops have one level of indirection,
 the on-chip dequantisation of FP8 latent rows (`fp8_latent_cols`, `rope_latent_cols`), and the
-merge of key-split partial outputs by their LSE (`merge_splits_kernel`, mla.py and mla_dense.py)."""
+merge of key-split partial outputs by their LSE (`merge_splits`, for mla.py and mla_dense.py)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from k31c.graph.ops.fp8_layouts import latent_fp8_nope, latent_fp8_scales
+from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -106,7 +107,6 @@ def resolve_slots(indices: torch.Tensor, block_table: torch.Tensor, row_req: tor
 
 def slots_spec(shapes, op: str):
     """The AOT build of resolve_slots' launch at `shapes` (aot_spec.AotShapes)."""
-    from k31c.lowering.aot_spec import kernel_spec
     i32 = torch.int32
     return kernel_spec(slots_kernel, op, "slots", dict(BLOCK_SIZE=shapes.block_size, BLOCK=SLOTS_BLOCK),
                        dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32))
@@ -173,11 +173,15 @@ def check_mla_args(q, latent_cache, block_table, row_req, dv, keys, keys_name) -
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
+MERGE_HEADS = 8          # heads per merge program
+
+
 @triton.jit
 def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_heads,
-                  stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
-                  stride_on, stride_oh, stride_ln,
-                  DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
+                        stride_ps, stride_pn, stride_ph, stride_pls, stride_pln,
+                        stride_on, stride_oh, stride_ln,
+                        DV: tl.constexpr, BLOCK_V: tl.constexpr, HB: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out[t, h] = Σ_s exp(lse_s - lse) · part_s[t, h], lse = log Σ_s exp(lse_s) (+inf if none)."""
     wait_for_producers(PDL)
     t = tl.program_id(0)
@@ -206,3 +210,22 @@ def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_he
     tl.store(out_ptr + t.to(tl.int64) * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
              out.to(out_ptr.dtype.element_ty), mask=hv_mask)
     tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
+
+
+def merge_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """out [N, Hq, dv], lse [N, Hq] from the splits' partial outputs [S, N, Hq, dv] and LSEs [S, N, Hq]."""
+    splits, n, n_heads, dv = part.shape
+    merge_splits_kernel[(n, triton.cdiv(n_heads, MERGE_HEADS))](
+        part, part_lse, out, lse, splits, n_heads,
+        part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=MERGE_HEADS, num_warps=4,
+        **pdl_launch(part.device))
+
+
+def merge_spec(op: str, dv: int, dt: torch.dtype):
+    """The AOT spec of `merge_splits` for `op`'s launcher (outputs in dt)."""
+    f32 = torch.float32
+    return kernel_spec(merge_splits_kernel, op, "merge",
+                       dict(DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=MERGE_HEADS),
+                       dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32))

@@ -12,8 +12,9 @@ M-rows, as keys (every Dl column) and as values (the first dv). The tiles of one
 are adjacent in the grid, so they read the same slice together and HBM sees it once.
 
 Online softmax in fp32 (log2 domain). Each split writes its normalised partial output and LSE
-to a workspace [splits, N, Hq, dv] (fp32); `mla_common.merge_splits_kernel` combines them by
-LSE (with one split the kernel writes the result directly). A row with no visible key gives out = 0, lse = +inf.
+to a workspace [splits, N, Hq, dv] (fp32); `mla_common.merge_splits` combines them by LSE (with
+one split the kernel writes the result directly). A row with no visible key gives out = 0,
+lse = +inf.
 
 Any row_req is accepted: a tile whose rows belong to several requests (rows of a group that are
 not one request's) runs one pass per request, each pass updating only that request's rows; in
@@ -33,7 +34,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_splits_kernel
+from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_spec, merge_splits
 
 OP = "k31c::dense_mla"
 VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's: "one_pass")
@@ -191,7 +192,6 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
 MAX_SPLITS = 64           # bounds the workspace: splits x N x Hq x dv fp32
 _SMALLER_STEP: dict = {}  # (device, row columns, element bytes) -> key step that fit, where the
                           # planned one did not
-_MERGE_HEADS = 8          # heads per merge program
 
 
 def rows_per_group(n_rows: int, n_req: int) -> int:
@@ -326,12 +326,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
                          spills=getattr(compiled, "n_spills", None),
                          shared=getattr(compiled.metadata, "shared", None))
     if not final:
-        merge_splits_kernel[(n, triton.cdiv(n_heads, _MERGE_HEADS))](
-            part, part_lse, out, lse, splits, n_heads,
-            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=_MERGE_HEADS, num_warps=4,
-            **pdl_launch(part.device))
+        merge_splits(part, part_lse, out, lse)
     return out, lse
 
 
@@ -375,8 +370,5 @@ def aot_specs(shapes) -> list:
                 dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, row_len_ptr=i32,
                      out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
                 num_warps=p["num_warps"], num_stages=p["num_stages"]))
-    specs.append(kernel_spec(merge_splits_kernel, OP, "merge",
-                             dict(DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),
-                                  HB=_MERGE_HEADS),
-                             dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32)))
+    specs.append(merge_spec(OP, dv, dt))
     return specs

@@ -253,6 +253,7 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     p = plan(n_assign, config=config)
     bm, ep = p["BM"], triton.next_power_of_2(n_experts)
     dev = z.device
+    pdl = pdl_launch(dev)
     ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)     # counts, cursors
     counts, cursor = ints[:n_experts], ints[n_experts:]
     offsets = torch.empty(n_experts, dtype=torch.int32, device=dev)
@@ -261,10 +262,9 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     h = torch.empty((n_assign, inter), dtype=w13.dtype, device=dev)
     y = torch.empty((n_assign, width), dtype=torch.float32, device=dev)
     groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
-    _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl_launch(idx.device))
-    _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl_launch(counts.device))
-    _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK,
-                            **pdl_launch(idx.device))
+    _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
+    _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl)
+    _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
     tiles = max_tiles(n_experts, n_assign, bm)
     precision = target_of(dev).dot_precision(fast=False)
     upcast = upcast_dots(w13.dtype)
@@ -272,14 +272,13 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
         z, w13, h, sorted_a, counts, offsets, tile_end, n_experts, width, inter, k, z.stride(0),
         w13.stride(0), w13.stride(1), float(beta), float(linear_beta or 1.0),
         BM=bm, BN=p["BN"], BK=p["BK"], EP=ep, SITU=act == "situ", LINEAR_BETA=linear_beta is not None,
-        UPCAST=upcast, PRECISION=precision, num_warps=p["num_warps"], num_stages=p["up_stages"],
-        **pdl_launch(z.device))
+        UPCAST=upcast, PRECISION=precision, num_warps=p["num_warps"], num_stages=p["up_stages"], **pdl)
     _down_kernel[(tiles, triton.cdiv(width, p["BN"]))](
         h, w2, y, sorted_a, weights, counts, offsets, tile_end, n_experts, width, inter,
         w2.stride(0), w2.stride(1), BM=bm, BN=p["BN"], BK=p["BK"], EP=ep, UPCAST=upcast,
-        PRECISION=precision, num_warps=p["num_warps"], num_stages=p["down_stages"], **pdl_launch(h.device))
+        PRECISION=precision, num_warps=p["num_warps"], num_stages=p["down_stages"], **pdl)
     _combine_kernel[(n, triton.cdiv(width, _COMBINE_BW))](y, idx, out, n_experts, width, out.stride(0),
-                                                          K=k, BW=_COMBINE_BW, **pdl_launch(y.device))
+                                                          K=k, BW=_COMBINE_BW, **pdl)
     return out
 
 

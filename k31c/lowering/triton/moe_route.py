@@ -164,15 +164,16 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
     p = plan(n, n_experts, d)
     part = torch.empty((p["splits"], n, n_experts), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n_experts, p["BE"]), triton.cdiv(n, p["BM"]), p["splits"])
+    pdl = pdl_launch(x.device)
     _logits_kernel[grid](x, weight, part, n, n_experts, d, p["d_per_split"], x.stride(0),
                          weight.stride(0), BM=p["BM"], BE=p["BE"], BK=p["BK"],
                          UPCAST=upcast_dots(x.dtype) or x.dtype != weight.dtype,
                          PRECISION=target_of(x.device).dot_precision(fast=False),
-                         num_warps=p["num_warps"], **pdl_launch(x.device))
+                         num_warps=p["num_warps"], **pdl)
     _select_kernel[(n,)](part, bias, idx, w, idx if row_len is None else row_len, n, n_experts,
                          n_experts // n_group, float(scaling), HAS_ROW_LEN=row_len is not None,
                          **select_constexprs(n_experts, k, n_group, topk_group, scoring, renormalize,
-                                             p["splits"]), num_warps=4, **pdl_launch(part.device))
+                                             p["splits"]), num_warps=4, **pdl)
     return idx, w
 
 

@@ -113,6 +113,14 @@ def sample_position(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
+def write_selected(out_row, base, pos, sel):
+    """Write the selected positions of a tile to out_row[base:], in order; returns how many."""
+    seli = sel.to(tl.int32)
+    tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+    return tl.sum(seli, 0)
+
+
+@triton.jit
 def _take_top_ties(row, lo, hi, thresh, take, out_row, base, src_ptr, src_stride, TILE: tl.constexpr):
     """Write the `take` highest positions in [lo, hi) whose key == thresh to out_row[base:]
     (one program, reading tiles from the top down); returns the new base."""
@@ -123,10 +131,9 @@ def _take_top_ties(row, lo, hi, thresh, take, out_row, base, src_ptr, src_stride
         key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=live, other=0.0))
         tie = (live & (key == thresh)).to(tl.int32)
         sel = (tie > 0) & (tl.sum(tie, 0) - tl.cumsum(tie, 0) < take)    # ties above it in the tile
-        seli = sel.to(tl.int32)
-        tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-        base += tl.sum(seli, 0)
-        take -= tl.sum(seli, 0)
+        n = write_selected(out_row, base, pos, sel)
+        base += n
+        take -= n
         top -= TILE
     return base
 
@@ -158,9 +165,7 @@ def _select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE: tl.constexpr
         pos = start + tl.arange(0, TILE)
         key = order_key(tl.load(src_row + pos, mask=pos < n, other=0.0))
         sel = (pos < n) & (key > prefix)
-        seli = sel.to(tl.int32)
-        tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-        base += tl.sum(seli, 0)
+        base += write_selected(out_row, base, pos, sel)
     _take_top_ties(row, 0, n, prefix, krem, out_row, base, src_ptr, src_stride, TILE)
 
 
@@ -253,9 +258,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied, krem, 7)
             pos = tl.load(cpos, mask=live, other=0)
             sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
-            seli = sel.to(tl.int32)
-            tl.store(out_row + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-            base = tl.sum(seli, 0)
+            base = write_selected(out_row, 0, pos, sel)
             j = n_chunks - 1     # chunks from the top, each giving its highest positions at T
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
@@ -370,18 +373,18 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     p = plan(n_rows, width, k)
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
+    pdl = pdl_launch(scores.device)
     _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
                             SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples),
-                            **pdl_launch(scores.device))
+                            **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
                                          ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
-                                         **pdl_launch(scores.device))
+                                         **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)),
-                              **pdl_launch(scores.device))
+                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)), **pdl)
     if DEBUG_PATHS:
         last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
