@@ -1,14 +1,11 @@
-"""The routed experts' grouping in one program, against moe_experts.py's three launches.
+"""moe_experts.py's two groupings of the routed assignments, checked against each other and timed.
 
-`k31c::moe_experts` groups its A = N·k assignments by expert with a zeroed counter buffer (a
-memset), then count (atomic adds), offsets (one program) and scatter (atomic cursors): five
-graph nodes before the first GEMM. At decode sizes (A <= 1024) one program can do it all in
-registers: counts by a histogram over the experts, offsets and tile ends by prefix sums, and the
-grouped order by sorting the keys expert·NA + a (invalid experts sort last), so no memset, no
-atomics, and the order inside an expert is ascending a (deterministic). This script checks the
-one-program grouping against the three launches (counts, offsets, tile ends equal; each expert's
-set of assignments equal) and times both as CUDA-graph replays at K3.1 Pro's 896 experts, k = 8,
-N = 1, 16, 64 rows (on the CPU: the check only, under TRITON_INTERPRET=1).
+At decode sizes (A <= GROUP_ONE_MAX) `k31c::moe_experts` groups its A = N·k assignments in one
+program (`_group_kernel`: a histogram, prefix sums, a sort of expert-major keys); larger A zero
+two counter arrays (a memset) and launch count, offsets and scatter: four graph nodes instead of
+one. This script checks the two against each other (counts, offsets, tile ends equal; each
+expert's set of assignments equal) and times both as CUDA-graph replays at K3.1 Pro's 896
+experts, k = 8, N = 1, 16, 64 rows (on the CPU: the check only, under TRITON_INTERPRET=1).
 
     PYTHONPATH=. python benchmarks/try_moe_group.py
 """
@@ -16,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from k31c.lowering.triton import moe_experts as mx
 try:
@@ -25,28 +21,12 @@ except ImportError:  # run as a script from benchmarks/
     from harness import graph_ms
 
 
-@triton.jit
-def _group_kernel(idx_ptr, counts_ptr, offsets_ptr, tile_end_ptr, sorted_ptr, n_assign, n_experts,
-                  NA: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
-    a = tl.arange(0, NA)
-    e = tl.load(idx_ptr + a, mask=a < n_assign, other=-1)
-    ok = (a < n_assign) & (e >= 0) & (e < n_experts)
-    counts = tl.histogram(tl.where(ok, e, 0), EP, mask=ok)
-    cols = tl.arange(0, EP)
-    cm = cols < n_experts
-    tl.store(counts_ptr + cols, counts, mask=cm)
-    tl.store(offsets_ptr + cols, tl.cumsum(counts, axis=0) - counts, mask=cm)
-    tl.store(tile_end_ptr + cols, tl.cumsum((counts + BM - 1) // BM, axis=0), mask=cm)
-    grouped = tl.sort(tl.where(ok, e, n_experts) * NA + a)        # expert-major, then a
-    tl.store(sorted_ptr + a, grouped % NA, mask=a < tl.sum(ok.to(tl.int32), axis=0))
-
-
 def group_one_program(idx: torch.Tensor, n_experts: int, bm: int):
     n_assign = idx.numel()
     dev = idx.device
     counts, offsets, tile_end = (torch.empty(n_experts, dtype=torch.int32, device=dev) for _ in range(3))
     sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
-    _group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
+    mx._group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
                         NA=triton.next_power_of_2(n_assign), EP=triton.next_power_of_2(n_experts), BM=bm)
     return counts, offsets, tile_end, sorted_a
 

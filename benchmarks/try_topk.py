@@ -10,11 +10,15 @@
 3. Where the filter's time goes: the same loop at the registered launch shape with its work
    added step by step (stream the keys and reduce them; + the threshold compares and tie
    counts; + one atomic per tile on the row's counter; + the cumsum compaction and the stores,
-   which is the real filter).
+   which is the real filter; the slot wraps at the buffer size so every launch stores); and two
+   variants: the cumsum alone, one atomic per selected key (its own slot) instead of it, and the
+   filter with a relaxed atomic (Triton's default acq_rel one also orders the earlier stores).
 
-    PYTHONPATH=. python benchmarks/try_topk.py
+    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: part 3 alone)
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -60,7 +64,9 @@ def _compact(x_ptr, out_ptr, N: tl.constexpr):
 def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, cap, chunk, n,
                   TILE: tl.constexpr, STEP: tl.constexpr):
     """topk._filter_kernel's loop with its work cut at STEP: 0 stream + reduce, 1 + compares and
-    tie counts, 2 + one atomic per tile, 3 + cumsum compaction and stores (the whole filter)."""
+    tie counts, 2 + one atomic per tile, 3 + cumsum compaction and stores (the whole filter); 4: 1
+    + the cumsum alone; 5: 1 + one atomic per selected key and its stores (no cumsum); 6: 3 with
+    a relaxed atomic."""
     row = tl.program_id(0)
     st = state_ptr + row * topk.ROW_STATE
     thresh = tl.load(st + topk.ST_THRESH).to(tl.uint32, bitcast=True)
@@ -81,15 +87,23 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
             nsel = tl.sum(seli, 0)
             if STEP == 1:
                 acc += nsel
+            elif STEP == 5:      # one atomic per selected key: its own slot, no cumsum
+                idx = tl.atomic_add(st + topk.ST_CNT + tl.zeros_like(seli), 1, mask=sel) & (cap - 1)
+                tl.store(ckey_ptr + row.to(tl.int64) * cap + idx, key.to(tl.int32, bitcast=True), mask=sel)
+                tl.store(cpos_ptr + row.to(tl.int64) * cap + idx, pos, mask=sel)
+            elif STEP == 4:      # the cumsum alone
+                acc += tl.cumsum(seli, 0)
             else:
-                base = tl.atomic_add(st + topk.ST_CNT, nsel)
+                if STEP == 6:    # the filter with a relaxed atomic (no fence on the stores before it)
+                    base = tl.atomic_add(st + topk.ST_CNT, nsel, sem="relaxed")
+                else:
+                    base = tl.atomic_add(st + topk.ST_CNT, nsel)
                 if STEP == 2:
                     acc += base
-                else:
-                    idx = base + tl.cumsum(seli, 0) - seli
-                    ok = sel & (idx < cap)
-                    tl.store(ckey_ptr + row.to(tl.int64) * cap + idx, key.to(tl.int32, bitcast=True), mask=ok)
-                    tl.store(cpos_ptr + row.to(tl.int64) * cap + idx, pos, mask=ok)
+                else:            # the slot wraps at cap (a power of two) so every launch stores
+                    idx = (base + tl.cumsum(seli, 0) - seli) & (cap - 1)
+                    tl.store(ckey_ptr + row.to(tl.int64) * cap + idx, key.to(tl.int32, bitcast=True), mask=sel)
+                    tl.store(cpos_ptr + row.to(tl.int64) * cap + idx, pos, mask=sel)
     tl.store(sink_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))   # keeps the work live
 
 
@@ -151,7 +165,8 @@ def filter_steps() -> None:
         sink = torch.empty(64 * p.n_chunks, dtype=torch.int32, device="cuda")
         floor_us = 64 * ctx * 4 / 4.1e6     # bytes over ~4.1 TB/s
         for step, what in enumerate(("stream + reduce", "+ compares, tie counts", "+ atomic per tile",
-                                     "+ cumsum, stores (the filter)")):
+                                     "+ cumsum, stores (the filter)", "1 + cumsum alone",
+                                     "1 + atomic per key, stores", "3 with a relaxed atomic")):
             us = graph_us(lambda: _filter_probe[(64, p.n_chunks)](
                 scores, scores.stride(0), ws["state"], ws["ckey"], ws["cpos"], sink, p.cap, p.chunk, ctx,
                 TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10)
@@ -160,6 +175,7 @@ def filter_steps() -> None:
 
 
 if __name__ == "__main__":
-    micro_costs()
-    filter_sweep()
+    if sys.argv[1:] != ["steps"]:
+        micro_costs()
+        filter_sweep()
     filter_steps()

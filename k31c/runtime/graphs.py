@@ -66,15 +66,24 @@ class StaticInputs:
         return run
 
     def fill(self, flat: list) -> None:
+        """Copy the step's inputs in (one multi-tensor copy per dtype, not one copy per input)."""
+        dst: dict[torch.dtype, list] = {}
+        src: dict[torch.dtype, list] = {}
         for i, (index, static) in enumerate(zip(self.inputs.per_step, self.buffers)):
             pad = self.padding[i]
             if pad is None:                      # snapshots: written by the step
                 continue
             n = flat[index].shape[0]
-            static[:n].copy_(flat[index])
+            pairs = [(static[:n], flat[index])]
             if self.filled[i] > n:
-                static[n:self.filled[i]].copy_(pad[n:self.filled[i]])
+                pairs.append((static[n:self.filled[i]], pad[n:self.filled[i]]))
+            for d, s in pairs:
+                if d.numel():
+                    dst.setdefault(d.dtype, []).append(d)
+                    src.setdefault(d.dtype, []).append(s)
             self.filled[i] = n
+        for dtype, tensors in dst.items():
+            torch._foreach_copy_(tensors, src[dtype])
 
     def copy_back(self, flat: list, batch: int) -> None:
         """The step's snapshots of the first `batch` requests into the caller's tensors."""

@@ -120,6 +120,28 @@ def test_experts_random_routing(n, dtype):
     _check_experts(z, *_routing(gen, n, e, k), w13, w2)
 
 
+@pytest.mark.parametrize("group", ["one", "three"])
+def test_experts_both_groupings(group):
+    """The one-program grouping and the three launches, forced at the same size, with a skipped
+    assignment (-1) and an expert that half the rows pick."""
+    gen = torch.Generator().manual_seed(21)
+    e, k, n = 12, 3, 20
+    w13, w2 = _experts(gen, e, 32, 40, torch.float32)
+    z = torch.randn(n, 32, generator=gen).to(DEVICE)
+    idx, w = _routing(gen, n, e - 1, k)
+    idx = torch.where(idx >= 5, idx + 1, idx)                   # the others avoid expert 5
+    idx[::2, 0] = 5
+    idx[3, 1] = -1
+    _check_experts(z, idx, w, w13, w2, config={"group": group})
+
+
+def test_experts_grouping_bound():
+    assert moe_experts.plan(moe_experts.GROUP_ONE_MAX)["group"] == "one"
+    assert moe_experts.plan(moe_experts.GROUP_ONE_MAX + 1)["group"] == "three"
+    with pytest.raises(ValueError, match="'one' takes at most"):
+        moe_experts.plan(moe_experts.GROUP_ONE_MAX + 1, config={"group": "one"})
+
+
 @pytest.mark.parametrize("act", [("silu", 4.0, None), ("situ", 4.0, None), ("situ", 0.5, 2.0)])
 def test_experts_activations(act):
     gen = torch.Generator().manual_seed(11)

@@ -4,19 +4,23 @@ applied, then each row's k results summed. Only the selected experts' weights ar
 once per tile of up to BM rows that chose it.
 
 Fixed launch sequence (no host sync, grids from static shapes: CUDA-graph safe). A = N·k
-assignments, assignment a = n·k + j is row n's j-th expert.
-1. count: counts[e] = assignments of expert e (atomic adds).
-2. offsets, one program: offsets[e] = exclusive prefix sum of counts; tile_end[e] = inclusive
-   prefix sum of cdiv(counts[e], BM) (the tiles of BM rows of experts 0..e).
-3. scatter: sorted[offsets[e] + rank] = a (the rank from an atomic cursor per expert: rows of an
-   expert may land in any order, each row's result is computed alone, so outputs are exact
-   whatever the order).
-4. gate/up, grid (worst-case tiles = min(E, A) + A // BM, I / BN): program t finds its expert by
+assignments, assignment a = n·k + j is row n's j-th expert. Grouping gives counts[e] (the
+assignments of expert e), offsets[e] (their exclusive prefix sum), tile_end[e] (the inclusive
+prefix sum of cdiv(counts[e], BM): the tiles of BM rows of experts 0..e) and sorted (the
+assignments, expert by expert):
+1. decode sizes (A <= GROUP_ONE_MAX), one program in registers: counts by a histogram, the
+   prefix sums, and sorted from a sort of the keys e·NA + a (no memset, no atomics; ascending a
+   within an expert);
+   larger A, three launches after zeroing two counter arrays: count (atomic adds); offsets (one
+   program); scatter, sorted[offsets[e] + rank] = a with the rank from an atomic cursor per
+   expert (any order within an expert: each row's result is computed alone, so outputs are
+   exact whatever the order).
+2. gate/up, grid (worst-case tiles = min(E, A) + A // BM, I / BN): program t finds its expert by
    counting tile_end <= t and exits when t >= the tiles in use (device-side count); it computes
    h = GLU(z·w13[e, :I]ᵀ, z·w13[e, I:]ᵀ) for its rows, the products rounded to the weights'
    dtype as nn.Linear's are, h stored in that dtype in sorted order.
-5. down, grid (worst-case tiles, W / BN): y[a] = weights[a] · round(h·w2[e]ᵀ) in fp32.
-6. combine, grid (N, W / BW): u[n] = Σ_j y[n·k + j] (j ascending), cast to z's dtype.
+3. down, grid (worst-case tiles, W / BN): y[a] = weights[a] · round(h·w2[e]ᵀ) in fp32.
+4. combine, grid (N, W / BW): u[n] = Σ_j y[n·k + j] (j ascending), cast to z's dtype.
 An assignment naming no expert (outside 0..E-1) is skipped (the reference op raises on it).
 """
 from __future__ import annotations
@@ -36,6 +40,24 @@ MAX_EXPERTS = 8192           # experts the one-program offsets pass holds in reg
 
 
 # ---- grouping ---------------------------------------------------------------------------------
+
+@triton.jit
+def _group_kernel(idx_ptr, counts_ptr, offsets_ptr, tile_end_ptr, sorted_ptr, n_assign, n_experts,
+                  NA: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr = False):
+    """The whole grouping in one program (A <= NA assignments in registers)."""
+    wait_for_producers(PDL)
+    a = tl.arange(0, NA)
+    e = tl.load(idx_ptr + a, mask=a < n_assign, other=-1)
+    ok = (a < n_assign) & (e >= 0) & (e < n_experts)
+    counts = tl.histogram(tl.where(ok, e, 0), EP, mask=ok)
+    cols = tl.arange(0, EP)
+    cm = cols < n_experts
+    tl.store(counts_ptr + cols, counts, mask=cm)
+    tl.store(offsets_ptr + cols, tl.cumsum(counts, axis=0) - counts, mask=cm)
+    tl.store(tile_end_ptr + cols, tl.cumsum((counts + BM - 1) // BM, axis=0), mask=cm)
+    grouped = tl.sort(tl.where(ok, e, n_experts) * NA + a)        # expert-major; skipped ones last
+    tl.store(sorted_ptr + a, grouped % NA, mask=a < tl.sum(ok.to(tl.int32), axis=0))
+
 
 @triton.jit
 def _count_kernel(idx_ptr, counts_ptr, n_assign, n_experts, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
@@ -206,13 +228,15 @@ def _combine_kernel(y_ptr, idx_ptr, out_ptr, n_experts, width, stride_out,
 # ---- launch plan ----------------------------------------------------------------------------------
 
 _GROUP_BLOCK = 256           # assignments per count / scatter program
+GROUP_ONE_MAX = 1024         # most assignments grouped by one program (its sort keys fit int32)
 _COMBINE_BW = 256
 
 
 def plan(n_assign: int, small: bool | None = None, config: dict | None = None) -> dict:
     """Tiles and warps of the two grouped GEMMs; `config` overrides any of them (tuning, tests).
     Decode (few rows per expert): BM = 16, the smallest tile tl.dot takes, so an expert's weights
-    are read once; long prefills: BM = 64. small: the interpreter's tiles."""
+    are read once; long prefills: BM = 64. small: the interpreter's tiles. group: "one" (one
+    program, A <= GROUP_ONE_MAX) or "three" (count, offsets, scatter)."""
     small = interpreting() if small is None else small
     cfg = dict(config or {})
     if small:
@@ -227,6 +251,10 @@ def plan(n_assign: int, small: bool | None = None, config: dict | None = None) -
     cfg.setdefault("num_warps", 4)
     cfg.setdefault("up_stages", 3)
     cfg.setdefault("down_stages", 4)
+    cfg.setdefault("group", "one" if n_assign <= GROUP_ONE_MAX else "three")
+    if cfg["group"] not in ("one", "three") or (cfg["group"] == "one" and n_assign > GROUP_ONE_MAX):
+        raise ValueError(f"group={cfg['group']!r} for {n_assign} assignments: 'one' takes at most "
+                         f"{GROUP_ONE_MAX}, else 'three'")
     return cfg
 
 
@@ -254,17 +282,23 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     bm, ep = p["BM"], triton.next_power_of_2(n_experts)
     dev = z.device
     pdl = pdl_launch(dev)
-    ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)     # counts, cursors
-    counts, cursor = ints[:n_experts], ints[n_experts:]
     offsets = torch.empty(n_experts, dtype=torch.int32, device=dev)
     tile_end = torch.empty(n_experts, dtype=torch.int32, device=dev)
     sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
     h = torch.empty((n_assign, inter), dtype=w13.dtype, device=dev)
     y = torch.empty((n_assign, width), dtype=torch.float32, device=dev)
-    groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
-    _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
-    _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl)
-    _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
+    if p["group"] == "one":
+        counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
+        _group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
+                            NA=triton.next_power_of_2(n_assign), EP=ep, BM=bm, **pdl)
+    else:
+        ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)     # counts, cursors
+        counts, cursor = ints[:n_experts], ints[n_experts:]
+        groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
+        _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
+        _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl)
+        _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK,
+                                **pdl)
     tiles = max_tiles(n_experts, n_assign, bm)
     precision = target_of(dev).dot_precision(fast=False)
     upcast = upcast_dots(w13.dtype)
@@ -299,13 +333,19 @@ def aot_specs(shapes) -> list:
     ep, i32, f32 = triton.next_power_of_2(n_experts), torch.int32, torch.float32
     up = (dt == torch.float32, shapes.target.dot_precision(fast=False))
     grouping = dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32, sorted_ptr=i32)
+    if p["group"] == "one":
+        group = [kernel_spec(_group_kernel, op, f"A={shapes.batch * k},E={n_experts}",
+                             dict(NA=triton.next_power_of_2(shapes.batch * k), EP=ep, BM=p["BM"]),
+                             dict(idx_ptr=i32, **grouping))]
+    else:
+        group = [kernel_spec(_count_kernel, op, "count", dict(BLOCK=_GROUP_BLOCK),
+                             dict(idx_ptr=i32, counts_ptr=i32)),
+                 kernel_spec(_offsets_kernel, op, f"E={n_experts}", dict(BM=p["BM"], EP=ep),
+                             dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32)),
+                 kernel_spec(_scatter_kernel, op, "scatter", dict(BLOCK=_GROUP_BLOCK),
+                             dict(idx_ptr=i32, offsets_ptr=i32, cursor_ptr=i32, sorted_ptr=i32))]
     return [
-        kernel_spec(_count_kernel, op, "count", dict(BLOCK=_GROUP_BLOCK),
-                    dict(idx_ptr=i32, counts_ptr=i32)),
-        kernel_spec(_offsets_kernel, op, f"E={n_experts}", dict(BM=p["BM"], EP=ep),
-                    dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32)),
-        kernel_spec(_scatter_kernel, op, "scatter", dict(BLOCK=_GROUP_BLOCK),
-                    dict(idx_ptr=i32, offsets_ptr=i32, cursor_ptr=i32, sorted_ptr=i32)),
+        *group,
         kernel_spec(_gate_up_kernel, op, f"{cfg.hidden_act}",
                     dict(BM=p["BM"], BN=p["BN"], BK=p["BK"], EP=ep, SITU=cfg.hidden_act == "situ",
                          LINEAR_BETA=cfg.activation_situ_linear_beta is not None, UPCAST=up[0],

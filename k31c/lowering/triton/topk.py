@@ -73,7 +73,8 @@ def append_candidates(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
     seli = sel.to(tl.int32)
     nsel = tl.sum(seli, 1)
     if tl.sum(nsel, 0) > 0:
-        base = tl.atomic_add(st_rows + ST_CNT, nsel, mask=nsel > 0)
+        # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
+        base = tl.atomic_add(st_rows + ST_CNT, nsel, mask=nsel > 0, sem="relaxed")
         idx = base[:, None] + tl.cumsum(seli, 1) - seli
         ok = sel & (idx < cap)
         tl.store(ckey_rows[:, None] + idx, key.to(tl.int32, bitcast=True), mask=ok)
