@@ -3,10 +3,11 @@
 Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, all measured in
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams), k31c graph replay on one stream and
-k31c graph replay with programmatic dependent launch (`options={"pdl": True}`);
-the bytes floor (`floor_bytes`: the weights a step reads once, each request's caches once, at
+k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
+on one, and with it only outside the stream regions (`"outside_regions"`); the bytes floor (`floor_bytes`: the weights a step reads once, each request's caches once, at
 the copy rate measured now), the GPU busy share of the replayed step (kernel time / step time, from the
-profiler; not given for PDL, whose kernels start before the one before them ends), the host time of one `Engine.decode` call, and the replayed step's time when every
+profiler; not given for PDL, whose kernels start before the one before them ends), the host
+time of one `Engine.decode` call, and the replayed step's time when every
 step's logits are read back before the next (a sampling loop without overlap). The caches are
 filled with random latent rows, index keys and KDA states instead of a prefill (the reference
 prefill cannot reach 32K); the step time is the wall time of `Engine.decode` (host metadata + the
@@ -159,6 +160,10 @@ def main() -> int:
     if not args.quick:
         runners["k31c graphs, 1 stream"] = k31c_api.compile(model, target="h200", options={"streams": 1})
         runners["k31c graphs, PDL"] = k31c_api.compile(model, target="h200", options={"pdl": True})
+        runners["k31c graphs, PDL, 1 stream"] = k31c_api.compile(model, target="h200",
+                                                                 options={"pdl": True, "streams": 1})
+        runners["k31c graphs, PDL outside regions"] = k31c_api.compile(model, target="h200",
+                                                                       options={"pdl": "outside_regions"})
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for
     engines = {name: Engine(model, max_requests=max(BATCHES), max_seq_len=max_len, device="cuda", step_fn=fn)
                for name, fn in runners.items()}

@@ -20,7 +20,8 @@ Executors (`options={"executor": ...}`):
   (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
   `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
   pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
-  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
+  first line; `"outside_regions"`: the same except for the steps beside another stream's work,
+  which launch plainly; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
   target's program on CPU tensors when `TRITON_INTERPRET=1` (the Triton kernels in the
   interpreter, no device graph).
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
@@ -61,6 +62,8 @@ from .runtime.graphs import DEFAULT_BUCKETS, DecodeGraphs, StepInputs, check_buc
 EXECUTORS = ("inductor", "fx", "iree", "program")
 COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
                    "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None}
+PDL_OUTSIDE_REGIONS = "outside_regions"     # option pdl: PDL except beside another stream's work
+PDL_CHOICES = (False, True, PDL_OUTSIDE_REGIONS)
 
 
 @dataclass
@@ -154,8 +157,8 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         raise UsageError(f"option {e}") from None
     if compile_opts["pdl"] is None:
         compile_opts["pdl"] = target.pdl
-    if not isinstance(compile_opts["pdl"], bool):
-        raise UsageError(f"option pdl must be True or False, got {compile_opts['pdl']!r}")
+    if compile_opts["pdl"] not in PDL_CHOICES or not isinstance(compile_opts["pdl"], (bool, str)):
+        raise UsageError(f"option pdl must be True, False or 'outside_regions', got {compile_opts['pdl']!r}")
     if compile_opts["pdl"] and target.triton_backend != "cuda":
         raise UsageError(f"option pdl: target '{target.name}' has no programmatic dependent launch "
                          "(CUDA sm_90 and later only)")
@@ -369,8 +372,10 @@ def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = N
     check_model(model)
     t = get_target(target) if isinstance(target, str) else target
     compile_opts, pass_opts = split_options(options, t)
-    if compile_opts["pdl"] != t.pdl:     # the program's kernels and dense pieces launch with it
-        t = dataclasses.replace(t, pdl=compile_opts["pdl"])
+    pdl = compile_opts["pdl"]
+    in_regions = pdl != PDL_OUTSIDE_REGIONS or compile_opts["streams"] == 1
+    if (bool(pdl), in_regions) != (t.pdl, t.pdl_in_regions):   # the program's kernels and pieces take it
+        t = dataclasses.replace(t, pdl=bool(pdl), pdl_in_regions=in_regions)
     if isinstance(disable, str):
         disable = [disable]
     return CompiledModel(model, t, resolve(passes, pass_opts, disable=disable), compile_opts)

@@ -24,7 +24,7 @@ import torch
 from ..errors import CompilerError, KernelBindError
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
-from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
+from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots, mark_concurrent
 from .registry import lookup
 from .targets import Target
 
@@ -101,9 +101,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
     slots: dict[torch.fx.Node, int] = {}
     steps: list = []
     step_of: dict[torch.fx.Node, Any] = {}          # piece call / k31c op -> its step
-    compiled: dict[str, int] = {}                     # piece key -> index into pieces
-    pieces: list[Callable] = []
-    piece_names: list[str] = []
+    dense: list[tuple[Dense, str, str]] = []          # (step, piece key, submodule), compiled below
     outputs: tuple = ()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(placeholders):
@@ -116,7 +114,6 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
         n_slots += 1
         return slots[node]
 
-    distinct = len(set(piece_keys.values()))
     for node in gm.graph.nodes:
         stream = (node.meta.get("k31c") or {}).get("stream", 0)
         if node.op == "placeholder":
@@ -125,17 +122,11 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
             outputs = tuple(slots[a] for a in node.args[0])
             continue
         if node.op == "call_module":
-            key = piece_keys[node.target]
-            if key not in compiled:
-                if progress is not None:
-                    progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
-                compiled[key] = len(pieces)
-                pieces.append(compile_piece(gm.get_submodule(node.target), dense_codegen, target.pdl))
-                piece_names.append(key)
-            step = Dense(compiled[key], stream, tuple(slots[a] for a in node.args), tuple())
+            step = Dense(-1, stream, tuple(slots[a] for a in node.args), tuple())
             step.outs = [None] * _n_outputs(node)
             steps.append(step)
             step_of[node] = step
+            dense.append((step, piece_keys[node.target], node.target))
             continue
         if node.op != "call_function":
             raise CompilerError(f"build: unexpected {node.op} node {node.name} in a partitioned graph")
@@ -164,12 +155,35 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
         if isinstance(s, (Dense, Kernel)):
             s.outs = tuple(s.outs)
     steps = main_stream_first(steps)
+    mark_concurrent(steps)
+    pieces, piece_names = _compile_pieces(gm, dense, target, dense_codegen, name, progress)
     _assign_frees(steps, len(placeholders), outputs)
     names = [("@" if n.meta.get("k31c_weight") else "%") + n.meta.get("k31c_input", n.name) for n in placeholders]
     return Program(name, target.name, steps, pieces, piece_names, len(placeholders), n_slots, outputs,
                    dense_codegen, stats={"pieces": len(piece_keys), "compiled_pieces": len(pieces),
                                          "build_seconds": time.perf_counter() - start},
                    input_names=names)
+
+
+def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, progress) -> tuple[list, list]:
+    """Compile each distinct (piece key, PDL) once and point every Dense step at its piece. With
+    `target.pdl` but not `pdl_in_regions`, a concurrent step's piece is compiled without PDL."""
+    def pdl_of(step):
+        return target.pdl and (target.pdl_in_regions or not step.concurrent)
+    distinct = len({(key, pdl_of(step)) for step, key, _ in dense})
+    compiled: dict[tuple[str, bool], int] = {}
+    pieces: list[Callable] = []
+    names: list[str] = []
+    for step, key, module in dense:
+        pdl = pdl_of(step)
+        if (key, pdl) not in compiled:
+            if progress is not None:
+                progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
+            compiled[(key, pdl)] = len(pieces)
+            pieces.append(compile_piece(gm.get_submodule(module), codegen, pdl))
+            names.append(key)
+        step.piece = compiled[(key, pdl)]
+    return pieces, names
 
 
 def _reads(step) -> list[int]:

@@ -86,11 +86,13 @@ def test_each_pass_switched_off(tiny, off):
     _check(tiny, compiled)
 
 
-def test_programmatic_dependent_launch(tiny):
-    """options={"pdl": True}: every k31c kernel and Inductor kernel may launch while the one
-    before it runs and waits at its first access; the logits must not change."""
-    compiled = k31c_api.compile(tiny, target="h200", options={"pdl": True})
-    assert compiled.target.pdl
+@pytest.mark.parametrize("pdl", [True, "outside_regions"])
+def test_programmatic_dependent_launch(tiny, pdl):
+    """options={"pdl": ...}: k31c kernels and Inductor kernels may launch while the one before
+    them runs and wait at their first access (all of them, or those not beside another stream's
+    work); the logits must not change."""
+    compiled = k31c_api.compile(tiny, target="h200", options={"pdl": pdl})
+    assert compiled.target.pdl and compiled.target.pdl_in_regions is (pdl is True)
     _check(tiny, compiled)
 
 
