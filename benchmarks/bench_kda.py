@@ -184,7 +184,11 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 def prefill_rows(m: Machine, torch_peers: bool = True,
-                 configs=((4, 8, None), (8, 8, None), (8, 8, 64), (8, 4, 32))) -> list[Row]:
+                 configs=((4, 8, None, False), (8, 8, None, False), (8, 8, 64, False), (8, 4, 32, False),
+                          (4, 8, None, True), (4, 8, 64, True), (4, 4, 32, True))) -> list[Row]:
+    """The chunked prefill at T_PREFILL over launch configurations (chunk warps, state warps,
+    V tile, split output: the state pass carries the state alone and a parallel launch makes the
+    outputs), the best of them beside fla's chunk_kda."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -194,13 +198,13 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
     sweep = {}
-    for cw, sw, bv in configs:
-        sweep[(cw, sw, bv)] = time_ms(lambda: launch_kda_prefill(
+    for cw, sw, bv, split in configs:
+        sweep[(cw, sw, bv, split)] = time_ms(lambda: launch_kda_prefill(
             *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
-            block_v=bv), reps=10)
+            block_v=bv, split_output=split), reps=10)
     best = min(sweep, key=sweep.get)
-    peers, notes = {}, ["(chunk warps, state warps, BV) " + " ".join(
-        f"{a},{b},{c or K}:{t:.3f}" for (a, b, c), t in sweep.items())]
+    peers, notes = {}, ["(chunk warps, state warps, BV[, split]) " + " ".join(
+        f"{a},{b},{c or K}{',split' if s else ''}:{t:.3f}" for (a, b, c, s), t in sweep.items())]
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d

@@ -13,8 +13,11 @@
    which is the real filter; the slot wraps at the buffer size so every launch stores); and two
    variants: the cumsum alone, one atomic per selected key (its own slot) instead of it, and the
    filter with a relaxed atomic (Triton's default acq_rel one also orders the earlier stores).
+   Then two whole filters that take the atomic off the tile's critical path (`_filter_variant`:
+   software pipelined; two passes), first checked against the registered filter (the same
+   candidates, counts and ties at a set threshold; also on the CPU under TRITON_INTERPRET=1).
 
-    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: part 3 alone)
+    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: the check and part 3 alone)
 """
 from __future__ import annotations
 
@@ -61,6 +64,16 @@ def _compact(x_ptr, out_ptr, N: tl.constexpr):
 
 
 @triton.jit
+def _chunk_of(state_ptr, src_ptr, src_stride, chunk, n):
+    """This program's row state, threshold, chunk [lo, hi) and score row."""
+    row = tl.program_id(0)
+    st = state_ptr + row * topk.ROW_STATE
+    thresh = tl.load(st + topk.ST_THRESH).to(tl.uint32, bitcast=True)
+    lo = tl.program_id(1) * chunk
+    return st, thresh, lo, tl.minimum(lo + chunk, n), src_ptr + row.to(tl.int64) * src_stride
+
+
+@triton.jit
 def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, cap, chunk, n,
                   TILE: tl.constexpr, STEP: tl.constexpr):
     """topk._filter_kernel's loop with its work cut at STEP: 0 stream + reduce, 1 + compares and
@@ -68,11 +81,7 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
     + the cumsum alone; 5: 1 + one atomic per selected key and its stores (no cumsum); 6: 3 with
     a relaxed atomic."""
     row = tl.program_id(0)
-    st = state_ptr + row * topk.ROW_STATE
-    thresh = tl.load(st + topk.ST_THRESH).to(tl.uint32, bitcast=True)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, n)
-    src_row = src_ptr + row.to(tl.int64) * src_stride
+    st, thresh, lo, hi, src_row = _chunk_of(state_ptr, src_ptr, src_stride, chunk, n)
     acc = tl.zeros([TILE], tl.int32)
     for start in range(lo, hi, TILE):
         pos = start + tl.arange(0, TILE)
@@ -105,6 +114,99 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
                     tl.store(ckey_ptr + row.to(tl.int64) * cap + idx, key.to(tl.int32, bitcast=True), mask=sel)
                     tl.store(cpos_ptr + row.to(tl.int64) * cap + idx, pos, mask=sel)
     tl.store(sink_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.max(acc, 0))   # keeps the work live
+
+
+@triton.jit
+def _store_tile(ckey_row, cpos_row, key, pos, seli, base, cap, WRAP: tl.constexpr):
+    """A tile's selected (key, position) at base.. of the row's buffer, in tile order (WRAP: the
+    slot wraps at cap, a power of two, for timing loops that never reset the counter)."""
+    idx = base + tl.cumsum(seli, 0) - seli
+    ok = seli > 0
+    if WRAP:
+        idx = idx & (cap - 1)
+    else:
+        ok = ok & (idx < cap)
+    tl.store(ckey_row + idx, key.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(cpos_row + idx, pos, mask=ok)
+
+
+@triton.jit
+def _tile_keys(src_row, start, hi, TILE: tl.constexpr):
+    pos = start + tl.arange(0, TILE)
+    live = pos < hi
+    return pos, live, topk.order_key(tl.load(src_row + pos, mask=live, other=0.0))
+
+
+@triton.jit
+def _filter_variant(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap, chunk, n,
+                    TILE: tl.constexpr, FORM: tl.constexpr, WRAP: tl.constexpr):
+    """topk._filter_kernel with the atomic off the tile's critical path. FORM 0: software
+    pipelined (tile i's atomic is issued before tile i-1's stores, whose base came back during
+    tile i's load); FORM 1: two passes over the chunk (count, one atomic per program, then the
+    stores from a running offset; the second read mostly hits L2)."""
+    row = tl.program_id(0)
+    st, thresh, lo, hi, src_row = _chunk_of(state_ptr, src_ptr, src_stride, chunk, n)
+    ckey_row = ckey_ptr + row.to(tl.int64) * cap
+    cpos_row = cpos_ptr + row.to(tl.int64) * cap
+    ties = tl.zeros([TILE], tl.int32)
+    if FORM == 0:
+        pkey = tl.zeros([TILE], tl.uint32)
+        ppos = tl.zeros([TILE], tl.int32)
+        psel = tl.zeros([TILE], tl.int32)
+        pbase = tl.zeros((), tl.int32)
+        for start in range(lo, hi, TILE):
+            pos, live, key = _tile_keys(src_row, start, hi, TILE)
+            ties += (live & (key == thresh)).to(tl.int32)
+            seli = (live & (key > thresh)).to(tl.int32)
+            base = tl.atomic_add(st + topk.ST_CNT, tl.sum(seli, 0), sem="relaxed")
+            _store_tile(ckey_row, cpos_row, pkey, ppos, psel, pbase, cap, WRAP)
+            pkey, ppos, psel, pbase = key, pos, seli, base
+        _store_tile(ckey_row, cpos_row, pkey, ppos, psel, pbase, cap, WRAP)
+    else:
+        total = tl.zeros((), tl.int32)
+        for start in range(lo, hi, TILE):
+            pos, live, key = _tile_keys(src_row, start, hi, TILE)
+            ties += (live & (key == thresh)).to(tl.int32)
+            total += tl.sum((live & (key > thresh)).to(tl.int32), 0)
+        off = tl.atomic_add(st + topk.ST_CNT, total, sem="relaxed")
+        for start in range(lo, hi, TILE):
+            pos, live, key = _tile_keys(src_row, start, hi, TILE)
+            seli = (live & (key > thresh)).to(tl.int32)
+            _store_tile(ckey_row, cpos_row, key, pos, seli, off, cap, WRAP)
+            off += tl.sum(seli, 0)
+    tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 0))
+
+
+def check_filter_variants(device: str = "cuda") -> None:
+    """Both variants append the same candidates (as a set), count and ties as the registered
+    filter, at a set threshold (scores > 0.5 and == 0.5) over rows with planted ties."""
+    rows, width = 3, 5000
+    scores = torch.randn(rows, width, device=device)
+    scores[:, ::7] = 0.5
+    p = topk.plan(rows, width, 64, programs=8)
+    key_half = 0x3F000000 | 0x80000000          # order_key(0.5)
+    results = []
+    for form in (None, 0, 1):
+        ws = p.workspace(device)
+        ws["state"].zero_()
+        ws["state"].view(rows, topk.ROW_STATE)[:, 1] = key_half - (1 << 32)
+        row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
+        args = (scores, scores.stride(0))
+        if form is None:
+            topk._filter_kernel[(rows, p.n_chunks)](*args, row_len, ws["state"], ws["ckey"], ws["cpos"],
+                                                    ws["ties"], p.cap, p.chunk, TILE=topk.SCORE_TILE)
+        else:
+            _filter_variant[(rows, p.n_chunks)](*args, ws["state"], ws["ckey"], ws["cpos"], ws["ties"], p.cap,
+                                                p.chunk, width, TILE=topk.SCORE_TILE, FORM=form, WRAP=False)
+        count = ws["state"].view(rows, topk.ROW_STATE)[:, 0].tolist()
+        sets = [set(zip(ws["ckey"].view(rows, -1)[r, :count[r]].tolist(), ws["cpos"].view(rows, -1)[r, :count[r]].tolist()))
+                for r in range(rows)]
+        results.append((count, sets, ws["ties"].view(rows, -1).sum(1).tolist()))
+    want = results[0]
+    assert all(c == int((scores[r] > 0.5).sum()) for r, c in enumerate(want[0])), want[0]
+    for form, got in zip((0, 1), results[1:]):
+        assert got == want, f"form {form} differs from the registered filter"
+    print(f"filter variants == the registered filter (counts {want[0]}, ties {want[2]})")
 
 
 @triton.jit
@@ -172,9 +274,19 @@ def filter_steps() -> None:
                 TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10)
             print(f"filter steps 64x{ctx >> 10}K (chunk {p.chunk}, tile {topk.SCORE_TILE}): {what}: "
                   f"{us:.1f} us (read floor ~{floor_us:.1f})")
+        for form, what in enumerate(("pipelined (atomic before the previous tile's stores)",
+                                     "two passes (count, one atomic, stores)")):
+            us = graph_us(lambda: _filter_variant[(64, p.n_chunks)](
+                scores, scores.stride(0), ws["state"], ws["ckey"], ws["cpos"], ws["ties"], p.cap, p.chunk, ctx,
+                TILE=topk.SCORE_TILE, FORM=form, WRAP=True, num_warps=topk.FILTER_WARPS), launches=10)
+            print(f"filter variant 64x{ctx >> 10}K: {what}: {us:.1f} us")
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
+        check_filter_variants("cpu")
+        sys.exit(0)
+    check_filter_variants()
     if sys.argv[1:] != ["steps"]:
         micro_costs()
         filter_sweep()

@@ -1,9 +1,10 @@
 """Triton kernels for `k31c::kda_prefill` (spec/model.md §4.2-4.5): the chunked WY form for varlen
 requests that continue from their slot's conv window and recurrent state.
 
-Two launches (three when the state pass splits V):
-1. `_kda_chunk_kernel`, one program per (chunk, head), all chunks in parallel: causal conv + SiLU
-   over the window, q/k L2 norms, gates and betas, then the intra-chunk WY solve. The chunk is
+Two launches (three when the state pass splits V or the outputs):
+1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
+   causal conv + SiLU over the window, q/k L2 norms, gates and betas, then the intra-chunk WY
+   solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
        X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
    with the earlier blocks' X_J and keys read back from the scratch the program just wrote.
@@ -17,6 +18,12 @@ Two launches (three when the state pass splits V):
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
    the final state and the new conv window. (Optionally V is split into tiles for more programs;
    then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
+Split output (`split_output=True`, the fla / FlashKDA structure; not the default until measured
+faster): the state pass computes V_new and the state update alone, writing each chunk's starting
+state (as the products take it) and V_new to scratch, so its serial chain has two products per
+chunk instead of four; then `_kda_output_kernel`, one program per (chunk, head), all in parallel,
+computes O = (Q⊙exp Γ) S_c + A_qk V_new and the gated norm. The outputs equal the fused form's:
+the same operands, the same order of accumulation.
 
 Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
 requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
@@ -35,167 +42,20 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, kda_gate_math,
-                                             row_of, window_rows)
+from k31c.lowering.triton.kda_chunk import BC, SAFE_EXPONENT, kda_chunk_kernel, pick, request_chunks
+from k31c.lowering.triton.kda_common import check_kda_layout, window_rows
 from k31c.lowering.triton.unit_stride import require_unit_stride
-
-BC = 16                                   # rows per block inside a chunk (MMA M granularity)
-_SAFE_EXPONENT = 60.0                     # exp(±60) stays well inside fp32/bf16 range
-
-
-@triton.jit
-def _request_chunks(cu_ptr, B, C: tl.constexpr, BP: tl.constexpr):
-    """Per request j < B: start token, length, number of chunks and index of its first chunk."""
-    j = tl.arange(0, BP)
-    m = j < B
-    start = tl.load(cu_ptr + j, mask=m, other=0)
-    length = tl.load(cu_ptr + j + 1, mask=m, other=0) - start
-    n_chunks = (length + C - 1) // C
-    first = tl.cumsum(n_chunks, axis=0) - n_chunks
-    return j, start, length, n_chunks, first
-
-
-@triton.jit
-def _pick(j, sel, x):
-    return tl.sum(tl.where(j == sel, x, 0), axis=0)
-
-
-@triton.jit
-def _kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                      conv_ptr, slots_ptr, cu_ptr,
-                      qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      B, H, lower_bound, scale,
-                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                      BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_producers(PDL)
-    cid = tl.program_id(0)
-    h = tl.program_id(1)
-    P = H * K
-    NB: tl.constexpr = C // BC
-    DT = qg_ptr.dtype.element_ty
-    j, start, length, n_chunks, first = _request_chunks(cu_ptr, B, C, BP)
-    req = tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0)
-    in_range = cid < tl.sum(n_chunks, axis=0)
-    req = tl.minimum(req, B - 1)
-    slot = tl.load(slots_ptr + req)
-    if in_range & (slot >= 0):
-        s = _pick(j, req, start)
-        L = _pick(j, req, length)
-        c0 = (cid - _pick(j, req, first)) * C          # first position of this chunk
-        conv_row = conv_ptr + slot * (W - 1) * 3 * P
-        offs = tl.arange(0, K)
-        ch = h * K + offs
-        rows = tl.arange(0, BC)
-        a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-        lower = rows[:, None] > rows[None, :]
-        causal = rows[:, None] >= rows[None, :]
-        eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-        # scalar int64 bases per block + these small int32 tile offsets (few address registers)
-        rk = rows[:, None] * (H * K) + offs[None, :]        # [BC, K] tile of a [T, H, K] buffer
-        rc = rows[:, None] * (H * C) + rows[None, :]        # [BC, BC] tile of [T, H, C] (aqk)
-        t_chunk = (s + c0).to(tl.int64)                      # token of the chunk's first row
-
-        g_b = tl.zeros([K], dtype=tl.float32)          # Γ at the end of the previous block
-        for I in range(NB):
-            pb = c0 + I * BC                             # position of the block's first row
-            rv = pb + rows < L
-            tb = t_chunk + I * BC                        # its token
-            tok0 = tb - (W - 1)
-            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
-            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
-                               P, W)
-            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
-                               True, P, W)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
-            f = tl.load(f_ptr + tb * P + (rows[:, None] * P + ch[None, :]), mask=rv[:, None],
-                        other=0.0)
-            g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,
-                                                    lower_bound, HAS_LOWER_BOUND), 0.0)
-            beta = tl.sigmoid(tl.load(beta_ptr + tb * H + (rows * H + h), mask=rv,
-                                      other=0.0).to(tl.float32))
-            beta = tl.where(rv, beta, 0.0)
-            G = g_b[None, :] + tl.cumsum(g, axis=0)      # Γ (from the chunk start) [BC, K]
-            g_e = g_b + tl.sum(g, axis=0)                # Γ at the end of this block
-
-            blk_k = (tb * H + h) * K                     # block base in [T, H, K] scratch
-            blk_c = (tb * H + h) * C                     # ... and in [T, H, C]
-            tl.store(qg_ptr + blk_k + rk, (q * tl.exp(G)).to(DT), mask=rv[:, None])
-            tl.store(kg_ptr + blk_k + rk, (k * tl.exp(g_e[None, :] - G)).to(DT), mask=rv[:, None])
-            tl.store(ge_ptr + ((cid * NB + I) * H + h) * K + offs, g_e)
-
-            # earlier blocks: both factors relative to the boundary Γ_b (each ≤ 1)
-            to_b = tl.exp(G - g_b[None, :])
-            qb = (q * to_b).to(DT)
-            kb = (k * to_b).to(DT)
-            rhs_w = beta[:, None] * tl.exp(G) * k
-            rhs_u = beta[:, None] * v
-            for J in range(I):
-                rvj = c0 + J * BC + rows < L
-                blk_kj = ((t_chunk + J * BC) * H + h) * K
-                kj = tl.load(kg_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
-                g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
-                kj = (kj.to(tl.float32) * tl.exp(g_b - g_ej)[None, :]).to(DT)
-                m_ij = tl.dot(kb, tl.trans(kj), input_precision=PREC) * beta[:, None]
-                a_ij = tl.dot(qb, tl.trans(kj), input_precision=PREC)
-                tl.store(aqk_ptr + blk_c + J * BC + rc, a_ij.to(DT), mask=rv[:, None])
-                w_j = tl.load(w_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
-                u_j = tl.load(u_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
-                rhs_w -= tl.dot(m_ij, w_j.to(tl.float32), input_precision=PREC)
-                rhs_u -= tl.dot(m_ij, u_j.to(tl.float32), input_precision=PREC)
-
-            # the diagonal block
-            if SAFE_DIAG:
-                g_m = row_of(G, rows, BC // 2)
-                to_m = tl.exp(G - g_m[None, :])
-                from_m = (k * tl.exp(g_m[None, :] - G)).to(DT)
-                m_ii = tl.dot((k * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
-                a_ii = tl.dot((q * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
-            else:
-                m_ii = tl.zeros([BC, BC], dtype=tl.float32)
-                a_ii = tl.zeros([BC, BC], dtype=tl.float32)
-                for c in range(BC):
-                    k_c = row_of(k, rows, c)
-                    diff = tl.minimum(G - row_of(G, rows, c)[None, :], 0.0)   # ≤ 0 where used
-                    decay = tl.where(rows[:, None] >= c, tl.exp(diff), 0.0)
-                    kd = k_c[None, :] * decay
-                    m_ii = tl.where(rows[None, :] == c, tl.sum(k * kd, axis=1)[:, None], m_ii)
-                    a_ii = tl.where(rows[None, :] == c, tl.sum(q * kd, axis=1)[:, None], a_ii)
-            m_ii = tl.where(lower, m_ii, 0.0) * beta[:, None]
-            a_ii = tl.where(causal, a_ii, 0.0)
-            tl.store(aqk_ptr + blk_c + I * BC + rc, a_ii.to(DT), mask=rv[:, None])
-
-            # (I + M_II)^-1 by forward substitution, row by row
-            inv = eye
-            for r in range(1, BC):
-                m_r = row_of(m_ii, rows, r)
-                new = (rows == r).to(tl.float32) - tl.sum(m_r[:, None] * inv, axis=0)
-                inv = tl.where(rows[:, None] == r, new[None, :], inv)
-            w_i = tl.dot(inv, rhs_w, input_precision=PREC)
-            u_i = tl.dot(inv, rhs_u, input_precision=PREC)
-            tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])
-            tl.store(u_ptr + blk_k + rk, u_i.to(DT), mask=rv[:, None])
-            tl.debug_barrier()                           # block I's scratch is read by block I+1
-            g_b = g_e
-
-        # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
-        for J in range(NB):
-            rvj = c0 + J * BC + rows < L
-            ptrs = kg_ptr + ((t_chunk + J * BC) * H + h) * K + rk
-            g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
-            kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
-            tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])
 
 
 @triton.jit
 def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr,
+                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr, h_ptr, vn_ptr,
                       conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                       W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """SPLIT: the chain carries the state alone; each chunk's starting state (as the products
+    take it) and V_new go to h / vn scratch for `_kda_output_kernel`."""
     wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -204,11 +64,11 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
     P = H * K
     NB: tl.constexpr = C // BC
     DT = qg_ptr.dtype.element_ty
-    j, start, length, n_chunks, first = _request_chunks(cu_ptr, B, C, BP)
-    s = _pick(j, b, start)
-    L = _pick(j, b, length)
-    n = _pick(j, b, n_chunks)
-    c_first = _pick(j, b, first)
+    j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
+    s = pick(j, b, start)
+    L = pick(j, b, length)
+    n = pick(j, b, n_chunks)
+    c_first = pick(j, b, first)
     slot = tl.load(slots_ptr + b)
     live = slot >= 0
     slot = tl.maximum(slot, 0)
@@ -233,29 +93,33 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         tc = (s + i * C).to(tl.int64)                     # token of the chunk's first row
         blk_k = (tc * H + h) * K
         m2 = rv[:, None]
+        rkv = rows[:, None] * (H * K) + offs_v[None, :]     # [C, BV] tile of [T, H, K]
         w_c = tl.load(w_ptr + blk_k + rk, mask=m2, other=0.0)
-        u_c = tl.load(u_ptr + blk_k + (rows[:, None] * (H * K) + offs_v[None, :]), mask=m2,
-                      other=0.0).to(tl.float32)
-        qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
+        u_c = tl.load(u_ptr + blk_k + rkv, mask=m2, other=0.0).to(tl.float32)
         kg = tl.load(kg_ptr + blk_k + rk, mask=m2, other=0.0)
-        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
         g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live,
                       other=0.0)
 
         S_dot = S.to(DT)
         v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
         v_dot = v_new.to(DT)
-        o = tl.dot(qg, S_dot, input_precision=PREC)
-        o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
+        if SPLIT:
+            tl.store(h_ptr + ((c_first + i) * H + h).to(tl.int64) * K * K + kv, S_dot, mask=live)
+            tl.store(vn_ptr + blk_k + rkv, v_dot, mask=m2)
+        else:
+            qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
+            a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
+            o = tl.dot(qg, S_dot, input_precision=PREC)
+            o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
         S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
 
-        if FUSED_NORM:
+        if FUSED_NORM and not SPLIT:
             gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
             o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
                 * tl.sigmoid(gate.to(tl.float32))
             tl.store(out_ptr + tc * P + (rp + ch[None, :]),
                      tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
-        else:                                    # raw o; _gated_norm_kernel finishes the rows
+        elif not SPLIT:                          # raw o; _gated_norm_kernel finishes the rows
             tl.store(o_raw_ptr + tc * P + (rp + ch_v[None, :]), tl.where(m2, o, 0.0),
                      mask=(p < L)[:, None])
     tl.store(state_head + kv, S, mask=live)
@@ -275,6 +139,47 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
+
+
+@triton.jit
+def _kda_output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, gate_ptr, norm_w_ptr, out_ptr, slots_ptr,
+                       cu_ptr, B, H, eps, C: tl.constexpr, K: tl.constexpr, BP: tl.constexpr,
+                       PREC: tl.constexpr, PDL: tl.constexpr = False):
+    """The split form's outputs, one program per (chunk, head), all chunks in parallel:
+    O = (Q⊙exp Γ) S_c + A_qk V_new from the chunk's starting state S_c, then the gated RMSNorm
+    (the whole V row is here). Rows of a padding request (slot -1) are written as 0."""
+    wait_for_producers(PDL)
+    cid = tl.program_id(0)
+    h = tl.program_id(1)
+    P = H * K
+    j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
+    req = tl.minimum(tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0), B - 1)
+    if cid < tl.sum(n_chunks, axis=0):
+        live = tl.load(slots_ptr + req) >= 0
+        L = pick(j, req, length)
+        c0 = (cid - pick(j, req, first)) * C
+        rows = tl.arange(0, C)
+        offs = tl.arange(0, K)
+        in_req = c0 + rows < L
+        m2 = (in_req & live)[:, None]
+        tc = (pick(j, req, start) + c0).to(tl.int64)
+        blk_k = (tc * H + h) * K
+        rk = rows[:, None] * (H * K) + offs[None, :]
+        qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
+        vn = tl.load(vn_ptr + blk_k + rk, mask=m2, other=0.0)
+        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + (rows[:, None] * (H * C) + rows[None, :]),
+                       mask=m2 & (rows[:, None] >= rows[None, :]), other=0.0)
+        s_c = tl.load(h_ptr + (cid * H + h).to(tl.int64) * K * K + (offs[:, None] * K + offs[None, :]),
+                      mask=live, other=0.0)
+        o = tl.dot(qg, s_c, input_precision=PREC)
+        o = tl.dot(a_qk, vn, o, input_precision=PREC)
+        rp = rows[:, None] * P + h * K + offs[None, :]
+        gate = tl.load(gate_ptr + tc * P + rp, mask=m2, other=0.0)
+        norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+        o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
+            * tl.sigmoid(gate.to(tl.float32))
+        tl.store(out_ptr + tc * P + rp, tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty),
+                 mask=in_req[:, None])
 
 
 @triton.jit
@@ -308,23 +213,27 @@ class PrefillPlan:
     chunk_warps: int = 4
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
+    split_output: bool = False   # the state pass carries the state alone; outputs in parallel
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
-                    SAFE_DIAG=lb is not None and -lb * (BC // 2) <= _SAFE_EXPONENT,
+                    SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision)
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)),
-                    BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
+                    BP=triton.next_power_of_2(self.B + 1), PREC=self.precision, SPLIT=self.split_output)
+
+    def output_constexprs(self) -> dict:
+        return dict(C=self.C, K=self.K, BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
 
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, split_output: bool = False) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -334,7 +243,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages)
+                       state_warps, state_stages, split_output)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -352,16 +261,18 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1) -> torch.Tensor:
+                       state_stages: int = 1, split_output: bool = False) -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
-    the state pass over V tiles (more programs when B·H is small) and adds a norm launch."""
+    the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
+    split_output: then the state pass only carries the state (writing each chunk's starting
+    state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel."""
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages)
+             state_warps, block_v, state_stages, split_output)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -375,16 +286,23 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
     if n_chunks_max > 0:
-        _kda_chunk_kernel[(n_chunks_max, H)](
+        kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
             num_warps=p.chunk_warps, **pdl)
-    o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
+    split = p.split_output
+    o_raw = out if BV == K or split else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
+    h_scratch = torch.empty(n_chunks_max, H, K, K, device=q.device, dtype=dt) if split else out
+    vn = torch.empty(T, H, K, device=q.device, dtype=dt) if split else out
     _kda_state_kernel[(B, H, K // BV)](
-        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
+        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw, h_scratch, vn,
         conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
         num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
-    if BV < K and T > 0:
+    if split and n_chunks_max > 0:
+        _kda_output_kernel[(n_chunks_max, H)](qg, aqk, h_scratch, vn, gate, o_norm_weight, out, slots,
+                                              cu_seqlens, B, H, float(eps), **p.output_constexprs(),
+                                              num_warps=p.state_warps, **pdl)
+    elif BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
                                                     float(eps), K=K, BT=16, num_warps=4, **pdl)
     return out
@@ -400,7 +318,7 @@ def aot_specs(shapes) -> list:
              dt, cfg.gate_lower_bound)
     scratch = p.scratch
     chunk = kernel_spec(
-        _kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
+        kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
         dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32, a_log_ptr=f32,
              dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64, cu_ptr=torch.int32, qg_ptr=scratch,
              kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
@@ -410,6 +328,6 @@ def aot_specs(shapes) -> list:
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
-             conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
+             h_ptr=dt, vn_ptr=dt, conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages)
     return [chunk, state]

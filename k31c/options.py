@@ -1,0 +1,73 @@
+"""Compile options: their names and defaults, their checks (errors name the bad option), and
+the target record a program is built for once they are applied. What each option does is in
+api.py's docstring."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from .errors import UsageError
+from .lowering.build import DENSE_CODEGENS
+from .lowering.targets import Target
+from .runtime.graphs import DEFAULT_BUCKETS, check_buckets
+
+EXECUTORS = ("inductor", "fx", "iree", "program")
+COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
+                   "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None}
+PDL_OUTSIDE_REGIONS = "outside_regions"     # option pdl: PDL except beside another stream's work
+PDL_CHOICES = (False, True, PDL_OUTSIDE_REGIONS)
+
+
+def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
+    """Split `options` into compile options (defaults per target) and per-pass options; unknown
+    keys and bad values are errors naming them."""
+    from .passes.manager import registered
+    compile_opts, pass_opts = dict(COMPILE_OPTIONS), {}
+    passes = registered()
+    for key, value in (options or {}).items():
+        if key in COMPILE_OPTIONS:
+            compile_opts[key] = value
+        elif key in passes:
+            pass_opts[key] = value
+        else:
+            raise UsageError(f"unknown option '{key}'; compile options: {', '.join(COMPILE_OPTIONS)}; "
+                             f"pass options go under a pass name: {', '.join(passes)}")
+    if compile_opts["executor"] is None:
+        compile_opts["executor"] = target.executor
+    if compile_opts["executor"] not in EXECUTORS:
+        raise UsageError(f"option executor must be one of {EXECUTORS}, got {compile_opts['executor']!r}")
+    if compile_opts["dense_codegen"] not in DENSE_CODEGENS:
+        raise UsageError(f"option dense_codegen must be one of {DENSE_CODEGENS}, "
+                         f"got {compile_opts['dense_codegen']!r}")
+    if compile_opts["device_graphs"] is None:
+        compile_opts["device_graphs"] = target.device_graphs
+    if not isinstance(compile_opts["device_graphs"], bool):
+        raise UsageError(f"option device_graphs must be True or False, got {compile_opts['device_graphs']!r}")
+    try:
+        compile_opts["buckets"] = check_buckets(compile_opts["buckets"])
+    except ValueError as e:
+        raise UsageError(f"option {e}") from None
+    if compile_opts["pdl"] is None:
+        compile_opts["pdl"] = target.pdl
+    if compile_opts["pdl"] not in PDL_CHOICES or not isinstance(compile_opts["pdl"], (bool, str)):
+        raise UsageError(f"option pdl must be True, False or 'outside_regions', got {compile_opts['pdl']!r}")
+    if compile_opts["pdl"] and target.triton_backend != "cuda":
+        raise UsageError(f"option pdl: target '{target.name}' has no programmatic dependent launch "
+                         "(CUDA sm_90 and later only)")
+    streams = compile_opts["streams"]
+    if streams is None:
+        compile_opts["streams"] = target.graph_streams
+    elif isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+        raise UsageError(f"option streams must be a positive integer (1: one stream), got {streams!r}")
+    return compile_opts, pass_opts
+
+
+def program_target(target: Target, compile_opts: dict) -> Target:
+    """`target` with the options that its record carries applied (the program's kernels and dense
+    pieces read them from the record): `pdl` and whether it holds inside stream regions (with one
+    stream no step runs beside another)."""
+    pdl = compile_opts["pdl"]
+    in_regions = pdl != PDL_OUTSIDE_REGIONS or compile_opts["streams"] == 1
+    if (bool(pdl), in_regions) == (target.pdl, target.pdl_in_regions):
+        return target
+    return dataclasses.replace(target, pdl=bool(pdl), pdl_in_regions=in_regions)
