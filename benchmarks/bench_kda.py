@@ -12,7 +12,8 @@ read + written dominates: 6 MiB per request) over the copy bandwidth measured in
 Prefill: one request of T = 8192 tokens from a live state, chunk 64, against fla's `chunk_kda`
 (and its conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale).
 
-Run: PYTHONPATH=. python benchmarks/bench_kda.py   (fla-core must be importable for the fla peers)
+Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill]   (--prefill: the prefill rows alone;
+fla-core must be importable for the fla peers)
 """
 from __future__ import annotations
 
@@ -250,5 +251,7 @@ def run(machine: Machine) -> list[Row]:
 
 
 if __name__ == "__main__":
+    import sys
+    import k31c.graph.ops.kda  # noqa: F401  (registers the reference ops)
     m = measure_machine()
-    print(markdown(run(m), m))
+    print(markdown(prefill_rows(m) if "--prefill" in sys.argv[1:] else run(m), m))
