@@ -156,6 +156,10 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
             s.outs = tuple(s.outs)
     steps = main_stream_first(steps)
     mark_concurrent(steps)
+    weights = {slots[n] for n in placeholders if n.meta.get("k31c_weight")}
+    for s in steps:
+        if isinstance(s, Dense):
+            s.weights_only = bool(s.args) and all(a in weights for a in s.args)
     pieces, piece_names = _compile_pieces(gm, dense, target, dense_codegen, name, progress)
     _assign_frees(steps, len(placeholders), outputs)
     names = [("@" if n.meta.get("k31c_weight") else "%") + n.meta.get("k31c_input", n.name) for n in placeholders]

@@ -9,7 +9,9 @@ A program holds its compiled dense pieces and a list of steps:
   `"reference"` when no kernel exists for the target and the op's reference implementation runs;
 - `Record(event, stream)` / `Wait(event, stream)`: the stream markers' fork/join events.
 A Dense or Kernel step is `concurrent` when another stream's work may run beside it: it is on a
-side stream, or on stream 0 between a fork `Record` and the join `Wait` that closes it.
+side stream, or on stream 0 between a fork `Record` and the join `Wait` that closes it. A Dense
+step is `weights_only` when it reads weights alone (e.g. the KDA conv weights concatenated): its
+outputs change only when a weight does, and the executor keeps them.
 Slots 0..n_inputs-1 are the program's inputs (weights, then the flattened step inputs); `free`
 on a step lists slots whose last use it was (their tensors are dropped after the step). A value
 read on another stream than the one that made it is never freed early: the caching allocator
@@ -46,6 +48,7 @@ class Dense:
     outs: tuple[int, ...]
     free: tuple[int, ...] = ()
     concurrent: bool = False
+    weights_only: bool = False
 
 
 @dataclass
@@ -140,8 +143,9 @@ class Program:
             return "_" if i is None else names[i] if i < len(names) else f"%{i}"
         for s in self.steps:
             if isinstance(s, Dense):
+                kept = " (weights only: kept)" if s.weights_only else ""
                 lines.append(f"  s{s.stream} dense piece{s.piece}({', '.join(map(slot, s.args))}) -> "
-                             f"{', '.join(map(slot, s.outs))}")
+                             f"{', '.join(map(slot, s.outs))}{kept}")
             elif isinstance(s, Kernel):
                 args = ", ".join(slot(a.slot) if isinstance(a, Ref)
                                  else "[" + ", ".join(map(slot, a.slots)) + "]" if isinstance(a, Refs)

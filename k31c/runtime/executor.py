@@ -7,7 +7,10 @@ stream current when the piece starts, Triton launchers on the current stream), e
 once per program. With `streams=1` (AMD: dual-stream HIP-graph capture is unreliable there, and on
 the CPU) every step runs on stream 0 and the events are dropped; per-stream order already is a
 valid order of the whole program. A target with `pdl` but not `pdl_in_regions` runs the kernels of
-concurrent steps (beside another stream's work) under a record without PDL.
+concurrent steps (beside another stream's work) under a record without PDL. A `weights_only`
+piece runs once and again only when a weight it reads changes (its data pointer or version
+counter); its outputs stay at one address, so a device graph captured after it keeps reading them
+(`refresh_weight_pieces` brings them up to date before a replay).
 """
 from __future__ import annotations
 
@@ -32,6 +35,39 @@ def side_streams(device: torch.device, n: int) -> list:
     while len(pool) < n:
         pool.append(torch.cuda.Stream(device=key[1]))
     return pool[:n]
+
+
+def _weights_key(tensors) -> Optional[tuple]:
+    """What identifies the weights' current values (None: not trackable, e.g. inference tensors)."""
+    try:
+        return tuple((t.data_ptr(), t._version) for t in tensors)
+    except RuntimeError:
+        return None
+
+
+class WeightsPiece:
+    """A dense piece that reads weights alone: computed on the first call and when a weight it
+    reads changed since, then written into the same output tensors (a captured graph reads them)."""
+
+    def __init__(self, fn, args: tuple[int, ...]):
+        self.fn = fn
+        self.args = args                      # input slots of the weights it reads
+        self.key: Optional[tuple] = None
+        self.out: Optional[tuple] = None
+        self.runs = 0
+
+    def __call__(self, *weights):
+        key = _weights_key(weights)
+        if key is None or key != self.key or self.out is None:
+            out = tuple(self.fn(*weights))
+            self.runs += 1
+            if self.out is None or key is None:
+                self.out = out
+            else:
+                for kept, new in zip(self.out, out):
+                    kept.copy_(new)
+            self.key = key
+        return self.out
 
 
 def _under(target: Target, fn):
@@ -61,6 +97,7 @@ class Executor:
         # with pdl but not in regions, concurrent kernels launch under a record without it
         plain = self.multi and target.pdl and not target.pdl_in_regions
         self._plain = dataclasses.replace(target, pdl=False) if plain else None
+        self.weight_pieces: list[WeightsPiece] = []
         self.steps = self._plan()
         self.runs = 0
         self.reference_calls = 0
@@ -76,7 +113,11 @@ class Executor:
                 continue
             stream = s.stream if self.multi else 0
             if isinstance(s, Dense):
-                plan.append((0, stream, self.program.pieces[s.piece], s.args, s.outs, s.free))
+                fn = self.program.pieces[s.piece]
+                if s.weights_only:
+                    fn = WeightsPiece(fn, s.args)
+                    self.weight_pieces.append(fn)
+                plan.append((0, stream, fn, s.args, s.outs, s.free))
             else:
                 consts = list(s.args)
                 refs = tuple((i, a.slot) for i, a in enumerate(s.args) if isinstance(a, Ref))
@@ -90,6 +131,12 @@ class Executor:
     def __call__(self, inputs: list) -> tuple:
         with using_target(self.target):
             return self._run(inputs)
+
+    def refresh_weight_pieces(self, inputs: list) -> None:
+        """Recompute, in place, the weights-only pieces whose weights changed (before a replay of
+        a graph that reads their outputs; on the current stream)."""
+        for piece in self.weight_pieces:
+            piece(*[inputs[a] for a in piece.args])
 
     def _run(self, inputs: list) -> tuple:
         prog = self.program

@@ -181,6 +181,7 @@ class DecodeGraphs:
         if entry is None:
             entry = self.graphs[bucket] = self._capture(bucket, flat)
         entry.statics.fill(flat)
+        self.executor.refresh_weight_pieces(flat)
         entry.graph.replay()
         self.stats.replays += 1
         entry.statics.copy_back(flat, batch)

@@ -152,6 +152,32 @@ def test_concurrent_steps_and_pdl_outside_regions(decode_graph, monkeypatch):
     assert built == [True] * len(everywhere.pieces) and len(everywhere.pieces) <= n_plain
 
 
+def test_weights_only_pieces_run_once_until_a_weight_changes():
+    """The KDA conv weights' concatenation reads weights alone: it runs on the first decode only,
+    and again (into the same tensors) after one of its weights is changed in place; the logits
+    follow the changed weight."""
+    model = make_model()
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    eng, ref = _engine(model, compiled), _engine(model)
+    for e in (eng, ref):
+        r = e.add_request()
+        e.prefill([r], [list(range(1, 12))])
+    for tok in (5, 6, 7):
+        close(eng.decode([0], [tok]), ref.decode([0], [tok]))
+    program = next(p for s, p in compiled._programs.items() if s.name == "decode")
+    steps = [s for s in program.executor.program.steps if isinstance(s, Dense) and s.weights_only]
+    names = program.executor.program.input_names
+    assert steps and all(names[a].startswith("@") for s in steps for a in s.args)
+    pieces = program.executor.weight_pieces
+    assert len(pieces) == len(steps) and [p.runs for p in pieces] == [1] * len(pieces)
+    kept = [t.data_ptr() for p in pieces for t in p.out]
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_conv1d.weight.mul_(1.5)
+    close(eng.decode([0], [8]), ref.decode([0], [8]))
+    assert sorted(p.runs for p in pieces) == [1] * (len(pieces) - 1) + [2]
+    assert [t.data_ptr() for p in pieces for t in p.out] == kept
+
+
 def test_h200_program_runs_its_kernels_and_matches_eager(model):
     compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
     topk = model.config.index_topk
