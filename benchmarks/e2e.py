@@ -4,8 +4,9 @@ Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, a
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams), k31c graph replay on one stream and
 k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
-on one, and with it only outside the stream regions (`"outside_regions"`); the bytes floor (`floor_bytes`: the weights a step reads once, each request's caches once, at
-the copy rate measured now), the GPU busy share of the replayed step (kernel time / step time, from the
+on one, and with it only outside the stream regions (`"outside_regions"`); the bytes floor
+(`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
+measured now), the GPU busy share of the replayed step (kernel time / step time, from the
 profiler; not given for PDL, whose kernels start before the one before them ends), the host
 time of one `Engine.decode` call, and the replayed step's time when every
 step's logits are read back before the next (a sampling loop without overlap). The caches are

@@ -12,7 +12,6 @@ experts, k = 8, N = 1, 16, 64 rows (on the CPU: the check only, under TRITON_INT
 from __future__ import annotations
 
 import torch
-import triton
 
 from k31c.lowering.triton import moe_experts as mx
 try:
@@ -22,28 +21,11 @@ except ImportError:  # run as a script from benchmarks/
 
 
 def group_one_program(idx: torch.Tensor, n_experts: int, bm: int):
-    n_assign = idx.numel()
-    dev = idx.device
-    counts, offsets, tile_end = (torch.empty(n_experts, dtype=torch.int32, device=dev) for _ in range(3))
-    sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
-    mx._group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
-                        NA=triton.next_power_of_2(n_assign), EP=triton.next_power_of_2(n_experts), BM=bm)
-    return counts, offsets, tile_end, sorted_a
+    return mx.group(idx, n_experts, bm, "one", {})
 
 
 def group_three_launches(idx: torch.Tensor, n_experts: int, bm: int):
-    """moe_experts.launch's grouping, launch for launch."""
-    n_assign = idx.numel()
-    dev = idx.device
-    ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)
-    counts, cursor = ints[:n_experts], ints[n_experts:]
-    offsets, tile_end = (torch.empty(n_experts, dtype=torch.int32, device=dev) for _ in range(2))
-    sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
-    groups = (triton.cdiv(n_assign, mx._GROUP_BLOCK),)
-    mx._count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=mx._GROUP_BLOCK)
-    mx._offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=triton.next_power_of_2(n_experts))
-    mx._scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=mx._GROUP_BLOCK)
-    return counts, offsets, tile_end, sorted_a
+    return mx.group(idx, n_experts, bm, "three", {})
 
 
 def check(idx: torch.Tensor, n_experts: int, bm: int) -> None:

@@ -58,7 +58,7 @@ class WeightsPiece:
 
     def __call__(self, *weights):
         key = _weights_key(weights)
-        if key is None or key != self.key or self.out is None:
+        if key is None or key != self.key:
             out = tuple(self.fn(*weights))
             self.runs += 1
             if self.out is None or key is None:
@@ -68,6 +68,13 @@ class WeightsPiece:
                     kept.copy_(new)
             self.key = key
         return self.out
+
+    def refresh(self, weights) -> None:
+        """Bring the kept outputs up to date; an untrackable piece was captured with the graph,
+        which recomputes it itself."""
+        key = _weights_key(weights)
+        if key is not None and key != self.key:
+            self(*weights)
 
 
 def _under(target: Target, fn):
@@ -136,7 +143,7 @@ class Executor:
         """Recompute, in place, the weights-only pieces whose weights changed (before a replay of
         a graph that reads their outputs; on the current stream)."""
         for piece in self.weight_pieces:
-            piece(*[inputs[a] for a in piece.args])
+            piece.refresh([inputs[a] for a in piece.args])
 
     def _run(self, inputs: list) -> tuple:
         prog = self.program

@@ -1,7 +1,7 @@
 """The intra-chunk pass of `k31c::kda_prefill` (kda_prefill.py: the pipeline, the state and
 output passes, the launcher): `kda_chunk_kernel`, one program per (chunk, head), all chunks in
 parallel; and the per-request chunk bookkeeping every pass of the prefill shares
-(`request_chunks`, `pick`). The math is in kda_prefill.py's docstring, step 1."""
+(`request_chunks`, `chunk_request`, `pick`). The math is in kda_prefill.py's docstring, step 1."""
 from __future__ import annotations
 
 import triton
@@ -27,6 +27,13 @@ def request_chunks(cu_ptr, B, C: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def chunk_request(cid, first, n_chunks, B):
+    """The request global chunk `cid` belongs to, and whether cid is a chunk in use at all."""
+    req = tl.minimum(tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0), B - 1)
+    return req, cid < tl.sum(n_chunks, axis=0)
+
+
+@triton.jit
 def pick(j, sel, x):
     return tl.sum(tl.where(j == sel, x, 0), axis=0)
 
@@ -46,9 +53,7 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
     NB: tl.constexpr = C // BC
     DT = qg_ptr.dtype.element_ty
     j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
-    req = tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0)
-    in_range = cid < tl.sum(n_chunks, axis=0)
-    req = tl.minimum(req, B - 1)
+    req, in_range = chunk_request(cid, first, n_chunks, B)
     slot = tl.load(slots_ptr + req)
     if in_range & (slot >= 0):
         s = pick(j, req, start)

@@ -15,6 +15,13 @@ L2_EPS = tl.constexpr(L2_NORM_EPS)
 
 
 @triton.jit
+def gated_rms_norm(o, gate, norm_w, K: tl.constexpr, eps):
+    """The output's gated RMSNorm over rows of K values: o·rsqrt(mean(o²) + eps)·w·σ(gate)."""
+    return o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
+        * tl.sigmoid(gate.to(tl.float32))
+
+
+@triton.jit
 def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
     """Per-channel log-decay from the gate input f (fp32, without dt_bias); a = exp(A_log[h])."""
     x = f + dt_bias

@@ -35,8 +35,8 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, kda_gate_math,
-                                             update_windows)
+from k31c.lowering.triton.kda_common import (L2_EPS, check_kda_layout, conv_silu_rows, gated_rms_norm,
+                                             kda_gate_math, update_windows)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
@@ -168,9 +168,9 @@ def _kda_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H,
     live = tl.load(slots_ptr + rows // H // ROWS, mask=in_range, other=-1) >= 0
     tile = rows.to(tl.int64)[:, None] * K + offs[None, :]
     o = tl.load(o_ptr + tile, mask=m, other=0.0)
-    gate = tl.load(gate_ptr + tile, mask=m, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + tile, mask=m, other=0.0)
     norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-    y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] * tl.sigmoid(gate)
+    y = gated_rms_norm(o, gate, norm_w, K, eps)
     y = tl.where(live[:, None], y, 0.0)
     tl.store(out_ptr + tile, y.to(out_ptr.dtype.element_ty), mask=m)
 

@@ -42,8 +42,9 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.kda_chunk import BC, SAFE_EXPONENT, kda_chunk_kernel, pick, request_chunks
-from k31c.lowering.triton.kda_common import check_kda_layout, window_rows
+from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kda_chunk_kernel, pick,
+                                            request_chunks)
+from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 
@@ -115,8 +116,7 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
 
         if FUSED_NORM and not SPLIT:
             gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
-            o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
-                * tl.sigmoid(gate.to(tl.float32))
+            o = gated_rms_norm(o, gate, norm_w, K, eps)
             tl.store(out_ptr + tc * P + (rp + ch[None, :]),
                      tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
         elif not SPLIT:                          # raw o; _gated_norm_kernel finishes the rows
@@ -153,8 +153,8 @@ def _kda_output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, gate_ptr, norm_w_ptr, out
     h = tl.program_id(1)
     P = H * K
     j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
-    req = tl.minimum(tl.sum((first + n_chunks <= cid).to(tl.int32), axis=0), B - 1)
-    if cid < tl.sum(n_chunks, axis=0):
+    req, in_range = chunk_request(cid, first, n_chunks, B)
+    if in_range:
         live = tl.load(slots_ptr + req) >= 0
         L = pick(j, req, length)
         c0 = (cid - pick(j, req, first)) * C
@@ -176,8 +176,7 @@ def _kda_output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, gate_ptr, norm_w_ptr, out
         rp = rows[:, None] * P + h * K + offs[None, :]
         gate = tl.load(gate_ptr + tc * P + rp, mask=m2, other=0.0)
         norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-        o = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
-            * tl.sigmoid(gate.to(tl.float32))
+        o = gated_rms_norm(o, gate, norm_w, K, eps)
         tl.store(out_ptr + tc * P + rp, tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty),
                  mask=in_req[:, None])
 
@@ -193,9 +192,9 @@ def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
     m2 = (t < T)[:, None]
     idx = t[:, None] * (H * K) + h * K + offs[None, :]
     o = tl.load(o_raw_ptr + idx, mask=m2, other=0.0)
-    gate = tl.load(gate_ptr + idx, mask=m2, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + idx, mask=m2, other=0.0)
     norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-    y = o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] * tl.sigmoid(gate)
+    y = gated_rms_norm(o, gate, norm_w, K, eps)
     tl.store(out_ptr + idx, y.to(out_ptr.dtype.element_ty), mask=m2)
 
 

@@ -42,6 +42,13 @@ MAX_EXPERTS = 8192           # experts the one-program offsets pass holds in reg
 # ---- grouping ---------------------------------------------------------------------------------
 
 @triton.jit
+def _store_offsets(counts, cols, ok, offsets_ptr, tile_end_ptr, BM: tl.constexpr):
+    """offsets = the exclusive prefix sum of counts; tile_end = the inclusive one of their tiles."""
+    tl.store(offsets_ptr + cols, tl.cumsum(counts, axis=0) - counts, mask=ok)
+    tl.store(tile_end_ptr + cols, tl.cumsum((counts + BM - 1) // BM, axis=0), mask=ok)
+
+
+@triton.jit
 def _group_kernel(idx_ptr, counts_ptr, offsets_ptr, tile_end_ptr, sorted_ptr, n_assign, n_experts,
                   NA: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr = False):
     """The whole grouping in one program (A <= NA assignments in registers)."""
@@ -53,8 +60,7 @@ def _group_kernel(idx_ptr, counts_ptr, offsets_ptr, tile_end_ptr, sorted_ptr, n_
     cols = tl.arange(0, EP)
     cm = cols < n_experts
     tl.store(counts_ptr + cols, counts, mask=cm)
-    tl.store(offsets_ptr + cols, tl.cumsum(counts, axis=0) - counts, mask=cm)
-    tl.store(tile_end_ptr + cols, tl.cumsum((counts + BM - 1) // BM, axis=0), mask=cm)
+    _store_offsets(counts, cols, cm, offsets_ptr, tile_end_ptr, BM)
     grouped = tl.sort(tl.where(ok, e, n_experts) * NA + a)        # expert-major; skipped ones last
     tl.store(sorted_ptr + a, grouped % NA, mask=a < tl.sum(ok.to(tl.int32), axis=0))
 
@@ -74,9 +80,7 @@ def _offsets_kernel(counts_ptr, offsets_ptr, tile_end_ptr, n_experts, BM: tl.con
     wait_for_producers(PDL)
     cols = tl.arange(0, EP)
     ok = cols < n_experts
-    c = tl.load(counts_ptr + cols, mask=ok, other=0)
-    tl.store(offsets_ptr + cols, tl.cumsum(c, axis=0) - c, mask=ok)
-    tl.store(tile_end_ptr + cols, tl.cumsum((c + BM - 1) // BM, axis=0), mask=ok)
+    _store_offsets(tl.load(counts_ptr + cols, mask=ok, other=0), cols, ok, offsets_ptr, tile_end_ptr, BM)
 
 
 @triton.jit
@@ -263,6 +267,29 @@ def max_tiles(n_experts: int, n_assign: int, bm: int) -> int:
     return min(n_experts, n_assign) + n_assign // bm
 
 
+def group(idx: torch.Tensor, n_experts: int, bm: int, mode: str, pdl: dict) -> tuple:
+    """(counts, offsets, tile_end, sorted) of the assignments in `idx` (contiguous int32):
+    mode "one" (one program) or "three" (count, offsets, scatter after zeroing counters)."""
+    n_assign, dev = idx.numel(), idx.device
+    ep = triton.next_power_of_2(n_experts)
+    offsets = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    tile_end = torch.empty(n_experts, dtype=torch.int32, device=dev)
+    sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
+    if mode == "one":
+        counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
+        _group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
+                            NA=triton.next_power_of_2(n_assign), EP=ep, BM=bm, **pdl)
+    else:
+        ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)     # counts, cursors
+        counts, cursor = ints[:n_experts], ints[n_experts:]
+        groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
+        _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
+        _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl)
+        _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK,
+                                **pdl)
+    return counts, offsets, tile_end, sorted_a
+
+
 def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None = None):
     """The launch sequence on checked arguments (`config`: plan overrides)."""
     n, width = z.shape
@@ -282,23 +309,9 @@ def launch(z, idx, weights, w13, w2, act, beta, linear_beta, config: dict | None
     bm, ep = p["BM"], triton.next_power_of_2(n_experts)
     dev = z.device
     pdl = pdl_launch(dev)
-    offsets = torch.empty(n_experts, dtype=torch.int32, device=dev)
-    tile_end = torch.empty(n_experts, dtype=torch.int32, device=dev)
-    sorted_a = torch.empty(n_assign, dtype=torch.int32, device=dev)
+    counts, offsets, tile_end, sorted_a = group(idx, n_experts, bm, p["group"], pdl)
     h = torch.empty((n_assign, inter), dtype=w13.dtype, device=dev)
     y = torch.empty((n_assign, width), dtype=torch.float32, device=dev)
-    if p["group"] == "one":
-        counts = torch.empty(n_experts, dtype=torch.int32, device=dev)
-        _group_kernel[(1,)](idx, counts, offsets, tile_end, sorted_a, n_assign, n_experts,
-                            NA=triton.next_power_of_2(n_assign), EP=ep, BM=bm, **pdl)
-    else:
-        ints = torch.zeros(2 * n_experts, dtype=torch.int32, device=dev)     # counts, cursors
-        counts, cursor = ints[:n_experts], ints[n_experts:]
-        groups = (triton.cdiv(n_assign, _GROUP_BLOCK),)
-        _count_kernel[groups](idx, counts, n_assign, n_experts, BLOCK=_GROUP_BLOCK, **pdl)
-        _offsets_kernel[(1,)](counts, offsets, tile_end, n_experts, BM=bm, EP=ep, **pdl)
-        _scatter_kernel[groups](idx, offsets, cursor, sorted_a, n_assign, n_experts, BLOCK=_GROUP_BLOCK,
-                                **pdl)
     tiles = max_tiles(n_experts, n_assign, bm)
     precision = target_of(dev).dot_precision(fast=False)
     upcast = upcast_dots(w13.dtype)
