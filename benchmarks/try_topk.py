@@ -2,7 +2,7 @@
 
 1. Micro-costs of one program (CUDA-graph replays of 20 launches; an empty kernel for the
    launch cost): tl.histogram levels over 2048 / 8192 register-resident keys (32 bins),
-   `topk.select_kth` (7 levels of 5-bit digits), and the cumsum compaction the refine ends with.
+   `radix_select.select_kth` (7 levels of 5-bit digits), and the cumsum compaction the refine ends with.
 2. `topk._filter_kernel` at 64 rows x 128K and x 1M over filter programs in all (1024, 4096,
    16384), score tiles (1024, 2048, 4096) and warps (4, 8), after one plan launch. Its counters
    are not reset between launches, so later launches append past the buffer (masked stores, the
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton import topk
-from k31c.lowering.triton.topk import select_kth
+from k31c.lowering.triton.radix_select import order_key, select_kth
 try:
     from benchmarks.harness import graph_ms
 except ImportError:  # run as a script from benchmarks/
@@ -86,7 +86,7 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
     for start in range(lo, hi, TILE):
         pos = start + tl.arange(0, TILE)
         live = pos < hi
-        key = topk.order_key(tl.load(src_row + pos, mask=live, other=0.0))
+        key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
         if STEP == 0:
             acc = acc ^ key.to(tl.int32, bitcast=True)
         else:
@@ -134,7 +134,7 @@ def _store_tile(ckey_row, cpos_row, key, pos, seli, base, cap, WRAP: tl.constexp
 def _tile_keys(src_row, start, hi, TILE: tl.constexpr):
     pos = start + tl.arange(0, TILE)
     live = pos < hi
-    return pos, live, topk.order_key(tl.load(src_row + pos, mask=live, other=0.0))
+    return pos, live, order_key(tl.load(src_row + pos, mask=live, other=0.0))
 
 
 @triton.jit

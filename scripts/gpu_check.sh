@@ -8,9 +8,11 @@
 #      (benchmarks/bench_moe.py), the chunked 32K / 128K prefill (benchmarks/prefill.py) and the
 #      decode projections (benchmarks/bench_linear.py), into $OUT or . (bench-e2e.md,
 #      bench-moe.md, prefill.md, bench-linear.md); about 4, 1, 1.5 and 1 minutes.
-# --kernels-only runs part 2 alone. On an H200, part 1 takes about 9 minutes (Inductor compiles
-# included; measured in pieces) and part 2 about 4: where one command may run at most 10 minutes,
-# run `--no-kernels` and `--kernels-only` as two commands, and split part 1 with -k if needed.
+# --kernels-only runs part 2 alone. --shard I/N runs every N-th test of parts 1 and 2 from the
+# I-th: the N commands with I = 1..N run them all once. On a cold H200 (Inductor and Triton
+# compiling) part 1 took more than 7 minutes and part 2 about 8; where one command may run at
+# most 10 minutes, run `--shard 1/3`, `--shard 2/3`, `--shard 3/3` (not yet timed; a module's
+# shared fixtures are built in every shard), then `--bench-only` for part 3 alone.
 # Other arguments go to part 1's pytest (e.g. -k bench).
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
@@ -19,22 +21,26 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
-kernels=1 bench=0 program=1 rest=()
-for a in "$@"; do
-    case "$a" in
+kernels=1 bench=0 program=1 rest=() shard=()
+while [ $# -gt 0 ]; do
+    case "$1" in
         --no-kernels) kernels=0 ;;
         --kernels-only) program=0 ;;
         --bench) bench=1 ;;
-        *) rest+=("$a") ;;
+        --bench-only) bench=1 program=0 kernels=0 ;;
+        --shard) [ $# -ge 2 ] || { echo "gpu_check: --shard needs I/N (e.g. 2/3)" >&2; exit 2; }
+                 shard=(--shard "$2"); shift ;;
+        *) rest+=("$1") ;;
     esac
+    shift
 done
 "$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
 if [ "$program" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${rest[@]}" || status=1
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${shard[@]}" "${rest[@]}" || status=1
 fi
 if [ "$kernels" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py || status=1
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py "${shard[@]}" || status=1
 fi
 if [ "$bench" = 1 ]; then
     "$PY" -m k31c bench e2e --out "${OUT:-.}/bench-e2e.md" || status=1

@@ -17,6 +17,33 @@ os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.dirname(__file__)
 def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", default=False,
                      help="rewrite tests/golden/ from the current graphs (a reviewed change)")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run every N-th collected test starting at the I-th (1-based), so that "
+                          "N commands with I = 1..N run the selection once (scripts/gpu_check.sh)")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 1 <= I <= N; a clear error otherwise."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard: expected I/N such as 2/3, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard: expected 1 <= I <= N, got {text!r}")
+    return i, n
+
+
+@pytest.hookimpl(trylast=True)      # after -k / -m have deselected theirs
+def pytest_collection_modifyitems(config, items):
+    # Round robin over the collected order: neighbours (a module's tests sharing a fixture) land
+    # in different shards, which costs a fixture rebuild per shard but balances the shards' time.
+    text = config.getoption("--shard")
+    if text is None:
+        return
+    i, n = parse_shard(text)
+    keep = [item for j, item in enumerate(items) if j % n == i - 1]
+    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i - 1])
+    items[:] = keep
 
 
 @pytest.fixture

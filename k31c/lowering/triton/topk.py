@@ -22,9 +22,7 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
      itself (4 histogram passes of 8-bit digits, then the output pass), so no launch waits for
      a case that almost never happens.
 
-The in-register selects use 5-bit digits: tl.histogram costs about one ballot per bit and one
-popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256.
-`plan` picks the chunking, buffer and sample sizes once; the launcher and `aot_specs` read it.
+The selection helpers are in `radix_select.py`. `plan` picks the chunking, buffer and sample sizes once; the launcher and `aot_specs` read it.
 """
 from __future__ import annotations
 
@@ -38,6 +36,8 @@ from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
+from k31c.lowering.triton.radix_select import (order_key, sample_position, select_from_row, select_kth,
+                                               take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
@@ -57,17 +57,6 @@ ST_WORDS = tl.constexpr(ROW_STATE)
 
 
 @triton.jit
-def order_key(x):
-    """fp32 → uint32 whose unsigned order is the float order (torch.sort's, NaN above +inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
-    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
-
-
-# ---- selection helpers ------------------------------------------------------------------------
-
-@triton.jit
 def append_candidates(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
     """Append the selected (key, position) of a [R, T] tile to each row's candidate buffer."""
     seli = sel.to(tl.int32)
@@ -79,95 +68,6 @@ def append_candidates(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
         ok = sel & (idx < cap)
         tl.store(ckey_rows[:, None] + idx, key.to(tl.int32, bitcast=True), mask=ok)
         tl.store(cpos_rows[:, None] + idx, pos + tl.zeros_like(idx), mask=ok)
-
-
-@triton.jit
-def select_kth(val, live, krem, LEVELS: tl.constexpr):
-    """Radix select over a register tensor of uint32 values, 5-bit digits from the top, LEVELS
-    levels (5: the top 25 bits; 7: all 32). Returns (t, krem, exact): exact → exactly krem of
-    the live values are >= t (t a digit boundary); else t is the value to LEVELS digits and krem
-    of the live values equal to it (to those digits) are still to take. Needs krem <= #live."""
-    bins = tl.arange(0, 32)
-    prefix = tl.zeros((), tl.uint32)
-    level = 0
-    exact = level < 0
-    while (level < LEVELS) & (exact == 0):
-        shift = tl.maximum(27 - 5 * level, 0)           # the 7th level holds the last 2 bits
-        mask = (1 << (32 - 5 * level - shift)) - 1
-        digit = ((val >> shift.to(tl.uint32)) & mask.to(tl.uint32)).to(tl.int32)
-        hist = tl.histogram(digit, 32, mask=live)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # live values with digit >= d
-        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
-        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
-        prefix = prefix | (best.to(tl.uint32) << shift.to(tl.uint32))
-        exact = tl.sum(tl.where(bins == best, hist, 0), 0) == krem
-        live = live & (digit == best)
-        level += 1
-    return prefix, krem, exact
-
-
-@triton.jit
-def sample_position(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
-    """Position of sample i of a row of n keys: runs of RUN spread evenly (a row shorter than
-    the sample repeats positions)."""
-    return tl.minimum((i // RUN).to(tl.int64) * n // (SAMPLES // RUN) + i % RUN, n - 1).to(tl.int32)
-
-
-@triton.jit
-def write_selected(out_row, base, pos, sel):
-    """Write the selected positions of a tile to out_row[base:], in order; returns how many."""
-    seli = sel.to(tl.int32)
-    tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
-    return tl.sum(seli, 0)
-
-
-@triton.jit
-def _take_top_ties(row, lo, hi, thresh, take, out_row, base, src_ptr, src_stride, TILE: tl.constexpr):
-    """Write the `take` highest positions in [lo, hi) whose key == thresh to out_row[base:]
-    (one program, reading tiles from the top down); returns the new base."""
-    top = hi
-    while (take > 0) & (top > lo):
-        pos = top - TILE + tl.arange(0, TILE)
-        live = (pos >= lo) & (pos < top)
-        key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=live, other=0.0))
-        tie = (live & (key == thresh)).to(tl.int32)
-        sel = (tie > 0) & (tl.sum(tie, 0) - tl.cumsum(tie, 0) < take)    # ties above it in the tile
-        n = write_selected(out_row, base, pos, sel)
-        base += n
-        take -= n
-        top -= TILE
-    return base
-
-
-@triton.jit
-def _select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE: tl.constexpr):
-    """Exact top-k of a whole row by one program: 4 passes of 8-bit digit histograms find the
-    k-th key, one pass writes the keys above it, the ties at it come from the top down."""
-    src_row = src_ptr + row.to(tl.int64) * src_stride
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), tl.uint32)
-    krem = k
-    for level in tl.static_range(4):
-        shift = 24 - 8 * level
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, n, TILE):
-            pos = start + tl.arange(0, TILE)
-            key = order_key(tl.load(src_row + pos, mask=pos < n, other=0.0))
-            match = pos < n
-            if level > 0:
-                match = match & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
-        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
-        prefix = prefix | (best.to(tl.uint32) << shift)
-    base = 0
-    for start in range(0, n, TILE):       # prefix is the k-th key: everything above it
-        pos = start + tl.arange(0, TILE)
-        key = order_key(tl.load(src_row + pos, mask=pos < n, other=0.0))
-        sel = (pos < n) & (key > prefix)
-        base += write_selected(out_row, base, pos, sel)
-    _take_top_ties(row, 0, n, prefix, krem, out_row, base, src_ptr, src_stride, TILE)
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -264,13 +164,13 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
                 if take > 0:
-                    base = _take_top_ties(row, j * chunk, tl.minimum(j * chunk + chunk, n), thresh, take,
+                    base = take_top_ties(row, j * chunk, tl.minimum(j * chunk + chunk, n), thresh, take,
                                           out_row, base, src_ptr, src_stride, TILE)
                 need -= take
                 j -= 1
         else:
             tl.store(st + ST_MODE, 2)
-            _select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
+            select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
 
 
 # ---- launch plan ------------------------------------------------------------------------------

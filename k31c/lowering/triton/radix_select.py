@@ -1,0 +1,109 @@
+"""In-register radix selection for top-k (`topk.py`): the order-preserving key of a float score,
+a 5-bit-digit select over a register tensor, and the one-program exact select over a whole row.
+
+The in-register selects use 5-bit digits: tl.histogram costs about one ballot per bit and one
+popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256. The whole-row
+select (the rare case where a sampled threshold misjudged the row) reads the row in tiles and
+uses 8-bit digits, 4 passes.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def order_key(x):
+    """fp32 → uint32 whose unsigned order is the float order (torch.sort's, NaN above +inf)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
+    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
+
+
+
+@triton.jit
+def select_kth(val, live, krem, LEVELS: tl.constexpr):
+    """Radix select over a register tensor of uint32 values, 5-bit digits from the top, LEVELS
+    levels (5: the top 25 bits; 7: all 32). Returns (t, krem, exact): exact → exactly krem of
+    the live values are >= t (t a digit boundary); else t is the value to LEVELS digits and krem
+    of the live values equal to it (to those digits) are still to take. Needs krem <= #live."""
+    bins = tl.arange(0, 32)
+    prefix = tl.zeros((), tl.uint32)
+    level = 0
+    exact = level < 0
+    while (level < LEVELS) & (exact == 0):
+        shift = tl.maximum(27 - 5 * level, 0)           # the 7th level holds the last 2 bits
+        mask = (1 << (32 - 5 * level - shift)) - 1
+        digit = ((val >> shift.to(tl.uint32)) & mask.to(tl.uint32)).to(tl.int32)
+        hist = tl.histogram(digit, 32, mask=live)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # live values with digit >= d
+        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
+        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
+        prefix = prefix | (best.to(tl.uint32) << shift.to(tl.uint32))
+        exact = tl.sum(tl.where(bins == best, hist, 0), 0) == krem
+        live = live & (digit == best)
+        level += 1
+    return prefix, krem, exact
+
+
+@triton.jit
+def sample_position(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
+    """Position of sample i of a row of n keys: runs of RUN spread evenly (a row shorter than
+    the sample repeats positions)."""
+    return tl.minimum((i // RUN).to(tl.int64) * n // (SAMPLES // RUN) + i % RUN, n - 1).to(tl.int32)
+
+
+@triton.jit
+def write_selected(out_row, base, pos, sel):
+    """Write the selected positions of a tile to out_row[base:], in order; returns how many."""
+    seli = sel.to(tl.int32)
+    tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+    return tl.sum(seli, 0)
+
+
+@triton.jit
+def take_top_ties(row, lo, hi, thresh, take, out_row, base, src_ptr, src_stride, TILE: tl.constexpr):
+    """Write the `take` highest positions in [lo, hi) whose key == thresh to out_row[base:]
+    (one program, reading tiles from the top down); returns the new base."""
+    top = hi
+    while (take > 0) & (top > lo):
+        pos = top - TILE + tl.arange(0, TILE)
+        live = (pos >= lo) & (pos < top)
+        key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + pos, mask=live, other=0.0))
+        tie = (live & (key == thresh)).to(tl.int32)
+        sel = (tie > 0) & (tl.sum(tie, 0) - tl.cumsum(tie, 0) < take)    # ties above it in the tile
+        n = write_selected(out_row, base, pos, sel)
+        base += n
+        take -= n
+        top -= TILE
+    return base
+
+
+@triton.jit
+def select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE: tl.constexpr):
+    """Exact top-k of a whole row by one program: 4 passes of 8-bit digit histograms find the
+    k-th key, one pass writes the keys above it, the ties at it come from the top down."""
+    src_row = src_ptr + row.to(tl.int64) * src_stride
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), tl.uint32)
+    krem = k
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, n, TILE):
+            pos = start + tl.arange(0, TILE)
+            key = order_key(tl.load(src_row + pos, mask=pos < n, other=0.0))
+            match = pos < n
+            if level > 0:
+                match = match & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
+        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
+        prefix = prefix | (best.to(tl.uint32) << shift)
+    base = 0
+    for start in range(0, n, TILE):       # prefix is the k-th key: everything above it
+        pos = start + tl.arange(0, TILE)
+        key = order_key(tl.load(src_row + pos, mask=pos < n, other=0.0))
+        sel = (pos < n) & (key > prefix)
+        base += write_selected(out_row, base, pos, sel)
+    take_top_ties(row, 0, n, prefix, krem, out_row, base, src_ptr, src_stride, TILE)
