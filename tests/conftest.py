@@ -11,6 +11,8 @@ except Exception:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import install as _fast_interpreter
+    _fast_interpreter()
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".triton-cache"))
 
 

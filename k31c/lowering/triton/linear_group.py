@@ -83,8 +83,8 @@ def plan(m: int, total_n: int, k: int, small: bool | None = None) -> dict:
     covers the SMs). bench_linear.py --sweep measures the alternatives."""
     small = interpreting() if small is None else small
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    if small:
-        return dict(BM=bm, BN=16, BK=32, num_warps=4, num_stages=1)
+    if small:   # the interpreter pays per operation, not per element: few, large tiles
+        return dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=1)
     stages = 4 if bm == 16 else 3
     if total_n > 4096 and 1024 < k <= 2048:   # short K: 32-column tiles, more programs stream it
         bn, bk, stages = 32, 128, 3
