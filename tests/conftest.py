@@ -2,6 +2,9 @@ import os
 
 import pytest
 
+from pytest_shard import parse_shard            # tests/ is on sys.path (this file's folder)
+from triton_interpreter import install as fast_interpreter
+
 # Triton kernels run on the CPU through the interpreter when no GPU is present; the variable
 # must be set before any @triton.jit function is created.
 try:
@@ -11,8 +14,7 @@ except Exception:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from triton_interpreter import install as _fast_interpreter
-    _fast_interpreter()
+    fast_interpreter()
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".triton-cache"))
 
 
@@ -22,17 +24,6 @@ def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run every N-th collected test starting at the I-th (1-based), so that "
                           "N commands with I = 1..N run the selection once (scripts/gpu_check.sh)")
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """'I/N' -> (I, N) with 1 <= I <= N; a clear error otherwise."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise pytest.UsageError(f"--shard: expected I/N such as 2/3, got {text!r}") from None
-    if not 1 <= i <= n:
-        raise pytest.UsageError(f"--shard: expected 1 <= I <= N, got {text!r}")
-    return i, n
 
 
 @pytest.hookimpl(trylast=True)      # after -k / -m have deselected theirs

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import parse_shard
+from pytest_shard import parse_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 
