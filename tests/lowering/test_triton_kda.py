@@ -249,6 +249,16 @@ def test_prefill_split_output(block_v):
                   dtype=torch.float16, device=DEV, seed=6, fn=fn)
 
 
+def test_prefill_stages():
+    """The fused form (V whole) has no output launch: the chunk and state passes are the whole
+    prefill; anything but letters of "cso" is refused."""
+    check_prefill(H=2, K=16, lens=[20, 13], slot_ids=[1, 2], lb=-5.0, chunk=16,
+                  dtype=torch.float32, device=DEV, seed=9, fn=partial(launch_kda_prefill, stages="cs"))
+    with pytest.raises(ValueError, match="stages"):
+        check_prefill(H=2, K=16, lens=[4], slot_ids=[1], lb=-5.0, chunk=16, dtype=torch.float32,
+                      device=DEV, seed=0, fn=partial(launch_kda_prefill, stages="cx"))
+
+
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
 @pytest.mark.parametrize("lb", [-5.0, None])
 @pytest.mark.parametrize("split", [False, True])

@@ -260,11 +260,16 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, split_output: bool = False) -> torch.Tensor:
+                       state_stages: int = 1, split_output: bool = False,
+                       stages: str = "cso") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
     split_output: then the state pass only carries the state (writing each chunk's starting
-    state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel."""
+    state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel.
+    stages: which of the chunk pass, the state pass and the output (or norm) pass to launch
+    (benchmarks time them alone; anything but "cso" leaves the output unfinished)."""
+    if not stages or set(stages) - set("cso"):
+        raise ValueError(f"stages: expected letters of 'cso' (chunk, state, output), got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
@@ -284,7 +289,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     out = torch.empty_like(q)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
-    if n_chunks_max > 0:
+    if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
@@ -293,15 +298,16 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     o_raw = out if BV == K or split else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     h_scratch = torch.empty(n_chunks_max, H, K, K, device=q.device, dtype=dt) if split else out
     vn = torch.empty(T, H, K, device=q.device, dtype=dt) if split else out
-    _kda_state_kernel[(B, H, K // BV)](
-        qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw, h_scratch, vn,
-        conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
-        num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
-    if split and n_chunks_max > 0:
+    if "s" in stages:
+        _kda_state_kernel[(B, H, K // BV)](
+            qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw, h_scratch, vn,
+            conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
+            num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
+    if "o" in stages and split and n_chunks_max > 0:
         _kda_output_kernel[(n_chunks_max, H)](qg, aqk, h_scratch, vn, gate, o_norm_weight, out, slots,
                                               cu_seqlens, B, H, float(eps), **p.output_constexprs(),
                                               num_warps=p.state_warps, **pdl)
-    elif BV < K and T > 0:
+    elif "o" in stages and BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
                                                     float(eps), K=K, BT=16, num_warps=4, **pdl)
     return out
