@@ -17,7 +17,11 @@
    software pipelined; two passes), first checked against the registered filter (the same
    candidates, counts and ties at a set threshold; also on the CPU under TRITON_INTERPRET=1).
 
-    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: the check and part 3 alone)
+4. The whole select with candidate buffers of 4096 and 8192 keys a row (`cap_sweep`), with the
+   path each row took and the sets checked against the reference op.
+
+    PYTHONPATH=. python benchmarks/try_topk.py [steps|cap]   (steps: the check, parts 3 and 4;
+                                                              cap: the check and part 4)
 """
 from __future__ import annotations
 
@@ -282,12 +286,47 @@ def filter_steps() -> None:
             print(f"filter variant 64x{ctx >> 10}K: {what}: {us:.1f} us")
 
 
+def cap_sweep(device: str = "cuda", widths=(128 << 10, 1 << 20), rows: int = 64, k: int = 2048) -> None:
+    """The whole registered select with candidate buffers of 4096 and 8192 keys a row (the
+    refine's register tensor and warps follow the buffer), on Gaussian rows and on tie-heavy rows
+    (64 distinct values), with each row's path (a sampled threshold settled from the buffer, the
+    buffer plus ties at the threshold, or the exact fallback over the whole row) and the sets
+    checked against the reference op."""
+    import collections
+    import k31c.graph.ops  # noqa: F401  (registers the reference ops)
+    real = topk.CAP
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for width in widths:
+            base = torch.randn(rows, width, generator=gen).to(device)
+            row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
+            for name, scores in (("gaussian", base), ("64 values", (base * 8).round().clamp(-32, 31))):
+                want = torch.ops.k31c.topk_select(scores, row_len, k).sort(1).values
+                for cap in (4096, 8192):
+                    topk.CAP = cap
+                    us = graph_us(lambda: topk.topk_select(scores, row_len, k), launches=10) \
+                        if device == "cuda" else float("nan")
+                    topk.DEBUG_PATHS = True
+                    got = topk.topk_select(scores, row_len, k).sort(1).values
+                    topk.DEBUG_PATHS = False
+                    paths = dict(collections.Counter(topk.last_paths))
+                    print(f"select {rows}x{width >> 10}K {name}, buffer {cap}: {us:.1f} us; paths {paths}; "
+                          f"sets == reference: {torch.equal(got, want)}")
+    finally:
+        topk.CAP, topk.DEBUG_PATHS = real, False
+
+
 if __name__ == "__main__":
-    if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
+    if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the checks only
         check_filter_variants("cpu")
+        cap_sweep("cpu", widths=(12 << 10,), rows=3)
         sys.exit(0)
     check_filter_variants()
+    if sys.argv[1:] == ["cap"]:
+        cap_sweep()
+        sys.exit(0)
     if sys.argv[1:] != ["steps"]:
         micro_costs()
         filter_sweep()
     filter_steps()
+    cap_sweep()
