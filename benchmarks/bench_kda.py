@@ -185,12 +185,15 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 def prefill_rows(m: Machine, torch_peers: bool = True,
-                 configs=((4, 8, None, False), (2, 8, None, False), (8, 8, None, False), (8, 8, 64, False),
-                          (8, 4, 32, False), (4, 8, None, True), (2, 8, None, True), (4, 8, 64, True),
-                          (4, 4, 32, True))) -> list[Row]:
+                 configs=((4, 8, None, False, "rows"), (2, 8, None, False, "rows"),
+                          (8, 8, None, False, "rows"), (8, 8, 64, False, "rows"), (8, 4, 32, False, "rows"),
+                          (4, 8, None, True, "rows"), (2, 8, None, True, "rows"), (4, 8, 64, True, "rows"),
+                          (4, 4, 32, True, "rows"), (4, 8, None, False, "doubling"),
+                          (4, 8, None, True, "doubling"))) -> list[Row]:
     """The chunked prefill at T_PREFILL over launch configurations (chunk warps, state warps,
     V tile, split output: the state pass carries the state alone and a parallel launch makes the
-    outputs), the best of them beside fla's chunk_kda."""
+    outputs; the chunk pass's diagonal-block inverse), the best of them beside fla's chunk_kda;
+    then each pass alone at the best configuration of each form."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -200,20 +203,21 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
     sweep = {}
-    for cw, sw, bv, split in configs:
-        sweep[(cw, sw, bv, split)] = time_ms(lambda: launch_kda_prefill(
+    for cw, sw, bv, split, inv in configs:
+        sweep[(cw, sw, bv, split, inv)] = time_ms(lambda: launch_kda_prefill(
             *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
-            block_v=bv, split_output=split), reps=10)
+            block_v=bv, split_output=split, inverse=inv), reps=10)
     best = min(sweep, key=sweep.get)
-    peers, notes = {}, ["(chunk warps, state warps, BV[, split]) " + " ".join(
-        f"{a},{b},{c or K}{',split' if s else ''}:{t:.3f}" for (a, b, c, s), t in sweep.items())]
+    peers, notes = {}, ["(chunk warps, state warps, BV[, split][, doubling]) " + " ".join(
+        f"{a},{b},{c or K}{',split' if s else ''}{',doubling' if i == 'doubling' else ''}:{t:.3f}"
+        for (a, b, c, s, i), t in sweep.items())]
     passes = {}
     for split in (False, True):     # each pass alone, at the best configuration of each form
-        cw, sw, bv, _ = min((c for c in sweep if c[3] == split), key=sweep.get)
+        cw, sw, bv, _, inv = min((c for c in sweep if c[3] == split), key=sweep.get)
         for stage in "cso":
             passes[(split, stage)] = time_ms(lambda: launch_kda_prefill(
                 *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
-                block_v=bv, split_output=split, stages=stage), reps=10)
+                block_v=bv, split_output=split, stages=stage, inverse=inv), reps=10)
     notes.append("passes alone ms (chunk / state / output or norm): " + "; ".join(
         f"{'split' if split else 'fused'} " + " / ".join(f"{passes[(split, st)]:.3f}" for st in "cso")
         for split in (False, True)))

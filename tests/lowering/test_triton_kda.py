@@ -249,6 +249,22 @@ def test_prefill_split_output(block_v):
                   dtype=torch.float16, device=DEV, seed=6, fn=fn)
 
 
+def test_prefill_doubling_inverse():
+    """The chunk pass's diagonal blocks inverted by doubling (fp32 products) instead of row by
+    row: several chunks with a ragged tail, a padding request, chunk 32 (two blocks), the
+    unbounded gate, fp16."""
+    fn = partial(launch_kda_prefill, inverse="doubling")
+    check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=-5.0, chunk=32,
+                  dtype=torch.float32, device=DEV, seed=11, fn=fn)
+    check_prefill(H=2, K=32, lens=[45, 9], slot_ids=[3, -1], lb=None, chunk=16,
+                  dtype=torch.float32, device=DEV, seed=12, fn=fn)
+    check_prefill(H=2, K=16, lens=[20, 13], slot_ids=[1, 2], lb=-5.0, chunk=16,
+                  dtype=torch.float16, device=DEV, seed=6, fn=fn)
+    with pytest.raises(ValueError, match="inverse"):
+        check_prefill(H=2, K=16, lens=[4], slot_ids=[1], lb=-5.0, chunk=16, dtype=torch.float32,
+                      device=DEV, seed=0, fn=partial(launch_kda_prefill, inverse="gauss"))
+
+
 def test_prefill_stages():
     """The fused form (V whole) has no output launch: the chunk and state passes are the whole
     prefill; anything but letters of "cso" is refused."""
@@ -266,6 +282,13 @@ def test_prefill_k3_shapes_cuda(lb, split):
     check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=lb, chunk=64,
                   dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8,
                   fn=partial(launch_kda_prefill, split_output=split))
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+def test_prefill_k3_shapes_doubling_inverse_cuda():
+    check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=-5.0, chunk=64,
+                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8,
+                  fn=partial(launch_kda_prefill, inverse="doubling"))
 
 
 def test_prefill_rejects_bad_chunk():

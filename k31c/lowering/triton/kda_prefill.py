@@ -7,7 +7,9 @@ Two launches (three when the state pass splits V or the outputs):
    solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
        X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
-   with the earlier blocks' X_J and keys read back from the scratch the program just wrote.
+   with the earlier blocks' X_J and keys read back from the scratch the program just wrote;
+   (I + M_II)^-1 by forward substitution row by row, or by doubling inverted sub-blocks with
+   fp32 products (`inverse`, INVERSES).
    Decay factors exp(Γ_r - Γ_i) are never formed as exp(Γ_r)/exp(Γ_i): across blocks both factors
    are taken relative to the boundary Γ_b between them (each ≤ 1); inside a diagonal block either
    relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
@@ -46,6 +48,10 @@ from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kd
                                             request_chunks)
 from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
 from k31c.lowering.triton.unit_stride import require_unit_stride
+
+# the chunk pass's inverse of each diagonal block (I + M_II): forward substitution row by row, or
+# doubling the inverted blocks by fp32 products (kda_chunk.py); "rows" until measured otherwise
+INVERSES = ("rows", "doubling")
 
 
 @triton.jit
@@ -213,13 +219,14 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     split_output: bool = False   # the state pass carries the state alone; outputs in parallel
+    inverse: str = "rows"        # (I + M_II)^-1 in the chunk pass: "rows" or "doubling" (INVERSES)
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
-                    PREC=self.precision)
+                    PREC=self.precision, DOUBLING=self.inverse == "doubling")
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -232,17 +239,20 @@ class PrefillPlan:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, split_output: bool = False) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, split_output: bool = False,
+         inverse: str = "rows") -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
     BV = min(block_v or K, K)
     if BV < 16 or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+    if inverse not in INVERSES:
+        raise ValueError(f"inverse: expected one of {INVERSES}, got {inverse!r}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, split_output)
+                       state_warps, state_stages, split_output, inverse)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -261,13 +271,14 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
                        state_stages: int = 1, split_output: bool = False,
-                       stages: str = "cso") -> torch.Tensor:
+                       stages: str = "cso", inverse: str = "rows") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
     split_output: then the state pass only carries the state (writing each chunk's starting
     state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel.
     stages: which of the chunk pass, the state pass and the output (or norm) pass to launch
-    (benchmarks time them alone; anything but "cso" leaves the output unfinished)."""
+    (benchmarks time them alone; anything but "cso" leaves the output unfinished). inverse: how
+    the chunk pass inverts its diagonal blocks (`INVERSES`)."""
     if not stages or set(stages) - set("cso"):
         raise ValueError(f"stages: expected letters of 'cso' (chunk, state, output), got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
@@ -276,7 +287,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, split_output)
+             state_warps, block_v, state_stages, split_output, inverse)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
