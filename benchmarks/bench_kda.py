@@ -184,16 +184,34 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     return out
 
 
-def prefill_rows(m: Machine, torch_peers: bool = True,
-                 configs=((4, 8, None, False, "rows"), (2, 8, None, False, "rows"),
-                          (8, 8, None, False, "rows"), (8, 8, 64, False, "rows"), (8, 4, 32, False, "rows"),
-                          (4, 8, None, True, "rows"), (2, 8, None, True, "rows"), (4, 8, 64, True, "rows"),
-                          (4, 4, 32, True, "rows"), (4, 8, None, False, "doubling"),
-                          (4, 8, None, True, "doubling"))) -> list[Row]:
-    """The chunked prefill at T_PREFILL over launch configurations (chunk warps, state warps,
-    V tile, split output: the state pass carries the state alone and a parallel launch makes the
-    outputs; the chunk pass's diagonal-block inverse), the best of them beside fla's chunk_kda;
-    then each pass alone at the best configuration of each form."""
+# launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
+# warps, V tile of the state pass, split output, the chunk pass's inverse and register cap)
+PREFILL_CONFIGS = (
+    dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
+    dict(chunk_warps=8, state_warps=8), dict(chunk_warps=8, state_warps=8, block_v=64),
+    dict(chunk_warps=8, state_warps=4, block_v=32),
+    dict(chunk_warps=4, state_warps=8, split_output=True), dict(chunk_warps=2, state_warps=8, split_output=True),
+    dict(chunk_warps=4, state_warps=8, block_v=64, split_output=True),
+    dict(chunk_warps=4, state_warps=4, block_v=32, split_output=True),
+    dict(chunk_warps=4, state_warps=8, inverse="doubling"),
+    dict(chunk_warps=4, state_warps=8, split_output=True, inverse="doubling"),
+    dict(chunk_warps=4, state_warps=8, chunk_maxnreg=168),
+    dict(chunk_warps=4, state_warps=8, chunk_maxnreg=128),
+    dict(chunk_warps=4, state_warps=8, inverse="doubling", chunk_maxnreg=168),
+)
+
+
+def _label(config: dict) -> str:
+    c = {"block_v": None, "split_output": False, "inverse": "rows", "chunk_maxnreg": None, **config}
+    return (f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}" + (",split" if c["split_output"] else "")
+            + ("" if c["inverse"] == "rows" else f",{c['inverse']}")
+            + (f",maxnreg {c['chunk_maxnreg']}" if c["chunk_maxnreg"] else ""))
+
+
+def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) -> list[Row]:
+    """The chunked prefill at T_PREFILL over launch configurations (`PREFILL_CONFIGS`), the best
+    of them beside fla's chunk_kda; then each pass alone at the best configuration of each form
+    (fused, split output)."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -202,25 +220,18 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
     slots = torch.zeros(1, dtype=torch.int64, device="cuda")
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
-    sweep = {}
-    for cw, sw, bv, split, inv in configs:
-        sweep[(cw, sw, bv, split, inv)] = time_ms(lambda: launch_kda_prefill(
-            *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
-            block_v=bv, split_output=split, inverse=inv), reps=10)
-    best = min(sweep, key=sweep.get)
-    peers, notes = {}, ["(chunk warps, state warps, BV[, split][, doubling]) " + " ".join(
-        f"{a},{b},{c or K}{',split' if s else ''}{',doubling' if i == 'doubling' else ''}:{t:.3f}"
-        for (a, b, c, s, i), t in sweep.items())]
-    passes = {}
+
+    def launch(config, **more):
+        return launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, CHUNK, **config, **more)
+    sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
+    best = min(range(len(configs)), key=sweep.__getitem__)
+    peers, notes = {}, ["(chunk warps, state warps, BV[, split][, inverse][, chunk maxnreg]) " + " ".join(
+        f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]
     for split in (False, True):     # each pass alone, at the best configuration of each form
-        cw, sw, bv, _, inv = min((c for c in sweep if c[3] == split), key=sweep.get)
-        for stage in "cso":
-            passes[(split, stage)] = time_ms(lambda: launch_kda_prefill(
-                *args(tok, lay), slots, cu, LB, EPS, CHUNK, chunk_warps=cw, state_warps=sw,
-                block_v=bv, split_output=split, stages=stage, inverse=inv), reps=10)
-    notes.append("passes alone ms (chunk / state / output or norm): " + "; ".join(
-        f"{'split' if split else 'fused'} " + " / ".join(f"{passes[(split, st)]:.3f}" for st in "cso")
-        for split in (False, True)))
+        i = min((i for i, c in enumerate(configs) if c.get("split_output", False) == split), key=sweep.__getitem__)
+        alone = [time_ms(lambda: launch(configs[i], stages=stage), reps=10) for stage in "cso"]
+        notes.append(f"passes alone at {_label(configs[i])} (chunk / state / output or norm) ms: "
+                     + " / ".join(f"{t:.3f}" for t in alone))
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d
@@ -257,7 +268,7 @@ def prefill_rows(m: Machine, torch_peers: bool = True,
         notes.append("torch.compile not timed (per-chunk Python loop, 128 chunks)")
     nbytes = T * (6 * P * 2 + H * 2) + 2 * H * K * K * 4
     return [Row("kda_prefill", shape, sweep[best], bytes_floor_ms(nbytes, m), "bytes", peers,
-                f"best {best}; " + "; ".join(notes))]
+                f"best {_label(configs[best])}; " + "; ".join(notes))]
 
 
 def run(machine: Machine) -> list[Row]:

@@ -265,6 +265,18 @@ def test_prefill_doubling_inverse():
                       device=DEV, seed=0, fn=partial(launch_kda_prefill, inverse="gauss"))
 
 
+def test_prefill_register_cap_is_a_cuda_launch_option():
+    from k31c.lowering.targets import get_target
+    from k31c.lowering.triton.kda_prefill import plan as prefill_plan
+    p = prefill_plan(get_target("h200"), 2, 64, 128, 4, torch.bfloat16, -5.0, chunk_maxnreg=168)
+    assert p.chunk_launch(get_target("h200")) == dict(num_warps=4, maxnreg=168)
+    assert p.chunk_launch(get_target("mi350x")) == dict(num_warps=4)
+    assert "maxnreg" not in prefill_plan(get_target("h200"), 2, 64, 128, 4, torch.bfloat16,
+                                         -5.0).chunk_launch(get_target("h200"))
+    with pytest.raises(ValueError, match="chunk_maxnreg"):
+        prefill_plan(get_target("h200"), 2, 64, 128, 4, torch.bfloat16, -5.0, chunk_maxnreg=300)
+
+
 def test_prefill_stages():
     """The fused form (V whole) has no output launch: the chunk and state passes are the whole
     prefill; anything but letters of "cso" is refused."""

@@ -220,6 +220,12 @@ class PrefillPlan:
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     split_output: bool = False   # the state pass carries the state alone; outputs in parallel
     inverse: str = "rows"        # (I + M_II)^-1 in the chunk pass: "rows" or "doubling" (INVERSES)
+    chunk_maxnreg: int | None = None   # register cap of the chunk pass (CUDA; more programs an SM)
+
+    def chunk_launch(self, target: Target) -> dict:
+        """Launch options of the chunk pass on `target` (a register cap only where it has one)."""
+        cap = self.chunk_maxnreg if target.triton_backend == "cuda" else None
+        return dict(num_warps=self.chunk_warps, **({"maxnreg": cap} if cap else {}))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -240,7 +246,7 @@ class PrefillPlan:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
          block_v: int | None = None, state_stages: int = 1, split_output: bool = False,
-         inverse: str = "rows") -> PrefillPlan:
+         inverse: str = "rows", chunk_maxnreg: int | None = None) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -249,10 +255,12 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     if inverse not in INVERSES:
         raise ValueError(f"inverse: expected one of {INVERSES}, got {inverse!r}")
+    if chunk_maxnreg is not None and not 24 <= chunk_maxnreg <= 255:
+        raise ValueError(f"chunk_maxnreg: expected 24..255 registers, got {chunk_maxnreg}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, split_output, inverse)
+                       state_warps, state_stages, split_output, inverse, chunk_maxnreg)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -271,14 +279,16 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
                        state_stages: int = 1, split_output: bool = False,
-                       stages: str = "cso", inverse: str = "rows") -> torch.Tensor:
+                       stages: str = "cso", inverse: str = "rows",
+                       chunk_maxnreg: int | None = None) -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
     split_output: then the state pass only carries the state (writing each chunk's starting
     state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel.
     stages: which of the chunk pass, the state pass and the output (or norm) pass to launch
     (benchmarks time them alone; anything but "cso" leaves the output unfinished). inverse: how
-    the chunk pass inverts its diagonal blocks (`INVERSES`)."""
+    the chunk pass inverts its diagonal blocks (`INVERSES`); chunk_maxnreg: a register cap for
+    it on CUDA (spills, but more programs fit an SM)."""
     if not stages or set(stages) - set("cso"):
         raise ValueError(f"stages: expected letters of 'cso' (chunk, state, output), got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
@@ -287,7 +297,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, split_output, inverse)
+             state_warps, block_v, state_stages, split_output, inverse, chunk_maxnreg)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -304,7 +314,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
-            num_warps=p.chunk_warps, **pdl)
+            **p.chunk_launch(target_of(q.device)), **pdl)
     split = p.split_output
     o_raw = out if BV == K or split else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     h_scratch = torch.empty(n_chunks_max, H, K, K, device=q.device, dtype=dt) if split else out
