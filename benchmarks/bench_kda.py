@@ -123,9 +123,11 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((64, 4), (32, 4), (32, 2), (16, 2)), rows=(1, 4)) -> list[Row]:
-    """kda_decode swept over `configs` (BV, warps), best reported; R > 1 also with per-row
-    snapshots, at the launcher's default tile."""
+                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (128, 8)),
+                rows=(1, 4)) -> list[Row]:
+    """kda_decode swept over `configs` (BV, warps; BV = K: one program a head, gated norm fused,
+    no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default
+    tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
