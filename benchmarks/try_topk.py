@@ -294,26 +294,32 @@ def cap_sweep(device: str = "cuda", widths=(128 << 10, 1 << 20), rows: int = 64,
     checked against the reference op."""
     import collections
     import k31c.graph.ops  # noqa: F401  (registers the reference ops)
-    real = topk.CAP
+    real_cap, real_warps = topk.CAP, topk._warps
     gen = torch.Generator().manual_seed(0)
+    # (buffer, refine warps): the sm_90a builds hold 127 registers at (8192, 16), spill 200 B at
+    # (4096, 8) (what _warps gives it), none at (4096, 16) with 108
+    shapes = ((8192, None), (4096, None), (4096, 16))
     try:
         for width in widths:
             base = torch.randn(rows, width, generator=gen).to(device)
             row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
             for name, scores in (("gaussian", base), ("64 values", (base * 8).round().clamp(-32, 31))):
                 want = torch.ops.k31c.topk_select(scores, row_len, k).sort(1).values
-                for cap in (4096, 8192):
+                for cap, warps in shapes:
                     topk.CAP = cap
+                    # the refine's warps by its buffer size; the plan's sample is never that size here
+                    topk._warps = real_warps if warps is None else (
+                        lambda n, cap=cap, warps=warps: warps if n == cap else real_warps(n))
                     us = graph_us(lambda: topk.topk_select(scores, row_len, k), launches=10) \
                         if device == "cuda" else float("nan")
                     topk.DEBUG_PATHS = True
                     got = topk.topk_select(scores, row_len, k).sort(1).values
                     topk.DEBUG_PATHS = False
                     paths = dict(collections.Counter(topk.last_paths))
-                    print(f"select {rows}x{width >> 10}K {name}, buffer {cap}: {us:.1f} us; paths {paths}; "
-                          f"sets == reference: {torch.equal(got, want)}")
+                    print(f"select {rows}x{width >> 10}K {name}, buffer {cap}, refine warps "
+                          f"{topk._warps(cap)}: {us:.1f} us; paths {paths}; sets == reference: {torch.equal(got, want)}")
     finally:
-        topk.CAP, topk.DEBUG_PATHS = real, False
+        topk.CAP, topk._warps, topk.DEBUG_PATHS = real_cap, real_warps, False
 
 
 if __name__ == "__main__":
