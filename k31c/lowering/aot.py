@@ -113,7 +113,8 @@ def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
             if "PDL" in spec.constexprs:    # the kernels as the target launches them
                 spec = spec._replace(constexprs={**spec.constexprs, "PDL": target.pdl})
             key = (spec.kernel.__name__, json.dumps(spec.signature, sort_keys=True),
-                   repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
+                   repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages,
+                   spec.ints)
             if key in seen:    # one build; it lists every op whose launchers make it
                 i = seen[key]
                 specs[i] = specs[i]._replace(ops=tuple(dict.fromkeys((*specs[i].ops, *ops))))
@@ -158,8 +159,8 @@ def _compile(spec: AotSpec, target_name: str):
     from triton.compiler import ASTSource
 
     target = get_target(target_name)
-    attrs = {(i,): [["tt.divisibility", 16]]
-             for i, t in enumerate(spec.signature.values()) if t.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(spec.signature.items())
+             if t.startswith("*") or n in spec.divisible}
     src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     options = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:

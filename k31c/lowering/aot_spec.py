@@ -35,13 +35,22 @@ class AotSpec(NamedTuple):
     variant: str                           # what distinguishes this launch ("fp8,R=4")
     ops: tuple[str, ...]                   # the k31c ops whose launchers make it
     family: str = ""                       # the kernel module whose aot_specs() lists it
+    ints: tuple[tuple[str, int], ...] = ()  # integer arguments' values at these shapes
+
+    @property
+    def divisible(self) -> tuple[str, ...]:
+        """The integer arguments the JIT would hint as multiples of 16 (1 is a constexpr)."""
+        return tuple(n for n, v in self.ints if v != 1 and v % 16 == 0)
 
 def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
-                num_stages: Optional[int] = None) -> AotSpec:
+                num_stages: Optional[int] = None, ints: Optional[dict] = None) -> AotSpec:
     """An AotSpec with the full signature: constexprs by name (a constexpr with a default, such as
     PDL, takes it unless given), pointers from `types` (a torch dtype per pointer argument: every
     `*_ptr` argument must be listed), other scalars from `types` as Triton type strings ("fp32",
-    "i64"), "i32" when unlisted."""
+    "i64"), "i32" when unlisted. `ints`: integer arguments' values at these shapes, specialized
+    as the JIT specializes a launch (1 becomes a constexpr, a multiple of 16 gets the
+    divisibility hint), so the build compiles what the launch would run; an integer not listed is
+    built for any value, which can be different code (no vectorized or pipelined loads)."""
     import torch  # lazily: `k31c --help` builds this command's parser without importing torch
     names = list(kernel.arg_names)
     unknown = (set(constexprs) | set(types)) - set(names)
@@ -53,6 +62,12 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
         raise ValueError(f"{kernel.__name__}: constexprs {missing} have no value")
     values = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     values.update(constexprs)
+    ints = dict(ints or {})
+    bad = [n for n in ints if n not in names or n in values or n.endswith("_ptr")
+           or types.get(n, "i32") not in ("i32", "i64")]
+    if bad:
+        raise ValueError(f"{kernel.__name__}: ints {bad} are not integer arguments")
+    values.update({n: 1 for n, v in ints.items() if v == 1})      # the JIT's specialization
     signature = {}
     for name in names:
         if name in values:
@@ -64,4 +79,4 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
         else:
             signature[name] = types.get(name, "i32")
     return AotSpec(kernel, signature, values, num_warps, num_stages, variant,
-                   tuple([ops] if isinstance(ops, str) else ops))
+                   tuple([ops] if isinstance(ops, str) else ops), ints=tuple(sorted(ints.items())))

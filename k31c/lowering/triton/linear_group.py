@@ -165,5 +165,7 @@ def aot_specs(shapes) -> list:
                   PRECISION=shapes.target.dot_precision(fast=dt != torch.float32),
                   UPCAST=dt == torch.float32)
     ptrs = {"x_ptr": dt, **{f"w{i}_ptr": dt for i in range(8)}, **{f"y{i}_ptr": dt for i in range(8)}}
+    ints = dict(M=shapes.batch, K=hidden, stride_xm=hidden,
+                **{f"n{i}": w for i, w in enumerate(widths + [0] * (MAX_SEGMENTS - len(widths)))})
     return [kernel_spec(_linear_group_kernel, "k31c::linear_group", f"kda_in,{dt}".replace("torch.", ""),
-                        consts, ptrs, num_warps=p["num_warps"], num_stages=p["num_stages"])]
+                        consts, ptrs, num_warps=p["num_warps"], num_stages=p["num_stages"], ints=ints)]

@@ -107,9 +107,15 @@ def resolve_slots(indices: torch.Tensor, block_table: torch.Tensor, row_req: tor
 
 def slots_spec(shapes, op: str):
     """The AOT build of resolve_slots' launch at `shapes` (aot_spec.AotShapes)."""
-    i32 = torch.int32
+    i32, k = torch.int32, shapes.cfg.index_topk
     return kernel_spec(slots_kernel, op, "slots", dict(BLOCK_SIZE=shapes.block_size, BLOCK=SLOTS_BLOCK),
-                       dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32))
+                       dict(idx_ptr=i32, bt_ptr=i32, row_req_ptr=i32, slots_ptr=i32),
+                       ints=dict(n_keys=k, stride_in=k, stride_btb=table_width(shapes), stride_sn=k))
+
+
+def table_width(shapes) -> int:
+    """Blocks per request in the block table at `shapes` (its row stride in the AOT builds)."""
+    return -(-shapes.context // shapes.block_size)
 
 
 MAX_GRID_ROWS = 65535      # CUDA's limit on grid dims y and z, where the MLA launches put the rows

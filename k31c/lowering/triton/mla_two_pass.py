@@ -301,7 +301,7 @@ def aot_specs(shapes) -> list:
     """The three launches (slots, scores, values) at `shapes` (aot_spec.AotShapes) with `plan`'s
     GPU defaults, for the ahead-of-time build: a cache in the model dtype and the FP8 latent
     layout (uint8, dequantised on chip)."""
-    from k31c.graph.ops.fp8_layouts import latent_fp8_scales
+    from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes, latent_fp8_scales
     cfg = shapes.cfg
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
@@ -310,23 +310,33 @@ def aot_specs(shapes) -> list:
     op = "k31c::sparse_mla"
     tiles = _tiles(p, shapes.block_size, shapes.target.dot_precision(dt != torch.float32))
     specs = [slots_spec(shapes, op)]
+    k, bs = cfg.index_topk, shapes.block_size
+    n_blocks = triton.cdiv(k, p["bk"])
     for fp8 in (False, True):
         cache = dict(cache_ptr=torch.uint8, cache_f32_ptr=f32, cache_bf16_ptr=torch.bfloat16) if fp8 \
             else dict(cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt)
         layout = dict(FP8=fp8, NOPE=dv if fp8 else width, N_SCALES=latent_fp8_scales(dv) if fp8 else 0)
         tag = "fp8," if fp8 else ""
+        row = latent_fp8_row_bytes(dv, width - dv) if fp8 else width      # a cache row's elements
+        # the launches' integers at these shapes: q [n, heads, width], p [n, k, heads], m/l
+        # [n, blocks, heads], out [n, heads, dv], slots [n, k], cache [blocks, bs, row]
+        ints = dict(n_heads=heads, n_keys=k, n_blocks=n_blocks, stride_qn=heads * width, stride_qh=width,
+                    stride_cb=bs * row, stride_cs=row, stride_sn=k, stride_pn=k * heads, stride_pk=heads,
+                    stride_mn=n_blocks * heads, stride_mk=heads, stride_on=heads * dv, stride_oh=dv)
+        scores_ints = {n: v for n, v in ints.items() if n in _scores_kernel.arg_names}
+        values_ints = {n: v for n, v in ints.items() if n in _values_kernel.arg_names}
         specs += [
             kernel_spec(_scores_kernel, op, f"{tag}scores",
                         dict(WIDTH=width, BD=p["bd"], BK=p["bk"], **tiles, **layout),
                         dict(q_ptr=dt, **cache, slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32,
                              scale_log2="fp32"),
-                        num_warps=p["warps_scores"], num_stages=p["stages_scores"]),
+                        num_warps=p["warps_scores"], num_stages=p["stages_scores"], ints=scores_ints),
         ]
         specs += [kernel_spec(_values_kernel, op, f"{tag}values,dvc={dvc}",
                               dict(DV=dv, DVC=dvc, BK=p["bk"], BK2=p["bk2"], **tiles, FP8=fp8),
                               dict(cache_ptr=cache["cache_ptr"], cache_f32_ptr=cache["cache_f32_ptr"],
                                    slots_ptr=i32, p_ptr=dt, m_ptr=f32, l_ptr=f32, out_ptr=dt,
                                    lse_ptr=f32),
-                              num_warps=p["warps_values"], num_stages=p["stages_values"])
+                              num_warps=p["warps_values"], num_stages=p["stages_values"], ints=values_ints)
                   for dvc in sorted({p["dvc"], few["dvc"]})]
     return specs
