@@ -7,9 +7,12 @@ own constexprs, num_warps and num_stages. `build_kernels` compiles each one for 
 size and register / shared-memory use; with `out_dir` it also writes the binaries (hsaco or cubin)
 and a manifest.json (sizes and sha256).
 
-What is not reproduced: the JIT's value specialisations of integer arguments (an int equal to 1
-becomes a constant, a multiple of 16 gets a divisibility hint). Integers are compiled generic;
-pointers get the 16-byte alignment hint every torch allocation has.
+The JIT's value specialisations are reproduced from each spec's `ints` (the integer arguments'
+values at the shapes: an int equal to 1 becomes a constant, a multiple of 16 gets the
+divisibility hint; a test checks that every integer argument has one), and pointers get the
+16-byte alignment hint every torch allocation has. Without them a kernel builds as its generic
+form, which can be other code than the launch runs (linear_group and sparse MLA: no software
+pipelining, 255 registers and hundreds of bytes of spill).
 
 Triton must not be in interpreter mode (TRITON_INTERPRET=1 turns @triton.jit into Python
 functions); the tests therefore run the build in a subprocess.

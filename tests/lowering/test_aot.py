@@ -123,6 +123,11 @@ def test_build_default(default_builds, target):
     _check_build(target, families, stdout, manifest, out)
     if target == "mi350x":   # every op registered for mi350x has its kernels built
         assert {op for k in manifest["kernels"] for op in k["ops"]} == set(_registered("mi350x", None))
+    else:   # built as the JIT specializes the launches' integers: software-pipelined, no spill
+        for name in ("linear_group/_linear_group_kernel[", "mla_two_pass/_scores_kernel[scores]",
+                     "moe_experts/_gate_up_kernel["):
+            k = next(k for k in manifest["kernels"] if k["name"].startswith(name))
+            assert not k["scratch_bytes"] and k["shared"] > 48 << 10, k
 
 
 @pytest.mark.slow
@@ -143,6 +148,47 @@ def test_cli_hook_and_errors(capsys):
     if os.environ.get("TRITON_INTERPRET") == "1":     # this process: kernels are interpreted
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             collect_specs("mi350x")
+
+
+_INTS_PROBE = """
+import torch
+from k31c.lowering import aot
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.triton import linear_group as lg
+ptrs = {"x_ptr": torch.bfloat16, **{f"w{i}_ptr": torch.bfloat16 for i in range(8)},
+        **{f"y{i}_ptr": torch.bfloat16 for i in range(8)}}
+consts = dict(S1=1, S2=2, S3=3, S4=4, S5=5, S6=6, S7=7, NSEG=8, BM=16, BN=64, BK=128, PRECISION="tf32",
+              UPCAST=False)
+spec = kernel_spec(lg._linear_group_kernel, "k31c::linear_group", "t", consts, ptrs,
+                   ints=dict(M=1, K=7168, stride_xm=100))
+assert spec.signature["M"] == "constexpr" and spec.constexprs["M"] == 1, spec.signature
+assert spec.divisible == ("K",) and spec.signature["K"] == "i32", spec.divisible
+for bad in (dict(BM=16), dict(nope=3), dict(x_ptr=16)):
+    try:
+        kernel_spec(lg._linear_group_kernel, "k31c::linear_group", "t", consts, ptrs, ints=bad)
+        raise AssertionError(f"accepted {bad}")
+    except ValueError as e:
+        assert "ints" in str(e), e
+for target in ("h200", "mi350x"):
+    for spec in aot.collect_specs(target):
+        listed = dict(spec.ints)
+        missing = [n for n, t in spec.signature.items() if t in ("i32", "i64") and n not in listed]
+        ones = [n for n, v in listed.items() if v == 1 and spec.signature[n] != "constexpr"]
+        if missing or ones:
+            print(target, aot.spec_name(spec), missing, ones)
+print("checked")
+"""
+
+
+def test_every_integer_argument_has_its_value_at_the_shapes():
+    """kernel_spec specializes integers as the JIT does (1 a constexpr, a multiple of 16 hinted;
+    names that are not integer arguments refused), and each AOT spec gives every integer
+    argument its value at the build's shapes, so the build compiles what the launch would run;
+    an integer left out would build the kernel's generic form."""
+    out = subprocess.run([sys.executable, "-c", _INTS_PROBE], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "checked", out.stdout
 
 
 _PDL_PROBE = """

@@ -313,17 +313,26 @@ def aot_specs(shapes) -> list:
     """The launches of the registered launchers at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build: the latent write (float and FP8 caches), and the index-key write (FP8,
     MXFP8 and BF16 caches, with and without the LayerNorm) with `index_write_plan`'s constexprs."""
+    from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes, mx_row_bytes
+    from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
-    dt = cfg.torch_dtype
+    dt, n, bs = cfg.torch_dtype, shapes.batch, shapes.block_size
+    nope, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    # the launches' integers: contiguous rows / keys of the batch's tokens, a pool of blocks of
+    # bs slots (any count of them: a multiple of 16 slots)
+    slots = shapes.batch * table_width(shapes) * bs
+    latent = dict(row_stride=nope + rope, col_stride=1, n_rows=n, n_slots=slots)
     specs = [kernel_spec(_latent_write_kernel, "k31c::mla_cache_write", f"{dt}".split(".")[-1],
                          dict(TOKENS=_TOKENS_PER_PROGRAM, CHUNK=_LATENT_CHUNK),
-                         dict(cache_ptr=dt, rows_ptr=dt, slot_ptr=torch.int64))]
-    nope, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+                         dict(cache_ptr=dt, rows_ptr=dt, slot_ptr=torch.int64),
+                         ints=dict(latent, width=nope + rope))]
     specs.append(kernel_spec(_latent_write_fp8_kernel, "k31c::mla_cache_write", "fp8",
                              latent_fp8_plan(nope, rope),
                              dict(cache_ptr=torch.uint8, cache_f32_ptr=torch.float32,
-                                  cache_bf16_ptr=torch.bfloat16, rows_ptr=dt, slot_ptr=torch.int64)))
+                                  cache_bf16_ptr=torch.bfloat16, rows_ptr=dt, slot_ptr=torch.int64),
+                             ints=dict(latent, row_bytes=latent_fp8_row_bytes(nope, rope))))
     d = cfg.index_head_dim
+    key_bytes = {"fp8": d + 4, "mxfp8": mx_row_bytes(d), "bf16": d}    # a key's cache elements
     ln_dt = torch.float32                     # the indexer's key LayerNorm is kept in fp32
     for fmt in ("fp8", "mxfp8", "bf16"):
         fp8, mx = fmt != "bf16", fmt == "mxfp8"
@@ -335,5 +344,7 @@ def aot_specs(shapes) -> list:
                 dict(cache_ptr=cache_dt, cache_f32_ptr=torch.float32 if fp8 and not mx else cache_dt,
                      keys_ptr=dt,
                      ln_w_ptr=ln_dt if norm else dt, ln_b_ptr=ln_dt if norm else dt,   # else: keys
-                     slot_ptr=torch.int64, eps="fp32")))
+                     slot_ptr=torch.int64, eps="fp32"),
+                ints=dict(key_stride=d, key_col_stride=1, n_rows=n, n_slots=slots, d=d, block_size=bs,
+                          block_stride=bs * key_bytes[fmt])))
     return specs

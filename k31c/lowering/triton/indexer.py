@@ -298,8 +298,17 @@ def aot_specs(shapes) -> list:
     ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
     R rows per request; constexprs from `plan` with the launcher's defaults: the tma kernel
     where the target's default variant is tma, else the gather kernel."""
+    from k31c.graph.ops.fp8_layouts import mx_row_bytes
+    from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
-    heads, d = cfg.index_n_heads, cfg.index_head_dim
+    heads, d, bs = cfg.index_n_heads, cfg.index_head_dim, shapes.block_size
+
+    def ints(n: int, p, block_stride: int) -> dict:
+        """The launch's integers: q [n, heads, d] and weights [n, heads] contiguous, the cache
+        [blocks, block_stride], the block table [batch, table width], scores [n, context]."""
+        return dict(q_row_stride=heads * d, q_head_stride=d, q_col_stride=1, w_row_stride=heads,
+                    w_head_stride=1, block_stride=block_stride, table_stride=table_width(shapes),
+                    n_rows=n, n_req=shapes.batch, capacity=shapes.context, n_splits=p.splits)
     specs = []
     for fp8 in (True, False):
         cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
@@ -308,17 +317,20 @@ def aot_specs(shapes) -> list:
                     row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32)
         tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
-            p = plan(shapes.target, shapes.batch * r, heads, d, shapes.batch, shapes.context,
-                     shapes.block_size, torch.uint8 if fp8 else torch.bfloat16)
+            n = shapes.batch * r
+            p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs,
+                     torch.uint8 if fp8 else torch.bfloat16)
+            at = ints(n, p, bs * (d + 4 if fp8 else d))
             if p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
-                specs.append(indexer_tma.aot_spec(p, shapes.block_size, ptrs, f"{tag},R={r}", _OP))
+                specs.append(indexer_tma.aot_spec(p, bs, ptrs, f"{tag},R={r}", _OP, at))
             else:
-                specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}",
-                                         p.gather_constexprs(shapes.block_size),
-                                         dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps))
+                specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}", p.gather_constexprs(bs),
+                                         dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps, ints=at))
     mx_ptrs = {k: v for k, v in ptrs.items() if k != "cache_f32_ptr"}
     for r in shapes.rows_per_request:      # the MXFP8 cache's kernel (indexer_mxfp8)
-        p = plan(shapes.target, shapes.batch * r, heads, d, shapes.batch, shapes.context,
-                 shapes.block_size, torch.uint8, variant="gather")
-        specs.append(indexer_mxfp8.aot_spec(p, shapes.block_size, mx_ptrs, f"mxfp8,R={r}", _OP))
+        n = shapes.batch * r
+        p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs, torch.uint8,
+                 variant="gather")
+        specs.append(indexer_mxfp8.aot_spec(p, bs, mx_ptrs, f"mxfp8,R={r}", _OP,
+                                            ints(n, p, bs * mx_row_bytes(d))))
     return specs

@@ -170,9 +170,11 @@ def launch_indexer_mx(q, weights, index_cache, block_table, row_req, row_len, sc
     return scores
 
 
-def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str):
-    """The AOT build of the launch for `indexer.plan`'s IndexerPlan p (GPU) on an MXFP8 cache."""
+def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict | None = None):
+    """The AOT build of the launch for `indexer.plan`'s IndexerPlan p (GPU) on an MXFP8 cache;
+    `ints`: the launch's integers (aot_spec.kernel_spec)."""
     return kernel_spec(
         _indexer_mx_kernel, op, variant,
         constexprs(p.rows, p.rows_pad, p.heads, p.d, block_size, p.keys, True, False, p.num_stages),
-        dict(ptrs, cache_ptr=torch.float8_e4m3fn, scale_ptr=torch.uint8), num_warps=p.num_warps)
+        dict(ptrs, cache_ptr=torch.float8_e4m3fn, scale_ptr=torch.uint8), num_warps=p.num_warps,
+        ints=ints)

@@ -164,13 +164,14 @@ def _constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_
                 NUM_STAGES=num_stages)
 
 
-def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str):
+def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict | None = None):
     """The AOT build of the launch `indexer.plan` describes (p, an IndexerPlan for the GPU) with
-    q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys."""
+    q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys;
+    `ints`: the launch's integers (aot_spec.kernel_spec)."""
     stride = block_size * (p.d + 4 if p.fp8 else p.d)
     desc = f"tensordesc<{'fp8e4nv' if p.fp8 else 'bf16'}[{block_size},{p.d}]>"
     return kernel_spec(
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
                     p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages),
-        dict(ptrs, k_desc=desc), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps))
+        dict(ptrs, k_desc=desc), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps), ints=ints)

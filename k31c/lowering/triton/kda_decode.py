@@ -319,7 +319,7 @@ def aot_specs(shapes) -> list:
     rows to requests)."""
     cfg = shapes.cfg
     dt, f32, op = cfg.torch_dtype, torch.float32, "k31c::kda_decode"
-    K, W = cfg.kda_head_dim, cfg.short_conv_kernel_size
+    K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
     lb = cfg.gate_lower_bound is not None
     prep_types = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32,
                       a_log_ptr=f32, dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64,
@@ -334,13 +334,14 @@ def aot_specs(shapes) -> list:
         for snap in (False, True):
             tag = f"R={rows}{',snap' if snap else ''}"
             specs.append(kernel_spec(_kda_prep_kernel, op, tag, p.prep_constexprs(lb, snap),
-                                     prep_types, num_warps=p.prep_warps))
+                                     prep_types, num_warps=p.prep_warps, ints=dict(H=H)))
             specs.append(kernel_spec(_kda_state_kernel, op, f"{tag},BV={p.block_v}",
-                                     p.state_constexprs(snap), state_types, num_warps=p.num_warps))
+                                     p.state_constexprs(snap), state_types, num_warps=p.num_warps,
+                                     ints=dict(H=H)))
         if not p.fuse_norm:
             specs.append(kernel_spec(
                 _kda_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=torch.int64, out_ptr=dt,
                      eps="fp32"),
-                num_warps=NORM_WARPS))
+                num_warps=NORM_WARPS, ints=dict(n_rows=shapes.batch * rows * H, H=H)))
     return specs

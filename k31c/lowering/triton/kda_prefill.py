@@ -349,11 +349,11 @@ def aot_specs(shapes) -> list:
              dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64, cu_ptr=torch.int32, qg_ptr=scratch,
              kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              lower_bound="fp32", scale="fp32"),
-        num_warps=p.chunk_warps)
+        num_warps=p.chunk_warps, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
              h_ptr=dt, vn_ptr=dt, conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
-        num_warps=p.state_warps, num_stages=p.state_stages)
+        num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     return [chunk, state]

@@ -38,7 +38,7 @@ from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wai
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
                                              head_tiles, in_row_slices, merge_spec, merge_splits, resolve_slots,
-                                             rope_latent_cols)
+                                             rope_latent_cols, table_width)
 
 
 @triton.jit
@@ -285,14 +285,23 @@ def aot_specs(shapes) -> list:
     precision = shapes.target.dot_precision(dt != torch.float32)
     specs = []
     op = "k31c::dense_mla"
+    bs, table = shapes.block_size, table_width(shapes)
     for splits in (1, 2):
         cfg_ = plan(shapes.target, n, heads, 0, True, {"splits": splits}, small=False)
         final = splits == 1
+        # the dense launch's integers: keys = the table's positions; idx is row_req (stride 1);
+        # q [n, heads, width], cache [blocks, bs, width], partials [splits, n, heads, dv]
+        n_keys = table * bs
+        ints = dict(n_heads=heads, n_keys=n_keys,
+                    keys_per_split=-(-(-(-n_keys // splits)) // cfg_["bn"]) * cfg_["bn"],
+                    stride_qn=heads * width, stride_qh=width, stride_cb=bs * width, stride_cs=width,
+                    stride_btb=table, stride_in=1, stride_os=n * heads * dv, stride_on=heads * dv,
+                    stride_oh=dv, stride_ls=n * heads, stride_ln=heads)
         specs.append(kernel_spec(
             _mla_kernel, op, f"dense,{'final' if final else 'split'}",
             _constexprs(cfg_, dv, width, shapes.block_size, True, final, precision),
             dict(q_ptr=dt, cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
-            num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"]))
-    specs.append(merge_spec(op, dv, dt))
+            num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"], ints=ints))
+    specs.append(merge_spec(op, dv, dt, n, heads, 2))
     return specs

@@ -229,9 +229,13 @@ def merge_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, 
         **pdl_launch(part.device))
 
 
-def merge_spec(op: str, dv: int, dt: torch.dtype):
-    """The AOT spec of `merge_splits` for `op`'s launcher (outputs in dt)."""
+def merge_spec(op: str, dv: int, dt: torch.dtype, n: int, n_heads: int, splits: int):
+    """The AOT spec of `merge_splits` for `op`'s launcher (outputs in dt) merging `splits`
+    partials [splits, n, heads, dv] into out [n, heads, dv]."""
     f32 = torch.float32
+    ints = dict(n_splits=splits, n_heads=n_heads, stride_ps=n * n_heads * dv, stride_pn=n_heads * dv,
+                stride_ph=dv, stride_pls=n * n_heads, stride_pln=n_heads, stride_on=n_heads * dv,
+                stride_oh=dv, stride_ln=n_heads)
     return kernel_spec(merge_splits_kernel, op, "merge",
                        dict(DV=dv, BLOCK_V=max(16, triton.next_power_of_2(dv)), HB=MERGE_HEADS),
-                       dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32))
+                       dict(part_ptr=f32, part_lse_ptr=f32, out_ptr=dt, lse_ptr=f32), ints=ints)

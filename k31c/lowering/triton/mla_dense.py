@@ -34,7 +34,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_spec, merge_splits
+from k31c.lowering.triton.mla_common import LOG2E, check_mla_args, merge_spec, merge_splits, table_width
 
 OP = "k31c::dense_mla"
 VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's: "one_pass")
@@ -364,11 +364,19 @@ def aot_specs(shapes) -> list:
             p = plan(shapes.target, n, heads, shapes.batch, shapes.context, {"splits": splits},
                      small=False, cols=block_cols(width, dv), elem=dt.itemsize)
             final = splits == 1
+            bs, table = shapes.block_size, table_width(shapes)
+            # the launch's integers: q [n, heads, width], cache [blocks, bs, width], the
+            # partials [splits, n, heads, dv] (the output, unsqueezed, when final)
+            ints = dict(n_rows=n, n_heads=heads, n_req=shapes.batch,
+                        keys_per_split=triton.cdiv(triton.cdiv(table * bs, splits), p["bn"]) * p["bn"],
+                        stride_qn=heads * width, stride_qh=width, stride_cb=bs * width, stride_cs=width,
+                        stride_btb=table, stride_os=n * heads * dv, stride_on=heads * dv, stride_oh=dv,
+                        stride_ls=n * heads, stride_ln=heads)
             specs.append(kernel_spec(
                 _dense_split_kernel, OP, f"R={r},{'final' if final else 'split'}",
                 _constexprs(p, dv, width, shapes.block_size, final, precision),
                 dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, row_len_ptr=i32,
                      out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
-                num_warps=p["num_warps"], num_stages=p["num_stages"]))
-    specs.append(merge_spec(OP, dv, dt))
+                num_warps=p["num_warps"], num_stages=p["num_stages"], ints=ints))
+    specs.append(merge_spec(OP, dv, dt, shapes.batch, heads, 2))
     return specs

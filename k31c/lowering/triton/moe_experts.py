@@ -346,10 +346,12 @@ def aot_specs(shapes) -> list:
     ep, i32, f32 = triton.next_power_of_2(n_experts), torch.int32, torch.float32
     up = (dt == torch.float32, shapes.target.dot_precision(fast=False))
     grouping = dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32, sorted_ptr=i32)
+    # the launches' integers: z, out [n, width]; w13 [E, 2 inter, width]; w2 [E, width, inter]
+    width, inter, n_assign = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, shapes.batch * k
     if p["group"] == "one":
         group = [kernel_spec(_group_kernel, op, f"A={shapes.batch * k},E={n_experts}",
                              dict(NA=triton.next_power_of_2(shapes.batch * k), EP=ep, BM=p["BM"]),
-                             dict(idx_ptr=i32, **grouping))]
+                             dict(idx_ptr=i32, **grouping), ints=dict(n_assign=n_assign, n_experts=n_experts))]
     else:
         group = [kernel_spec(_count_kernel, op, "count", dict(BLOCK=_GROUP_BLOCK),
                              dict(idx_ptr=i32, counts_ptr=i32)),
@@ -364,11 +366,16 @@ def aot_specs(shapes) -> list:
                          LINEAR_BETA=cfg.activation_situ_linear_beta is not None, UPCAST=up[0],
                          PRECISION=up[1]),
                     dict(z_ptr=dt, w13_ptr=dt, h_ptr=dt, **grouping, beta="fp32", linear_beta="fp32"),
-                    num_warps=p["num_warps"], num_stages=p["up_stages"]),
+                    num_warps=p["num_warps"], num_stages=p["up_stages"],
+                    ints=dict(n_experts=n_experts, width=width, inter=inter, k=k, stride_z=width,
+                              stride_we=2 * inter * width, stride_wr=width)),
         kernel_spec(_down_kernel, op, "down",
                     dict(BM=p["BM"], BN=p["BN"], BK=p["BK"], EP=ep, UPCAST=up[0], PRECISION=up[1]),
                     dict(h_ptr=dt, w2_ptr=dt, y_ptr=f32, wts_ptr=f32, **grouping),
-                    num_warps=p["num_warps"], num_stages=p["down_stages"]),
+                    num_warps=p["num_warps"], num_stages=p["down_stages"],
+                    ints=dict(n_experts=n_experts, width=width, inter=inter, stride_we=width * inter,
+                              stride_wr=inter)),
         kernel_spec(_combine_kernel, op, f"k={k}", dict(K=k, BW=_COMBINE_BW),
-                    dict(y_ptr=f32, idx_ptr=i32, out_ptr=dt)),
+                    dict(y_ptr=f32, idx_ptr=i32, out_ptr=dt),
+                    ints=dict(n_experts=n_experts, width=width, stride_out=width)),
     ]

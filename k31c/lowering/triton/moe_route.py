@@ -186,12 +186,17 @@ def aot_specs(shapes) -> list:
     logits = kernel_spec(_logits_kernel, op, f"{dt}".split(".")[-1],
                          dict(BM=p["BM"], BE=p["BE"], BK=p["BK"], UPCAST=dt == torch.float32,
                               PRECISION=shapes.target.dot_precision(fast=False)),
-                         dict(x_ptr=dt, w_ptr=dt, part_ptr=torch.float32), num_warps=p["num_warps"])
+                         dict(x_ptr=dt, w_ptr=dt, part_ptr=torch.float32), num_warps=p["num_warps"],
+                         ints=dict(n_rows=shapes.batch, n_experts=cfg.num_experts, d=cfg.hidden_size,
+                                   d_per_split=p["d_per_split"], stride_x=cfg.hidden_size,
+                                   stride_w=cfg.hidden_size))
     consts = select_constexprs(cfg.num_experts, cfg.num_experts_per_token, cfg.num_expert_group,
                                cfg.topk_group, cfg.moe_router_activation_func, cfg.moe_renormalize,
                                p["splits"])
     select = kernel_spec(_select_kernel, op, f"E={cfg.num_experts},k={cfg.num_experts_per_token}",
                          dict(consts, HAS_ROW_LEN=True),
                          dict(part_ptr=torch.float32, bias_ptr=torch.float32, idx_ptr=torch.int32,
-                              wout_ptr=torch.float32, row_len_ptr=torch.int32, scaling="fp32"))
+                              wout_ptr=torch.float32, row_len_ptr=torch.int32, scaling="fp32"),
+                         ints=dict(n_rows=shapes.batch, n_experts=cfg.num_experts,
+                                   group_size=cfg.num_experts // cfg.num_expert_group))
     return [logits, select]

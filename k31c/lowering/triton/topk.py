@@ -300,10 +300,14 @@ def aot_specs(shapes) -> list:
     ws = dict(state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, ties_ptr=i32, out_ptr=i32, row_len_ptr=i32,
               src_ptr=f32)
 
+    # the launches' integers: scores [rows, context] (the indexer's output), out [rows, k]
+    ints = dict(src_stride=shapes.context, out_stride=p.k, k=p.k, cap=p.cap, target=p.target,
+                chunk=p.chunk, n_chunks=p.n_chunks)
+
     def spec(kernel, variant, consts, warps):
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
-                           num_warps=warps)
+                           num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
                  _warps(p.samples)),
             spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE), FILTER_WARPS),
