@@ -296,8 +296,9 @@ def cap_sweep(device: str = "cuda", widths=(128 << 10, 1 << 20), rows: int = 64,
     import k31c.graph.ops  # noqa: F401  (registers the reference ops)
     real_cap, real_warps = topk.CAP, topk._warps
     gen = torch.Generator().manual_seed(0)
-    # (buffer, refine warps): the sm_90a builds hold 127 registers at (8192, 16), spill 200 B at
-    # (4096, 8) (what _warps gives it), none at (4096, 16) with 108
+    # (buffer, refine warps): the sm_90a builds (integers as the JIT specializes them) hold 119
+    # registers at (8192, 16), 128 + 184 B of spill at (4096, 8) (what _warps gives it), 64 + 72 B
+    # at (4096, 16)
     shapes = ((8192, None), (4096, None), (4096, 16))
     try:
         for width in widths:
