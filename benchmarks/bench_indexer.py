@@ -158,9 +158,14 @@ def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
         if t is not None:
             peers["fp8 gather kernel"] = t
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
+        # (keys a step, warps): the default spills 1,424 B at R = 4 in its sm_90a build; 64 keys on
+        # 8 warps 40 B, 32 keys on 8 warps none
+        tiles = {kw: _try_time(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1]),
+                               timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
         rows.append(Row("lightning_indexer (mxfp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
                         ms, floor, "bytes", peers, "CUDA-graph replay times; q quantised per 32 "
-                        "values on chip, 4 partial FP8 dots per 128-wide key"))
+                        "values on chip, 4 partial FP8 dots per 128-wide key; (keys, warps) " + " ".join(
+                            f"{k},{w}:{'failed' if t is None else f'{t:.4f}'}" for (k, w), t in tiles.items())))
     return rows
 
 
