@@ -56,8 +56,7 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
     blocks: with X the inverse of the b-blocks, the 2b-blocks' inverse is X - X N X, N being m's
     lower-left b-block of each 2b-block (the block formula [A 0; C D]^-1 = [A^-1 0; -D^-1 C A^-1
     D^-1]). The 1-blocks are 1, so the 2-blocks' inverse is I - N; then log2(BC) - 1 levels of
-    two fp32 products each, exact sub-blocks of the inverse at every level (no growth beyond the
-    result's own entries)."""
+    two fp32 products each; every level's X is made of exact diagonal blocks of the inverse."""
     i, j = rows[:, None], rows[None, :]
     inv = (i == j).to(tl.float32) - tl.where((i // 2 == j // 2) & (i > j), m, 0.0)
     for lv in tl.static_range(1, 8):                  # b = 2, 4, ... while b < BC (BC <= 256)
