@@ -163,6 +163,14 @@ spec = kernel_spec(lg._linear_group_kernel, "k31c::linear_group", "t", consts, p
                    ints=dict(M=1, K=7168, stride_xm=100))
 assert spec.signature["M"] == "constexpr" and spec.constexprs["M"] == 1, spec.signature
 assert spec.divisible == ("K",) and spec.signature["K"] == "i32", spec.divisible
+# the same rule as this Triton's JIT
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
+for v in (0, 1, 7, 16, 100, 7168):
+    jit = native_specialize_impl(BaseBackend, v, False, True, True)
+    s = kernel_spec(lg._linear_group_kernel, "k31c::linear_group", "t", consts, ptrs, ints=dict(K=v))
+    mine = ("constexpr", 1) if s.signature["K"] == "constexpr" else ("i32", "D" if s.divisible else "")
+    assert mine == tuple(jit), (v, mine, jit)
 for bad in (dict(BM=16), dict(nope=3), dict(x_ptr=16)):
     try:
         kernel_spec(lg._linear_group_kernel, "k31c::linear_group", "t", consts, ptrs, ints=bad)
