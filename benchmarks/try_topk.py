@@ -17,11 +17,7 @@
    software pipelined; two passes), first checked against the registered filter (the same
    candidates, counts and ties at a set threshold; also on the CPU under TRITON_INTERPRET=1).
 
-4. The whole select with candidate buffers of 4096 and 8192 keys a row (`cap_sweep`), with the
-   path each row took and the sets checked against the reference op.
-
-    PYTHONPATH=. python benchmarks/try_topk.py [steps|cap]   (steps: the check, parts 3 and 4;
-                                                              cap: the check and part 4)
+    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: the check and part 3 alone)
 """
 from __future__ import annotations
 
@@ -286,54 +282,12 @@ def filter_steps() -> None:
             print(f"filter variant 64x{ctx >> 10}K: {what}: {us:.1f} us")
 
 
-def cap_sweep(device: str = "cuda", widths=(128 << 10, 1 << 20), rows: int = 64, k: int = 2048) -> None:
-    """The whole registered select with candidate buffers of 4096 and 8192 keys a row (the
-    refine's register tensor and warps follow the buffer), on Gaussian rows and on tie-heavy rows
-    (64 distinct values), with each row's path (a sampled threshold settled from the buffer, the
-    buffer plus ties at the threshold, or the exact fallback over the whole row) and the sets
-    checked against the reference op."""
-    import collections
-    import k31c.graph.ops  # noqa: F401  (registers the reference ops)
-    real_cap, real_warps = topk.CAP, topk._warps
-    gen = torch.Generator().manual_seed(0)
-    # (buffer, refine warps): the sm_90a builds (integers as the JIT specializes them) hold 119
-    # registers at (8192, 16), 128 + 184 B of spill at (4096, 8) (what _warps gives it), 64 + 72 B
-    # at (4096, 16)
-    shapes = ((8192, None), (4096, None), (4096, 16))
-    try:
-        for width in widths:
-            base = torch.randn(rows, width, generator=gen).to(device)
-            row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
-            for name, scores in (("gaussian", base), ("64 values", (base * 8).round().clamp(-32, 31))):
-                want = torch.ops.k31c.topk_select(scores, row_len, k).sort(1).values
-                for cap, warps in shapes:
-                    topk.CAP = cap
-                    # the refine's warps by its buffer size; the plan's sample is never that size here
-                    topk._warps = real_warps if warps is None else (
-                        lambda n, cap=cap, warps=warps: warps if n == cap else real_warps(n))
-                    us = graph_us(lambda: topk.topk_select(scores, row_len, k), launches=10) \
-                        if device == "cuda" else float("nan")
-                    topk.DEBUG_PATHS = True
-                    got = topk.topk_select(scores, row_len, k).sort(1).values
-                    topk.DEBUG_PATHS = False
-                    paths = dict(collections.Counter(topk.last_paths))
-                    print(f"select {rows}x{width >> 10}K {name}, buffer {cap}, refine warps "
-                          f"{topk._warps(cap)}: {us:.1f} us; paths {paths}; sets == reference: {torch.equal(got, want)}")
-    finally:
-        topk.CAP, topk._warps, topk.DEBUG_PATHS = real_cap, real_warps, False
-
-
 if __name__ == "__main__":
-    if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the checks only
+    if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
         check_filter_variants("cpu")
-        cap_sweep("cpu", widths=(12 << 10,), rows=3)
         sys.exit(0)
     check_filter_variants()
-    if sys.argv[1:] == ["cap"]:
-        cap_sweep()
-        sys.exit(0)
     if sys.argv[1:] != ["steps"]:
         micro_costs()
         filter_sweep()
     filter_steps()
-    cap_sweep()
