@@ -180,6 +180,14 @@ def test_decode_k3_shapes_cuda(rows, snaps):
                  device="cuda", seed=rows, num_slots=20, fn=kda_decode)
 
 
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_decode_k3_shapes_whole_head_cuda(num_warps):
+    """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
+    check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
+                 seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
+
+
 def test_decode_rejects_bad_layout():
     gen = torch.Generator().manual_seed(0)
     params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)
