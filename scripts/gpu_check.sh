@@ -34,7 +34,11 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-"$PY" -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
+"$PY" -c "
+import sys, torch, triton
+if not torch.cuda.is_available():
+    sys.exit(f'gpu_check: no CUDA device visible to torch {torch.__version__} ({sys.executable})')
+print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
 if [ "$program" = 1 ]; then
     "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${shard[@]}" "${rest[@]}" || status=1
