@@ -187,7 +187,7 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 # launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
-# warps, V tile of the state pass, split output, the chunk pass's inverse and register cap)
+# warps, V tile of the state pass, split output)
 PREFILL_CONFIGS = (
     dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
     dict(chunk_warps=8, state_warps=8), dict(chunk_warps=8, state_warps=8, block_v=64),
@@ -195,19 +195,12 @@ PREFILL_CONFIGS = (
     dict(chunk_warps=4, state_warps=8, split_output=True), dict(chunk_warps=2, state_warps=8, split_output=True),
     dict(chunk_warps=4, state_warps=8, block_v=64, split_output=True),
     dict(chunk_warps=4, state_warps=4, block_v=32, split_output=True),
-    dict(chunk_warps=4, state_warps=8, inverse="doubling"),
-    dict(chunk_warps=4, state_warps=8, split_output=True, inverse="doubling"),
-    dict(chunk_warps=4, state_warps=8, chunk_maxnreg=168),
-    dict(chunk_warps=4, state_warps=8, chunk_maxnreg=128),
-    dict(chunk_warps=4, state_warps=8, inverse="doubling", chunk_maxnreg=168),
 )
 
 
 def _label(config: dict) -> str:
-    c = {"block_v": None, "split_output": False, "inverse": "rows", "chunk_maxnreg": None, **config}
-    return (f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}" + (",split" if c["split_output"] else "")
-            + ("" if c["inverse"] == "rows" else f",{c['inverse']}")
-            + (f",maxnreg {c['chunk_maxnreg']}" if c["chunk_maxnreg"] else ""))
+    c = {"block_v": None, "split_output": False, **config}
+    return f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}" + (",split" if c["split_output"] else "")
 
 
 def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) -> list[Row]:
@@ -227,7 +220,7 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
         return launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, CHUNK, **config, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
-    peers, notes = {}, ["(chunk warps, state warps, BV[, split][, inverse][, chunk maxnreg]) " + " ".join(
+    peers, notes = {}, ["(chunk warps, state warps, BV[, split]) " + " ".join(
         f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]
     for split in (False, True):     # each pass alone, at the best configuration of each form
         i = min((i for i, c in enumerate(configs) if c.get("split_output", False) == split), key=sweep.__getitem__)

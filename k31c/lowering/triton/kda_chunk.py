@@ -39,24 +39,14 @@ def pick(j, sel, x):
 
 
 @triton.jit
-def unit_lower_inverse_rows(m, rows, BC: tl.constexpr):
-    """(I + m)^-1 for a strictly lower triangular [BC, BC] m, by forward substitution: BC - 1
-    serial steps, each a row extraction and a vector-matrix product (reductions across the tile)."""
-    inv = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for r in range(1, BC):
-        m_r = row_of(m, rows, r)
-        new = (rows == r).to(tl.float32) - tl.sum(m_r[:, None] * inv, axis=0)
-        inv = tl.where(rows[:, None] == r, new[None, :], inv)
-    return inv
-
-
-@triton.jit
 def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
     """(I + m)^-1 for a strictly lower triangular [BC, BC] m by doubling the inverted diagonal
     blocks: with X the inverse of the b-blocks, the 2b-blocks' inverse is X - X N X, N being m's
     lower-left b-block of each 2b-block (the block formula [A 0; C D]^-1 = [A^-1 0; -D^-1 C A^-1
     D^-1]). The 1-blocks are 1, so the 2-blocks' inverse is I - N; then log2(BC) - 1 levels of
-    two fp32 products each; every level's X is made of exact diagonal blocks of the inverse."""
+    two fp32 products each; every level's X is made of exact diagonal blocks of the inverse.
+    (Forward substitution, BC - 1 serial row steps, made the T = 8192 prefill 9% slower:
+    BENCHMARKS.md, KDA.)"""
     i, j = rows[:, None], rows[None, :]
     inv = (i == j).to(tl.float32) - tl.where((i // 2 == j // 2) & (i > j), m, 0.0)
     for lv in tl.static_range(1, 8):                  # b = 2, 4, ... while b < BC (BC <= 256)
@@ -75,7 +65,7 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
                       B, H, lower_bound, scale,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, DOUBLING: tl.constexpr = False, PDL: tl.constexpr = False):
+                      PREC: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     cid = tl.program_id(0)
     h = tl.program_id(1)
@@ -172,10 +162,7 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
             a_ii = tl.where(causal, a_ii, 0.0)
             tl.store(aqk_ptr + blk_c + I * BC + rc, a_ii.to(DT), mask=rv[:, None])
 
-            if DOUBLING:
-                inv = unit_lower_inverse_doubling(m_ii, rows, BC)
-            else:
-                inv = unit_lower_inverse_rows(m_ii, rows, BC)
+            inv = unit_lower_inverse_doubling(m_ii, rows, BC)
             w_i = tl.dot(inv, rhs_w, input_precision=PREC)
             u_i = tl.dot(inv, rhs_u, input_precision=PREC)
             tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])

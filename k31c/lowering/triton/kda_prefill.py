@@ -8,8 +8,7 @@ Two launches (three when the state pass splits V or the outputs):
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
        X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
    with the earlier blocks' X_J and keys read back from the scratch the program just wrote;
-   (I + M_II)^-1 by forward substitution row by row, or by doubling inverted sub-blocks with
-   fp32 products (`inverse`, INVERSES).
+   (I + M_II)^-1 by doubling inverted sub-blocks with fp32 products.
    Decay factors exp(Γ_r - Γ_i) are never formed as exp(Γ_r)/exp(Γ_i): across blocks both factors
    are taken relative to the boundary Γ_b between them (each ≤ 1); inside a diagonal block either
    relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
@@ -48,10 +47,6 @@ from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kd
                                             request_chunks)
 from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
 from k31c.lowering.triton.unit_stride import require_unit_stride
-
-# the chunk pass's inverse of each diagonal block (I + M_II): forward substitution row by row, or
-# doubling the inverted blocks by fp32 products (kda_chunk.py); "rows" until measured otherwise
-INVERSES = ("rows", "doubling")
 
 
 @triton.jit
@@ -219,20 +214,13 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     split_output: bool = False   # the state pass carries the state alone; outputs in parallel
-    inverse: str = "rows"        # (I + M_II)^-1 in the chunk pass: "rows" or "doubling" (INVERSES)
-    chunk_maxnreg: int | None = None   # register cap of the chunk pass (CUDA; more programs an SM)
-
-    def chunk_launch(self, target: Target) -> dict:
-        """Launch options of the chunk pass on `target` (a register cap only where it has one)."""
-        cap = self.chunk_maxnreg if target.triton_backend == "cuda" else None
-        return dict(num_warps=self.chunk_warps, **({"maxnreg": cap} if cap else {}))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
-                    PREC=self.precision, DOUBLING=self.inverse == "doubling")
+                    PREC=self.precision)
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -245,22 +233,17 @@ class PrefillPlan:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, split_output: bool = False,
-         inverse: str = "rows", chunk_maxnreg: int | None = None) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, split_output: bool = False) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
     BV = min(block_v or K, K)
     if BV < 16 or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
-    if inverse not in INVERSES:
-        raise ValueError(f"inverse: expected one of {INVERSES}, got {inverse!r}")
-    if chunk_maxnreg is not None and not 24 <= chunk_maxnreg <= 255:
-        raise ValueError(f"chunk_maxnreg: expected 24..255 registers, got {chunk_maxnreg}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, split_output, inverse, chunk_maxnreg)
+                       state_warps, state_stages, split_output)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -279,16 +262,13 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
                        state_stages: int = 1, split_output: bool = False,
-                       stages: str = "cso", inverse: str = "rows",
-                       chunk_maxnreg: int | None = None) -> torch.Tensor:
+                       stages: str = "cso") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
     split_output: then the state pass only carries the state (writing each chunk's starting
     state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel.
     stages: which of the chunk pass, the state pass and the output (or norm) pass to launch
-    (benchmarks time them alone; anything but "cso" leaves the output unfinished). inverse: how
-    the chunk pass inverts its diagonal blocks (`INVERSES`); chunk_maxnreg: a register cap for
-    it on CUDA (spills, but more programs fit an SM)."""
+    (benchmarks time them alone; anything but "cso" leaves the output unfinished)."""
     if not stages or set(stages) - set("cso"):
         raise ValueError(f"stages: expected letters of 'cso' (chunk, state, output), got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
@@ -297,7 +277,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, split_output, inverse, chunk_maxnreg)
+             state_warps, block_v, state_stages, split_output)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -314,7 +294,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         kda_chunk_kernel[(n_chunks_max, H)](
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
-            **p.chunk_launch(target_of(q.device)), **pdl)
+            num_warps=p.chunk_warps, **pdl)
     split = p.split_output
     o_raw = out if BV == K or split else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     h_scratch = torch.empty(n_chunks_max, H, K, K, device=q.device, dtype=dt) if split else out
