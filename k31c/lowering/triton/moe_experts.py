@@ -348,17 +348,19 @@ def aot_specs(shapes) -> list:
     grouping = dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32, sorted_ptr=i32)
     # the launches' integers: z, out [n, width]; w13 [E, 2 inter, width]; w2 [E, width, inter]
     width, inter, n_assign = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, shapes.batch * k
+    sizes = dict(n_assign=n_assign, n_experts=n_experts)      # the grouping launches'
     if p["group"] == "one":
-        group = [kernel_spec(_group_kernel, op, f"A={shapes.batch * k},E={n_experts}",
-                             dict(NA=triton.next_power_of_2(shapes.batch * k), EP=ep, BM=p["BM"]),
-                             dict(idx_ptr=i32, **grouping), ints=dict(n_assign=n_assign, n_experts=n_experts))]
+        group = [kernel_spec(_group_kernel, op, f"A={n_assign},E={n_experts}",
+                             dict(NA=triton.next_power_of_2(n_assign), EP=ep, BM=p["BM"]),
+                             dict(idx_ptr=i32, **grouping), ints=sizes)]
     else:
         group = [kernel_spec(_count_kernel, op, "count", dict(BLOCK=_GROUP_BLOCK),
-                             dict(idx_ptr=i32, counts_ptr=i32)),
+                             dict(idx_ptr=i32, counts_ptr=i32), ints=sizes),
                  kernel_spec(_offsets_kernel, op, f"E={n_experts}", dict(BM=p["BM"], EP=ep),
-                             dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32)),
+                             dict(counts_ptr=i32, offsets_ptr=i32, tile_end_ptr=i32),
+                             ints=dict(n_experts=n_experts)),
                  kernel_spec(_scatter_kernel, op, "scatter", dict(BLOCK=_GROUP_BLOCK),
-                             dict(idx_ptr=i32, offsets_ptr=i32, cursor_ptr=i32, sorted_ptr=i32))]
+                             dict(idx_ptr=i32, offsets_ptr=i32, cursor_ptr=i32, sorted_ptr=i32), ints=sizes)]
     return [
         *group,
         kernel_spec(_gate_up_kernel, op, f"{cfg.hidden_act}",
