@@ -123,11 +123,12 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (128, 8)),
+                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (32, 4, "one"), (32, 8, "one"),
+                         (64, 8, "one"), (16, 4, "one")),
                 rows=(1, 4)) -> list[Row]:
-    """kda_decode swept over `configs` (BV, warps; BV = K: one program a head, gated norm fused,
-    no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default
-    tile."""
+    """kda_decode swept over `configs` (BV, warps[, "one": the one-launch form, a program per
+    head walking its BV slices]; BV = K: one program a head, gated norm fused, no norm launch),
+    best reported; R > 1 also with per-row snapshots, at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
@@ -141,12 +142,13 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
         def run(cfg=(None, None), sn=(None, None)):
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1])
+                                     num_warps=cfg[1], one_launch=cfg[2:] == ("one",))
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         peers = {}
-        notes = ["(BV,warps) " + " ".join(f"{bv},{nw}:{t * 1e3:.1f}us" for (bv, nw), t in sweep.items())]
+        notes = ["(BV,warps[,one launch]) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
+                                                       for cfg, t in sweep.items())]
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)

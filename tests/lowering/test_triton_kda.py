@@ -91,7 +91,7 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-bv8"])
+@pytest.mark.parametrize("kernel", ["split", "split-bv8", "one-launch"])
 def test_decode_padding_rows_with_garbage_inputs(kernel):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
@@ -103,7 +103,8 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     slots[1] = -1
     for t in tok.values():
         t[rows:2 * rows] = float("nan")                        # the padding request's rows
-    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8)}[kernel]
+    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8),
+          "one-launch": partial(launch_kda_decode, one_launch=True)}[kernel]
     got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
@@ -167,6 +168,27 @@ def test_decode_split_softplus_fp16_rolled():
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
 
 
+# one program per (request, head): prep, state and gated norm in registers, windows in place
+@pytest.mark.parametrize("rows,snaps,lb", [(1, False, -5.0), (1, True, None), (4, True, -5.0), (3, False, None)])
+def test_decode_one_launch(rows, snaps, lb):
+    # K = 32 in slices of 8: four state slices walked by each program
+    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
+                 seed=40 + rows, num_slots=5, fn=partial(launch_kda_decode, one_launch=True, block_v=8))
+
+
+def test_decode_one_launch_fp16():
+    check_decode(H=3, K=16, B=2, rows=2, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
+                 seed=44, fn=partial(launch_kda_decode, one_launch=True))      # one slice (BV = K)
+
+
+def test_decode_one_launch_plan():
+    from k31c.lowering.triton.kda_decode import plan
+    p = plan(1, 128, 4, one_launch=True)
+    assert (p.one_launch, p.block_v, p.num_warps, p.fuse_norm) == (True, 32, 4, True)
+    assert plan(4, 128, 4, block_v=64, one_launch=True).block_v == 64
+    assert not plan(1, 128, 4, one_launch=False).one_launch
+
+
 def test_decode_rejects_bad_stages():
     with pytest.raises(ValueError, match="stages"):
         check_decode(H=2, K=16, B=2, rows=1, lb=-5.0, snaps=False, dtype=torch.float32,
@@ -186,6 +208,13 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
+def test_decode_k3_shapes_one_launch_cuda(rows, snaps):
+    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16, device="cuda",
+                 seed=5 + rows, num_slots=20, fn=partial(launch_kda_decode, one_launch=True))
 
 
 def test_decode_rejects_bad_layout():
