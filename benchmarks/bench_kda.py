@@ -12,8 +12,8 @@ read + written dominates: 6 MiB per request) over the copy bandwidth measured in
 Prefill: one request of T = 8192 tokens from a live state, chunk 64, against fla's `chunk_kda`
 (and its conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale).
 
-Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill]   (--prefill: the prefill rows alone;
-fla-core must be importable for the fla peers)
+Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill | --decode]   (the prefill or decode
+rows alone; fla-core must be importable for the fla peers)
 """
 from __future__ import annotations
 
@@ -123,12 +123,11 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (32, 4, "one"), (32, 8, "one"),
-                         (64, 8, "one"), (16, 4, "one")),
+                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (32, 4, "fused"), (16, 2, "fused"),
+                         (64, 4, "fused"), (16, 4, "fused")),
                 rows=(1, 4)) -> list[Row]:
-    """kda_decode swept over `configs` (BV, warps[, "one": the one-launch form, a program per
-    head walking its BV slices]; BV = K: one program a head, gated norm fused, no norm launch),
-    best reported; R > 1 also with per-row snapshots, at the launcher's default tile."""
+    """kda_decode swept over `configs` (BV, warps[, "fused": the prep inside the state pass, two
+    launches]; BV = K: one program a head, gated norm fused, no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
@@ -142,12 +141,12 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
         def run(cfg=(None, None), sn=(None, None)):
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1], one_launch=cfg[2:] == ("one",))
+                                     num_warps=cfg[1], fused_prep=cfg[2:] == ("fused",))
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         peers = {}
-        notes = ["(BV,warps[,one launch]) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
+        notes = ["(BV,warps[,fused prep]) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
                                                        for cfg, t in sweep.items())]
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
@@ -276,5 +275,9 @@ def run(machine: Machine) -> list[Row]:
 if __name__ == "__main__":
     import sys
     import k31c.graph.ops.kda  # noqa: F401  (registers the reference ops)
+    flags = set(sys.argv[1:])
+    if flags - {"--prefill", "--decode"} or len(flags) > 1:
+        sys.exit(f"bench_kda: expected nothing, --prefill or --decode, got {' '.join(sys.argv[1:])}")
     m = measure_machine()
-    print(markdown(prefill_rows(m) if "--prefill" in sys.argv[1:] else run(m), m))
+    rows = prefill_rows(m) if "--prefill" in flags else decode_rows(m) if "--decode" in flags else run(m)
+    print(markdown(rows, m))
