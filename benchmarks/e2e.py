@@ -4,7 +4,7 @@ Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, a
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams), k31c graph replay on one stream and
 k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
-on one, and with it only outside the stream regions (`"outside_regions"`); the bytes floor
+on one; the bytes floor
 (`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
 measured now), the GPU busy share of the replayed step (kernel time / step time, from the
 profiler; not given for PDL, whose kernels start before the one before them ends), the host
@@ -163,8 +163,6 @@ def main() -> int:
         runners["k31c graphs, PDL"] = k31c_api.compile(model, target="h200", options={"pdl": True})
         runners["k31c graphs, PDL, 1 stream"] = k31c_api.compile(model, target="h200",
                                                                  options={"pdl": True, "streams": 1})
-        runners["k31c graphs, PDL outside regions"] = k31c_api.compile(model, target="h200",
-                                                                       options={"pdl": "outside_regions"})
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for
     engines = {name: Engine(model, max_requests=max(BATCHES), max_seq_len=max_len, device="cuda", step_fn=fn)
                for name, fn in runners.items()}

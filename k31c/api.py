@@ -20,8 +20,7 @@ Executors (`options={"executor": ...}`):
   (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
   `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
   pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
-  first line; `"outside_regions"`: the same except for the steps beside another stream's work,
-  which launch plainly; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
+  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
   target's program on CPU tensors when `TRITON_INTERPRET=1` (the Triton kernels in the
   interpreter, no device graph).
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their

@@ -14,8 +14,6 @@ from .runtime.graphs import DEFAULT_BUCKETS, check_buckets
 EXECUTORS = ("inductor", "fx", "iree", "program")
 COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
                    "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None}
-PDL_OUTSIDE_REGIONS = "outside_regions"     # option pdl: PDL except beside another stream's work
-PDL_CHOICES = (False, True, PDL_OUTSIDE_REGIONS)
 
 
 def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
@@ -49,8 +47,8 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         raise UsageError(f"option {e}") from None
     if compile_opts["pdl"] is None:
         compile_opts["pdl"] = target.pdl
-    if compile_opts["pdl"] not in PDL_CHOICES or not isinstance(compile_opts["pdl"], (bool, str)):
-        raise UsageError(f"option pdl must be True, False or 'outside_regions', got {compile_opts['pdl']!r}")
+    if not isinstance(compile_opts["pdl"], bool):
+        raise UsageError(f"option pdl must be True or False, got {compile_opts['pdl']!r}")
     if compile_opts["pdl"] and target.triton_backend != "cuda":
         raise UsageError(f"option pdl: target '{target.name}' has no programmatic dependent launch "
                          "(CUDA sm_90 and later only)")
@@ -64,10 +62,7 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
 
 def program_target(target: Target, compile_opts: dict) -> Target:
     """`target` with the options that its record carries applied (the program's kernels and dense
-    pieces read them from the record): `pdl` and whether it holds inside stream regions (with one
-    stream no step runs beside another)."""
-    pdl = compile_opts["pdl"]
-    in_regions = pdl != PDL_OUTSIDE_REGIONS or compile_opts["streams"] == 1
-    if (bool(pdl), in_regions) == (target.pdl, target.pdl_in_regions):
+    pieces read them from the record): `pdl`."""
+    if compile_opts["pdl"] == target.pdl:
         return target
-    return dataclasses.replace(target, pdl=bool(pdl), pdl_in_regions=in_regions)
+    return dataclasses.replace(target, pdl=compile_opts["pdl"])

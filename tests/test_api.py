@@ -96,14 +96,10 @@ def test_errors_name_the_model_target_pass_and_option(model):
         k31c_api.compile(model, options={"quantize": {"fp4": True}})
     with pytest.raises(ValueError, match="executor must be one of"):
         k31c_api.compile(model, options={"executor": "tvm"})
-    with pytest.raises(ValueError, match="option pdl must be True, False or 'outside_regions', got 'on'"):
-        k31c_api.compile(model, target="h200", options={"pdl": "on"})
-    with pytest.raises(ValueError, match="option pdl must be True, False or 'outside_regions', got 1"):
-        k31c_api.compile(model, target="h200", options={"pdl": 1})
-    t = k31c_api.compile(model, target="h200", options={"pdl": "outside_regions"}).target
-    assert t.pdl and not t.pdl_in_regions
-    t = k31c_api.compile(model, target="h200", options={"pdl": "outside_regions", "streams": 1}).target
-    assert t.pdl and t.pdl_in_regions           # one stream: no step runs beside another
+    for bad in ("on", 1, "outside_regions"):       # the last: a mode measured no better, removed
+        with pytest.raises(ValueError, match=f"option pdl must be True or False, got {bad!r}"):
+            k31c_api.compile(model, target="h200", options={"pdl": bad})
+    assert k31c_api.compile(model, target="h200", options={"pdl": True}).target.pdl
     with pytest.raises(ValueError, match="target 'mi350x' has no programmatic dependent launch"):
         k31c_api.compile(model, target="mi350x", options={"pdl": True})
 

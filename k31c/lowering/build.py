@@ -24,7 +24,7 @@ import torch
 from ..errors import CompilerError, KernelBindError
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
-from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots, mark_concurrent
+from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
 from .registry import lookup
 from .targets import Target
 
@@ -155,7 +155,6 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
         if isinstance(s, (Dense, Kernel)):
             s.outs = tuple(s.outs)
     steps = main_stream_first(steps)
-    mark_concurrent(steps)
     weights = {slots[n] for n in placeholders if n.meta.get("k31c_weight")}
     for s in steps:
         if isinstance(s, Dense):
@@ -170,23 +169,20 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
 
 
 def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, progress) -> tuple[list, list]:
-    """Compile each distinct (piece key, PDL) once and point every Dense step at its piece. With
-    `target.pdl` but not `pdl_in_regions`, a concurrent step's piece is compiled without PDL."""
-    def pdl_of(step):
-        return target.pdl and (target.pdl_in_regions or not step.concurrent)
-    distinct = len({(key, pdl_of(step)) for step, key, _ in dense})
-    compiled: dict[tuple[str, bool], int] = {}
+    """Compile each distinct piece key once (with `target.pdl`, its kernels launched with PDL) and
+    point every Dense step at its piece."""
+    distinct = len({key for _, key, _ in dense})
+    compiled: dict[str, int] = {}
     pieces: list[Callable] = []
     names: list[str] = []
     for step, key, module in dense:
-        pdl = pdl_of(step)
-        if (key, pdl) not in compiled:
+        if key not in compiled:
             if progress is not None:
                 progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
-            compiled[(key, pdl)] = len(pieces)
-            pieces.append(compile_piece(gm.get_submodule(module), codegen, pdl))
+            compiled[key] = len(pieces)
+            pieces.append(compile_piece(gm.get_submodule(module), codegen, target.pdl))
             names.append(key)
-        step.piece = compiled[(key, pdl)]
+        step.piece = compiled[key]
     return pieces, names
 
 

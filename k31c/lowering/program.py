@@ -8,9 +8,7 @@ A program holds its compiled dense pieces and a list of steps:
   and constants; `kernel` names what is bound,
   `"reference"` when no kernel exists for the target and the op's reference implementation runs;
 - `Record(event, stream)` / `Wait(event, stream)`: the stream markers' fork/join events.
-A Dense or Kernel step is `concurrent` when another stream's work may run beside it: it is on a
-side stream, or on stream 0 between a fork `Record` and the join `Wait` that closes it. A Dense
-step is `weights_only` when it reads weights alone (e.g. the KDA conv weights concatenated): its
+A Dense step is `weights_only` when it reads weights alone (e.g. the KDA conv weights concatenated): its
 outputs change only when a weight does, and the executor keeps them.
 Slots 0..n_inputs-1 are the program's inputs (weights, then the flattened step inputs); `free`
 on a step lists slots whose last use it was (their tensors are dropped after the step). A value
@@ -47,7 +45,6 @@ class Dense:
     args: tuple[int, ...]
     outs: tuple[int, ...]
     free: tuple[int, ...] = ()
-    concurrent: bool = False
     weights_only: bool = False
 
 
@@ -60,7 +57,6 @@ class Kernel:
     args: tuple[Any, ...]        # Ref(slot), Refs(slots) or a constant, positional as in the op's schema
     outs: tuple[Optional[int], ...]   # one slot per output (None: output unused)
     free: tuple[int, ...] = ()
-    concurrent: bool = False
 
     @property
     def reference(self) -> bool:
@@ -82,25 +78,6 @@ class Wait:
 
 
 Step = Union[Dense, Kernel, Record, Wait]
-
-
-def mark_concurrent(steps: list) -> None:
-    """Set `concurrent` on each Dense / Kernel step (see the module docstring). Stream 0's span of
-    a fork runs from its Record (of an event side streams wait for) to the Wait on the last of
-    those side streams' joins; stream 0's order in the list is its order on the device."""
-    waiters: dict[int, set[int]] = {}
-    for s in steps:
-        if isinstance(s, Wait) and s.stream != 0:
-            waiters.setdefault(s.event, set()).add(s.stream)
-    recorded_on = {s.event: s.stream for s in steps if isinstance(s, Record)}
-    open_sides: set[int] = set()
-    for s in steps:
-        if isinstance(s, Record) and s.stream == 0:
-            open_sides |= waiters.get(s.event, set())
-        elif isinstance(s, Wait) and s.stream == 0:
-            open_sides.discard(recorded_on.get(s.event, 0))
-        elif isinstance(s, (Dense, Kernel)):
-            s.concurrent = s.stream != 0 or bool(open_sides)
 
 
 @dataclass

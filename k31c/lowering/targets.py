@@ -35,10 +35,6 @@ class Target:
                                              # stated; launchers that size tiles by it skip the check)
     pdl: bool = False                        # programmatic dependent launch of the k31c kernels
                                              # (lowering/triton/device.py; sm_90+)
-    pdl_in_regions: bool = True              # with pdl, also for the steps that run beside another
-                                             # stream's (else those launch plainly: a kernel waiting
-                                             # at its first line holds SM slots the other stream's
-                                             # kernels could use)
 
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""

@@ -6,15 +6,12 @@ created once. Each step runs wholly under its stream (Inductor launches a piece'
 stream current when the piece starts, Triton launchers on the current stream), events are created
 once per program. With `streams=1` (AMD: dual-stream HIP-graph capture is unreliable there, and on
 the CPU) every step runs on stream 0 and the events are dropped; per-stream order already is a
-valid order of the whole program. A target with `pdl` but not `pdl_in_regions` runs the kernels of
-concurrent steps (beside another stream's work) under a record without PDL. A `weights_only`
-piece runs once and again only when a weight it reads changes (its data pointer or version
+valid order of the whole program. A `weights_only` piece runs once and again only when a weight it reads changes (its data pointer or version
 counter); its outputs stay at one address, so a device graph captured after it keeps reading them
 (`refresh_weight_pieces` brings them up to date before a replay).
 """
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 from typing import Optional
 
@@ -77,14 +74,6 @@ class WeightsPiece:
             self(*weights)
 
 
-def _under(target: Target, fn):
-    """`fn` called under `target`'s record."""
-    def call(*args):
-        with using_target(target):
-            return fn(*args)
-    return call
-
-
 class Executor:
     def __init__(self, program: Program, device: torch.device, target: Target,
                  streams: Optional[int] = None):
@@ -101,9 +90,6 @@ class Executor:
                                      f"{streams}")
             self._side = side_streams(self.device, n_side)
             self.events = [torch.cuda.Event() for _ in range(program.events)]
-        # with pdl but not in regions, concurrent kernels launch under a record without it
-        plain = self.multi and target.pdl and not target.pdl_in_regions
-        self._plain = dataclasses.replace(target, pdl=False) if plain else None
         self.weight_pieces: list[WeightsPiece] = []
         self.steps = self._plan()
         self.runs = 0
@@ -129,10 +115,7 @@ class Executor:
                 consts = list(s.args)
                 refs = tuple((i, a.slot) for i, a in enumerate(s.args) if isinstance(a, Ref))
                 lists = tuple((i, a.slots) for i, a in enumerate(s.args) if isinstance(a, Refs))
-                fn = s.fn
-                if self._plain is not None and s.concurrent:
-                    fn = _under(self._plain, s.fn)
-                plan.append((1, stream, fn, (consts, refs, lists), s.outs, s.free))
+                plan.append((1, stream, s.fn, (consts, refs, lists), s.outs, s.free))
         return plan
 
     def __call__(self, inputs: list) -> tuple:

@@ -11,7 +11,7 @@ import k31c.api as k31c_api
 import k31c.lowering.build as build
 from k31c.graph.capture import StepKind, clone_graph
 from k31c.lowering.build import build_program
-from k31c.lowering.program import Dense, Kernel, Record, Wait, mark_concurrent
+from k31c.lowering.program import Dense, Kernel, Record, Wait
 from k31c.lowering.targets import get_target
 from k31c.lowering.triton import device
 from k31c.graph.ops import is_k31c
@@ -125,32 +125,16 @@ def program_target(name):
     return get_target(name)
 
 
-def test_concurrent_steps_and_pdl_outside_regions(decode_graph, monkeypatch):
-    """mark_concurrent: side-stream steps and stream 0's steps inside a fork/join are concurrent,
-    the rest not. With pdl but not pdl_in_regions the concurrent steps' pieces are compiled without
-    PDL (a second compile of a piece key used on both sides), the others with it."""
-    a, b, c, d = (Dense(i, 0, (), ()) for i in range(4))
-    side = Kernel("k31c::x", "triton:x", None, 1, (), ())
-    steps = [a, Record(0, 0), b, Wait(0, 1), side, Record(1, 1), c, Wait(1, 0), d]
-    mark_concurrent(steps)
-    assert [s.concurrent for s in (a, b, side, c, d)] == [False, True, True, True, False]
-
+@pytest.mark.parametrize("pdl", [False, True])
+def test_each_distinct_piece_is_compiled_once_with_the_targets_pdl(decode_graph, monkeypatch, pdl):
     program, _, _ = decode_graph
     split = partition(clone_graph(program.gm))
     keys = {n: p.key for n, p in split.pieces.items()}
     built = []
     monkeypatch.setattr(build, "compile_piece", lambda gm, codegen, pdl: built.append(pdl) or gm)
-    target = dataclasses.replace(get_target("h200"), pdl=True, pdl_in_regions=False)
-    prog = build_program(split.gm, keys, target, "decode", "fx")
-    dense = [s for s in prog.steps if isinstance(s, Dense)]
-    assert any(s.concurrent for s in dense) and any(not s.concurrent for s in dense)
-    for s in dense:
-        assert built[s.piece] is (not s.concurrent)
-    assert all(s.concurrent for s in prog.steps if isinstance(s, (Dense, Kernel)) and s.stream != 0)
-    n_plain = len(built)
-    built.clear()
-    everywhere = build_program(split.gm, keys, dataclasses.replace(target, pdl_in_regions=True), "decode", "fx")
-    assert built == [True] * len(everywhere.pieces) and len(everywhere.pieces) <= n_plain
+    prog = build_program(split.gm, keys, dataclasses.replace(get_target("h200"), pdl=pdl), "decode", "fx")
+    assert built == [pdl] * len(set(keys.values())) == [pdl] * len(prog.pieces)
+    assert {s.piece for s in prog.steps if isinstance(s, Dense)} == set(range(len(prog.pieces)))
 
 
 def test_weights_piece_recomputes_in_place_when_a_weight_changes():
