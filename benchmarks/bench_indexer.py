@@ -137,7 +137,9 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
 
 def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
     """The MXFP8 index cache (e4m3 + one E8M0 byte per 32 values: also 132 B/token) scanned by
-    its kernel (indexer_mxfp8: q quantised on chip, four partial FP8 dots per key), against the
+    the registered MX kernel (`indexer.MX_VARIANT`) and both forms (indexer_mxfp8's gather kernel:
+    four partial FP8 dots per key; the TMA kernel's MX form: keys and q dequantised to exact bf16
+    on chip, one dot per block, also with a 168-register cap for 3 programs an SM), against the
     registered FP8 kernel (per-token scale) on the same bytes with fp32 scales."""
     from k31c.lowering.triton import indexer as tix
 
@@ -160,11 +162,19 @@ def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         # (keys a step, warps): the default spills 1,424 B at R = 4 in its sm_90a build; 64 keys on
         # 8 warps 40 B, 32 keys on 8 warps none
-        tiles = {kw: _try_time(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1]),
+        tiles = {kw: _try_time(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1],
+                                                                variant="gather"),
                                timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
+        for name, knobs in (("mxfp8 gather kernel", dict(variant="gather")),
+                            ("mxfp8 tma kernel", dict(variant="tma")),
+                            ("mxfp8 tma kernel, maxnreg 168", dict(variant="tma", maxnreg=168))):
+            t = _try_time(lambda knobs=knobs: tix.launch_indexer(*args, **knobs), timer=graph_ms)
+            if t is not None:
+                peers[name] = t
         rows.append(Row("lightning_indexer (mxfp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
-                        ms, floor, "bytes", peers, "CUDA-graph replay times; q quantised per 32 "
-                        "values on chip, 4 partial FP8 dots per 128-wide key; (keys, warps) " + " ".join(
+                        ms, floor, "bytes", peers, f"CUDA-graph replay times; registered: {tix.MX_VARIANT}; "
+                        "gather: q quantised per 32 values on chip, 4 partial FP8 dots per 128-wide key, "
+                        "(keys, warps) " + " ".join(
                             f"{k},{w}:{'failed' if t is None else f'{t:.4f}'}" for (k, w), t in tiles.items())))
     return rows
 

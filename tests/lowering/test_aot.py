@@ -177,17 +177,20 @@ for bad in (dict(BM=16), dict(nope=3), dict(x_ptr=16)):
         raise AssertionError(f"accepted {bad}")
     except ValueError as e:
         assert "ints" in str(e), e
-from k31c.lowering.triton import kda_decode as kd
+from k31c.lowering.triton import indexer as tix, kda_decode as kd
 for target in ("h200", "mi350x"):
-    fused = kd.aot_specs(aot.default_shapes(target), fused_prep_rows={1, 4})   # the decode candidate
-    for spec in aot.collect_specs(target) + fused:
+    shapes = aot.default_shapes(target)    # and the candidates not yet registered:
+    candidates = kd.aot_specs(shapes, fused_prep_rows={1, 4}) + tix.mx_aot_specs(shapes, "tma")
+    for spec in aot.collect_specs(target) + candidates:
         listed = dict(spec.ints)
         missing = [n for n, t in spec.signature.items() if t in ("i32", "i64") and n not in listed]
         ones = [n for n, v in listed.items() if v == 1 and spec.signature[n] != "constexpr"]
         if missing or ones:
             print(target, aot.spec_name(spec), missing, ones)
-# the decode candidate's R = 1 pair builds for sm_90a without spilling (its state pass: ~80 registers)
-for spec in kd.aot_specs(aot.default_shapes("h200"), fused_prep_rows={1})[:2]:
+# the candidates build for sm_90a without spilling: the decode's R = 1 pair (its state pass ~80
+# registers) and the MXFP8 TMA scan at R = 1 (~127)
+shapes = aot.default_shapes("h200")
+for spec in kd.aot_specs(shapes, fused_prep_rows={1})[:2] + tix.mx_aot_specs(shapes, "tma")[:1]:
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and regs < 128, (spec.variant, regs, spill)

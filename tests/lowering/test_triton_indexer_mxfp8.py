@@ -12,7 +12,8 @@ from k31c.graph.ops.cache_write import gather_index_keys
 from k31c.graph.ops.fp8_layouts import mx_row_bytes
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import indexer as tix
-from k31c.lowering.triton import indexer_topk
+from k31c.lowering.targets import get_target
+from k31c.lowering.triton import indexer_topk, indexer_tma
 from test_triton_indexer import _block_table
 
 CUDA = torch.cuda.is_available()
@@ -67,6 +68,30 @@ def test_mxfp8_decode_matches_reference(d, heads, r):
     _check(tix.launch_indexer(*args, splits=3), want)
 
 
+@pytest.mark.parametrize("d,heads", [(32, 4), (64, 3), (128, 4)])
+@pytest.mark.parametrize("r", [1, 3])
+def test_mxfp8_tma_matches_reference(d, heads, r):
+    """The TMA kernel's MX form: blocks of 32 keys (whole 128-byte rows per block: a TMA box),
+    q and keys dequantised to exact 16-bit values on chip, one dot per block."""
+    gen = torch.Generator().manual_seed(50 + d + heads + r)
+    row_req, row_len = _decode_rows([70, 5, 128, 1], r)
+    args = _mx_problem(heads=heads, d=d, block_size=32, row_req=row_req, row_len=row_len, gen=gen)
+    assert indexer_tma.tma_supported(args[2], d, 32)
+    assert tix.mx_plan(get_target("h200"), row_req.shape[0], heads, d, 4, 256, 32,
+                       variant="tma").variant == "tma"
+    want = torch.ops.k31c.lightning_indexer(*args)
+    _check(tix.launch_indexer(*args, variant="tma"), want)
+    _check(tix.launch_indexer(*args, variant="tma", splits=3), want)
+
+
+def test_mxfp8_variants_and_default():
+    """MX_VARIANT is what the registered launcher runs (gather until the TMA form is measured);
+    a layout the TMA kernel cannot box (16-key blocks of 132-byte rows) plans the gather kernel."""
+    t = get_target("h200")
+    assert tix.mx_plan(t, 4, 4, 128, 4, 256, 64).variant == tix.MX_VARIANT == "gather"
+    assert tix.mx_plan(t, 4, 4, 128, 4, 256, 16, tma_ok=False, variant="tma").variant == "gather"
+
+
 def test_mxfp8_prefill_rows_and_registry():
     """Uneven runs of rows per request (tiles spanning requests), a row that sees nothing; the
     registered launchers (lightning_indexer and the indexer + top-k pair) route MXFP8 here."""
@@ -110,7 +135,9 @@ def test_mxfp8_k31_shapes(r):
     row_req, row_len = _decode_rows(lengths, r)
     args = _mx_problem(heads=32, d=128, block_size=64, row_req=row_req, row_len=row_len, gen=gen,
                        q_dtype=torch.bfloat16)
-    _check(tix.lightning_indexer(*args), torch.ops.k31c.lightning_indexer(*args))
+    want = torch.ops.k31c.lightning_indexer(*args)
+    _check(tix.lightning_indexer(*args), want)
+    _check(tix.launch_indexer(*args, variant="tma"), want)      # 16-bit dots of exact values
 
 
 def test_pick_change_against_fp32_near_measured():

@@ -25,7 +25,10 @@ indexer). `plan` derives the launch configuration of either kernel; the launcher
 both read it.
 
 An MXFP8 cache (float8_e4m3fn, e4m3 keys with E8M0 group-32 scales) runs indexer_mxfp8.py's
-kernel: q quantised the same way, four partial dots per 128-wide key (same tiles and splits).
+kernel by default (`MX_VARIANT`): q quantised the same way, four partial dots per 128-wide key
+(same tiles and splits). `variant="tma"` runs it through the TMA kernel instead (MX_CACHE): q
+quantised and dequantised on chip, each block's keys scaled by their group exponents into bf16
+(exact) and one 16-bit dot per block; not the default until measured on the GPU.
 
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
 (row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
@@ -53,6 +56,7 @@ from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_ti
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 _OP = "k31c::lightning_indexer"
+MX_VARIANT = "gather"       # the MXFP8 cache's kernel (indexer_mxfp8); "tma" is not yet measured
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
 _CPU_KEYS_PER_STEP = 32
@@ -220,6 +224,22 @@ def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, 
                        keys, splits, num_warps, num_stages, head_dot, hw_quant)
 
 
+def mx_plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, block_size: int,
+            *, tma_ok: bool = True, variant=None, **knobs) -> IndexerPlan:
+    """The plan for an MXFP8 cache: variant None is `MX_VARIANT`. "tma" (where the layout allows
+    it) plans the TMA kernel as for a bf16 cache (the keys become exact bf16 on chip: 16-bit
+    dots on the GPU, fp32 in the interpreter); "gather" plans indexer_mxfp8's kernel on the gather
+    tiling."""
+    variant = MX_VARIANT if variant is None else variant
+    if variant == "tma" and tma_ok:
+        return plan(target, n, heads, d, n_req, capacity, block_size, torch.bfloat16,
+                    variant="tma", **knobs)
+    knobs.pop("head_dot", None)
+    knobs.pop("exact_dot", None)
+    return plan(target, n, heads, d, n_req, capacity, block_size, torch.uint8, variant="gather",
+                **knobs)
+
+
 def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
                    splits=None, quant_q=None, exact_dot=False, head_dot=False, num_warps=None,
                    num_stages=5, variant=None, hw_quant=False,
@@ -255,11 +275,19 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
     if n == 0 or capacity == 0:
         return scores
-    if is_mxfp8_index_cache(index_cache):     # its own kernel (indexer_mxfp8), the gather tiling
+    if is_mxfp8_index_cache(index_cache):
         indexer_mxfp8.check_mx_width(d)
-        p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
-                 torch.uint8, keys_per_step=keys_per_step, splits=splits, variant="gather",
-                 num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
+        p = mx_plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
+                    tma_ok=indexer_tma.tma_supported(index_cache, d, block_size), variant=variant,
+                    keys_per_step=keys_per_step, splits=splits, exact_dot=exact_dot,
+                    head_dot=head_dot, num_warps=num_warps, num_stages=num_stages,
+                    programs_per_sm=programs_per_sm)
+        if p.variant == "tma":
+            return indexer_tma.launch_indexer_tma(
+                q, weights, index_cache, block_table, row_req, row_len, scores,
+                block_size=block_size, rows=p.rows, rows_pad=p.rows_pad, splits=p.splits,
+                quant_q=False, dot_dtype=p.dot_dtype, head_dot=p.head_dot, num_warps=p.num_warps,
+                num_stages=p.num_stages, maxnreg=maxnreg)
         return indexer_mxfp8.launch_indexer_mx(
             q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
             rows=p.rows, rows_pad=p.rows_pad, keys=p.keys, splits=p.splits, num_warps=p.num_warps,
@@ -298,17 +326,12 @@ def aot_specs(shapes) -> list:
     ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
     R rows per request; constexprs from `plan` with the launcher's defaults: the tma kernel
     where the target's default variant is tma, else the gather kernel."""
-    from k31c.graph.ops.fp8_layouts import mx_row_bytes
     from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
     heads, d, bs = cfg.index_n_heads, cfg.index_head_dim, shapes.block_size
 
     def ints(n: int, p, block_stride: int) -> dict:
-        """The launch's integers: q [n, heads, d] and weights [n, heads] contiguous, the cache
-        [blocks, block_stride], the block table [batch, table width], scores [n, context]."""
-        return dict(q_row_stride=heads * d, q_head_stride=d, q_col_stride=1, w_row_stride=heads,
-                    w_head_stride=1, block_stride=block_stride, table_stride=table_width(shapes),
-                    n_rows=n, n_req=shapes.batch, capacity=shapes.context, n_splits=p.splits)
+        return _launch_ints(shapes, n, p, block_stride, heads, d, table_width(shapes))
     specs = []
     for fp8 in (True, False):
         cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
@@ -326,11 +349,35 @@ def aot_specs(shapes) -> list:
             else:
                 specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}", p.gather_constexprs(bs),
                                          dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps, ints=at))
-    mx_ptrs = {k: v for k, v in ptrs.items() if k != "cache_f32_ptr"}
-    for r in shapes.rows_per_request:      # the MXFP8 cache's kernel (indexer_mxfp8)
-        n = shapes.batch * r
-        p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs, torch.uint8,
-                 variant="gather")
-        specs.append(indexer_mxfp8.aot_spec(p, bs, mx_ptrs, f"mxfp8,R={r}", _OP,
-                                            ints(n, p, bs * mx_row_bytes(d))))
+    specs += mx_aot_specs(shapes, MX_VARIANT)
     return specs
+
+
+def mx_aot_specs(shapes, variant: str) -> list:
+    """The MXFP8 cache's launches at `shapes` with `variant` ("gather": indexer_mxfp8's kernel,
+    "tma": the TMA kernel's MX_CACHE form), one per rows-per-request count."""
+    from k31c.graph.ops.fp8_layouts import mx_row_bytes
+    from k31c.lowering.triton.mla_common import table_width
+    cfg = shapes.cfg
+    heads, d, bs = cfg.index_n_heads, cfg.index_head_dim, shapes.block_size
+    ptrs = dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
+                row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32)
+    specs = []
+    for r in shapes.rows_per_request:
+        n = shapes.batch * r
+        p = mx_plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs, variant=variant)
+        at = _launch_ints(shapes, n, p, bs * mx_row_bytes(d), heads, d, table_width(shapes))
+        if p.variant == "tma":
+            specs.append(indexer_tma.aot_spec(p, bs, dict(ptrs, cache_f32_ptr=torch.float8_e4m3fn),
+                                              f"mxfp8,R={r}", _OP, at, mx=True))
+        else:
+            specs.append(indexer_mxfp8.aot_spec(p, bs, ptrs, f"mxfp8,R={r}", _OP, at))
+    return specs
+
+
+def _launch_ints(shapes, n: int, p, block_stride: int, heads: int, d: int, table_stride: int) -> dict:
+    """The launch's integers: q [n, heads, d] and weights [n, heads] contiguous, the cache
+    [blocks, block_stride], the block table [batch, table width], scores [n, context]."""
+    return dict(q_row_stride=heads * d, q_head_stride=d, q_col_stride=1, w_row_stride=heads,
+                w_head_stride=1, block_stride=block_stride, table_stride=table_stride,
+                n_rows=n, n_req=shapes.batch, capacity=shapes.context, n_splits=p.splits)

@@ -22,10 +22,11 @@ import triton.language as tl
 from k31c.graph.ops.fp8_layouts import MX_GROUP
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.cache_write import exp2_int, mx_exponent, round_to_e4m3
-from k31c.lowering.triton.indexer_tile import fill_tail, rows_of_tile
+from k31c.lowering.triton.indexer_tile import fill_tail, query_rows, rows_of_tile
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 MAX_GROUPS = 4
+GROUP = tl.constexpr(MX_GROUP)       # values per E8M0 scale, inside the kernels
 
 
 @triton.jit
@@ -45,6 +46,40 @@ def _query_group(q_ptr, q_row_stride, q_head_stride, q_col_stride, first_row, n_
     e = mx_exponent(tl.max(tl.abs(q), axis=1))
     y = tl.minimum(tl.maximum(q * exp2_int(-e)[:, None], -448.0), 448.0)   # exact: x * 2^-e
     return tl.trans(round_to_e4m3(y).to(DOT_DTYPE)), exp2_int(e)
+
+
+@triton.jit
+def mx_query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                  w_head_stride, first_row, n_rows, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                  H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """For the TMA kernel (indexer_tma.py, MX_CACHE): the tile's queries MXFP8-quantised per
+    (row, head, 32-value group) and dequantised again, q̂·2^e, as one 16-bit dot operand
+    (q_t [D, M], w [M]). The value is exact in bf16 (3 mantissa bits times a power of two), so one
+    dot over the 128 columns with the keys dequantised the same way (`mx_dequant_keys`) sums the
+    products the four partial dots of this module's kernel sum, in another order."""
+    G: tl.constexpr = D // GROUP
+    q, w = query_rows(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                      w_head_stride, first_row, n_rows, tl.full((D,), 1, tl.int1), ROWS, ROWS_PAD,
+                      H, H_PAD, D)
+    x = tl.reshape(q, (ROWS_PAD * H_PAD, G, GROUP))
+    e = mx_exponent(tl.max(tl.abs(x), axis=2))                          # [M, G]
+    y = tl.minimum(tl.maximum(x * exp2_int(-e)[:, :, None], -448.0), 448.0)
+    q_hat = round_to_e4m3(y) * exp2_int(e)[:, :, None]
+    return tl.trans(tl.reshape(q_hat, (ROWS_PAD * H_PAD, D)).to(DOT_DTYPE)), w
+
+
+@triton.jit
+def mx_dequant_keys(k, scale_ptr, block, block_stride, offs, BLOCK_SIZE: tl.constexpr,
+                    D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """A cache block's keys k [BLOCK_SIZE, D] (e4m3) times their E8M0 group scales (the bytes
+    after the block's values; scale_ptr is the cache as bytes), as DOT_DTYPE (exact in bf16); a
+    -1 block (k zero-filled) reads no scales."""
+    G: tl.constexpr = D // GROUP
+    g = tl.arange(0, G)
+    at = block.to(tl.int64) * block_stride + BLOCK_SIZE * D + offs[:, None] * G + g[None, :]
+    e = tl.load(scale_ptr + at, mask=(block >= 0) & (offs >= 0)[:, None], other=127).to(tl.int32) - 127
+    x = tl.reshape(k.to(tl.float32), (BLOCK_SIZE, G, GROUP)) * exp2_int(e)[:, :, None]
+    return tl.reshape(x, (BLOCK_SIZE, D)).to(DOT_DTYPE)
 
 
 @triton.jit

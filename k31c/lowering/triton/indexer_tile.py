@@ -30,13 +30,11 @@ def e4m3_hw(x, scale, RCP: tl.constexpr):
 
 
 @triton.jit
-def query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
+def query_rows(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
                first_row, n_rows, q_mask_cols, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
-               H: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANT_Q: tl.constexpr,
-               HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """The tile's queries as one tl.dot operand, a column per (row, head): (q_t [D_PAD, M], w [M]),
-    q quantised to e4m3 per (row, head) when QUANT_Q, its scale folded into w (ReLU(s·x) =
-    s·ReLU(x) for s > 0). q_mask_cols: [D_PAD] columns that exist."""
+               H: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    """The tile's queries, a row per (tile row, head): (q [M, D_PAD] fp32, w [M]); 0 where a row,
+    head or column (q_mask_cols [D_PAD]) does not exist."""
     M: tl.constexpr = ROWS_PAD * H_PAD
     m = tl.arange(0, M)
     m_row = first_row + m // H_PAD
@@ -47,6 +45,19 @@ def query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_st
                 + cols[None, :] * q_col_stride, mask=m_ok[:, None] & q_mask_cols[None, :],
                 other=0.0).to(tl.float32)
     w = tl.load(w_ptr + m_row.to(tl.int64) * w_row_stride + m_head * w_head_stride, mask=m_ok, other=0.0)
+    return q, w
+
+
+@triton.jit
+def query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
+               first_row, n_rows, q_mask_cols, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+               H: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr, QUANT_Q: tl.constexpr,
+               HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The tile's queries as one tl.dot operand, a column per (row, head): (q_t [D_PAD, M], w [M]),
+    q quantised to e4m3 per (row, head) when QUANT_Q, its scale folded into w (ReLU(s·x) =
+    s·ReLU(x) for s > 0). q_mask_cols: [D_PAD] columns that exist."""
+    q, w = query_rows(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                      w_head_stride, first_row, n_rows, q_mask_cols, ROWS, ROWS_PAD, H, H_PAD, D_PAD)
     if QUANT_Q:
         q_scale = e4m3_scale(tl.max(tl.abs(q), axis=1))
         w = w * q_scale

@@ -16,6 +16,12 @@ one paged-cache block (BLOCK_SIZE keys, 64 on K3.1 Pro) instead of a gather of K
   values agree; the emulation and a division per element made the gather kernel's prologue
   ~6000 SASS instructions a thread (this one: ~2600), paid by every program.
 
+MXFP8 cache (MX_CACHE; `indexer.mx_plan`, not the default until measured): the same boxes of e4m3
+values, then each key's 4 group-exponent bytes read by pointer, the keys scaled by them into bf16
+(exact: 3 mantissa bits times a power of two) and q quantised and dequantised the same way in the
+prologue (indexer_mxfp8.mx_query_tile), so one 16-bit dot per block sums the products that the
+MX kernel's four partial FP8 dots sum, in another order; no per-key scale in the epilogue.
+
 Epilogue as in the gather kernel: ReLU, × w (q's scale folded in), sum over heads (or a second
 tl.dot, HEAD_DOT), × the key's fp32 scale (after the head sum: ReLU(s·x) = s·ReLU(x), s > 0),
 -inf past each row's length.
@@ -33,6 +39,8 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.aot_spec import kernel_spec
+from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
+from k31c.lowering.triton.indexer_mxfp8 import mx_dequant_keys, mx_query_tile
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
@@ -40,11 +48,12 @@ from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 @triton.jit
 def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
-                        k_desc, cache_f32_ptr, block_stride, table_ptr, table_stride,
+                        k_desc, cache_f32_ptr, cache_u8_ptr, block_stride, table_ptr, table_stride,
                         row_req_ptr, row_len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
                         ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr,
-                        TAIL: tl.constexpr, FP8_CACHE: tl.constexpr, QUANT_Q: tl.constexpr,
+                        TAIL: tl.constexpr, FP8_CACHE: tl.constexpr, MX_CACHE: tl.constexpr,
+                        QUANT_Q: tl.constexpr,
                         HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr,
                         NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False):
@@ -53,10 +62,15 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
     split = tl.program_id(1)
     first_row = tile * ROWS
 
-    all_cols = tl.full((D,), 1, tl.int1)                 # D is a power of two: no padding
-    q_t, w = query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
-                        w_head_stride, first_row, n_rows, all_cols, ROWS, ROWS_PAD, H, H_PAD, D,
-                        QUANT_Q, HW_CVT, Q_RCP, DOT_DTYPE)
+    if MX_CACHE:
+        q_t, w = mx_query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                               w_head_stride, first_row, n_rows, ROWS, ROWS_PAD, H, H_PAD, D,
+                               DOT_DTYPE)
+    else:
+        all_cols = tl.full((D,), 1, tl.int1)             # D is a power of two: no padding
+        q_t, w = query_tile(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride,
+                            w_head_stride, first_row, n_rows, all_cols, ROWS, ROWS_PAD, H, H_PAD,
+                            D, QUANT_Q, HW_CVT, Q_RCP, DOT_DTYPE)
     w_mat = w
     if HEAD_DOT:
         w_mat = head_weights(w, ROWS_PAD, H_PAD, OUT, HEAD_DTYPE)
@@ -90,6 +104,12 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                         k_scale = tl.load(cache_f32_ptr + (block.to(tl.int64) * block_stride
                                                            + BLOCK_SIZE * D) // 4 + offs,
                                           mask=(block >= 0) & (offs >= 0), other=0.0)
+                    elif MX_CACHE:                      # group scales folded into the keys
+                        if k.dtype == tl.uint8:
+                            k = k.to(tl.float8e4nv, bitcast=True)
+                        k = mx_dequant_keys(k, cache_u8_ptr, block, block_stride, offs, BLOCK_SIZE,
+                                            D, DOT_DTYPE)
+                        k_scale = offs                                   # unused
                     else:
                         k_scale = offs                                   # unused without FP8
                     score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity,
@@ -121,17 +141,18 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
     n, heads, d = q.shape
     on_gpu = q.device.type == "cuda"
     fp8 = index_cache.dtype == torch.uint8
+    mx = is_mxfp8_index_cache(index_cache)
     capacity = scores.shape[1]
     h_pad = triton.next_power_of_2(heads)
-    if fp8:
-        base = index_cache.view(torch.float8_e4m3fn) if on_gpu else index_cache
-        rows_per_block = index_cache.stride(0) // d
+    rows_per_block = index_cache.stride(0) // d          # = block_size for [blocks, bs, d]
+    if fp8 or mx:    # e4m3 boxes on the GPU; bytes in the interpreter (bitcast in the kernel)
+        base = index_cache.view(torch.float8_e4m3fn) if on_gpu else index_cache.view(torch.uint8)
     else:
         base = index_cache
-        rows_per_block = index_cache.stride(0) // d          # = block_size for [blocks, bs, d]
     total_rows = index_cache.shape[0] * rows_per_block
     k_desc = TensorDescriptor(base, [total_rows, d], [d, 1], [block_size, d])
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
+    cache_u8 = index_cache.view(torch.uint8)          # MXFP8: its group exponents (else unused)
     num_warps = _num_warps(rows_pad, h_pad, num_warps)
     extra = {}
     if maxnreg is None:
@@ -140,10 +161,10 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
         extra["maxnreg"] = maxnreg
     _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
-        k_desc, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
+        k_desc, cache_f32, cache_u8, index_cache.stride(0), block_table, block_table.stride(0),
         row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
         **_constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8,
-                      quant_q, q_rcp, dot_dtype, head_dot, num_stages),
+                      quant_q, q_rcp, dot_dtype, head_dot, num_stages, mx),
         num_warps=num_warps, **extra, **pdl_launch(q.device))
     return scores
 
@@ -155,23 +176,27 @@ def _num_warps(rows_pad: int, h_pad: int, num_warps: int | None) -> int:
 
 
 def _constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8, quant_q,
-                q_rcp, dot_dtype, head_dot, num_stages) -> dict:
+                q_rcp, dot_dtype, head_dot, num_stages, mx=False) -> dict:
     out = max(16, rows_pad) if head_dot else rows_pad
     return dict(ROWS=rows, ROWS_PAD=rows_pad, H=heads, H_PAD=h_pad, D=d, BLOCK_SIZE=block_size,
                 ROWS_PER_BLOCK=rows_per_block, TAIL=(4096 if on_gpu else 256) // out, FP8_CACHE=fp8,
+                MX_CACHE=mx,
                 QUANT_Q=quant_q, HW_CVT=on_gpu, Q_RCP=q_rcp, DOT_DTYPE=dot_dtype, HEAD_DOT=head_dot,
                 HEAD_DTYPE=tl.float32 if dot_dtype == tl.float32 else tl.bfloat16, OUT=out,
                 NUM_STAGES=num_stages)
 
 
-def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict | None = None):
+def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict | None = None,
+             mx: bool = False):
     """The AOT build of the launch `indexer.plan` describes (p, an IndexerPlan for the GPU) with
-    q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys;
-    `ints`: the launch's integers (aot_spec.kernel_spec)."""
-    stride = block_size * (p.d + 4 if p.fp8 else p.d)
-    desc = f"tensordesc<{'fp8e4nv' if p.fp8 else 'bf16'}[{block_size},{p.d}]>"
+    q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys
+    (mx: an MXFP8 cache, 4 B of group exponents a key after the values); `ints`: the launch's
+    integers (aot_spec.kernel_spec)."""
+    stride = block_size * (p.d + 4 if p.fp8 else p.d + p.d // 32 if mx else p.d)
+    desc = f"tensordesc<{'fp8e4nv' if p.fp8 or mx else 'bf16'}[{block_size},{p.d}]>"
     return kernel_spec(
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
-                    p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages),
-        dict(ptrs, k_desc=desc), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps), ints=ints)
+                    p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages, mx),
+        dict(ptrs, k_desc=desc, cache_u8_ptr=torch.uint8), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps),
+        ints=ints)
