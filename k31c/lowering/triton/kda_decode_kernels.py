@@ -140,12 +140,9 @@ def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_p
 
 
 @triton.jit
-def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
-                      state_ptr, slots_ptr, snap_state_ptr, H, eps,
-                      ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                      HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    wait_for_producers(PDL)
+def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
+    """A state program's (request, head, V tile) from its flat id (the V tile fastest), its slot
+    (a padding request's -1 read as slot 0, `live` false) and its [K, BV] fp32 state slice."""
     NV: tl.constexpr = K // BV
     pid = tl.program_id(0)
     vt = pid % NV
@@ -159,7 +156,18 @@ def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, n
     offs_v = vt * BV + tl.arange(0, BV)
     kv = offs[:, None] * K + offs_v[None, :]
     state_head = state_ptr + (slot * H + h) * K * K
-    S = tl.load(state_head + kv, mask=live, other=0.0)                 # [K, BV] fp32
+    S = tl.load(state_head + kv, mask=live, other=0.0)
+    return b, h, slot, live, offs, offs_v, kv, state_head, S
+
+
+@triton.jit
+def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
+                      state_ptr, slots_ptr, snap_state_ptr, H, eps,
+                      ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                      HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_producers(PDL)
+    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
     row0_64 = (b * ROWS).to(tl.int64)
     if UNROLL:
         # the rows' vector loads do not depend on the state: all can issue up front (registers)
@@ -188,21 +196,8 @@ def _kda_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
     [R, K] of work); raw o to scratch. It reads the conv windows and writes none:
     `_kda_finish_kernel` updates them after every tile has read them."""
     wait_for_producers(PDL)
-    NV: tl.constexpr = K // BV
-    pid = tl.program_id(0)
-    vt = pid % NV
-    bh = pid // NV
-    b = bh // H
-    h = bh % H
     P = H * K
-    slot = tl.load(slots_ptr + b)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0)
-    offs = tl.arange(0, K)
-    offs_v = vt * BV + tl.arange(0, BV)
-    kv = offs[:, None] * K + offs_v[None, :]
-    state_head = state_ptr + (slot * H + h) * K * K
-    S = tl.load(state_head + kv, mask=live, other=0.0)                 # [K, BV] fp32
+    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
     ch = h * K + offs
     ch_v = h * K + offs_v
     conv_row = conv_ptr + slot * (W - 1) * 3 * P
