@@ -15,9 +15,9 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.device import pdl_launch
 from k31c.lowering.triton.kda_common import check_kda_layout
-from k31c.lowering.triton.kda_decode_kernels import (_kda_finish_kernel, _kda_norm_kernel,
-                                                     _kda_prep_kernel, _kda_state_kernel,
-                                                     _kda_state_prep_kernel)
+from k31c.lowering.triton.kda_decode_kernels import (kda_decode_finish_kernel, kda_decode_norm_kernel,
+                                                     kda_decode_prep_kernel, kda_decode_state_kernel,
+                                                     kda_decode_state_prep_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
@@ -165,7 +165,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
-        _kda_prep_kernel[(B, H)](
+        kda_decode_prep_kernel[(B, H)](
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
             H, lb, K ** -0.5,
@@ -174,12 +174,12 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
     if "s" in stages:
-        _kda_state_kernel[(B * H * (K // p.block_v),)](
+        kda_decode_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
             **p.state_constexprs(has_snap), num_warps=p.num_warps, **pdl)
     if "n" in stages and not p.fuse_norm:
-        _kda_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
+        kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
             num_warps=NORM_WARPS, **pdl)
     return out
@@ -195,12 +195,12 @@ def _run_fused_prep(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, d
     out = torch.empty_like(q)
     o_raw = torch.empty(N, H * K, device=dev, dtype=torch.float32)
     if "s" in stages:
-        _kda_state_prep_kernel[(B * H * (K // p.block_v),)](
+        kda_decode_state_prep_kernel[(B * H * (K // p.block_v),)](
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, recurrent, slots, o_raw, snap_state if has_snap else recurrent, H, lb,
             K ** -0.5, **p.state_prep_constexprs(has_lb, has_snap), num_warps=p.num_warps, **pdl)
     if "n" in stages:
-        _kda_finish_kernel[(B, H)](
+        kda_decode_finish_kernel[(B, H)](
             q, k, v, o_raw, gate, o_norm_weight.contiguous(), conv_state, slots, out,
             snap_conv if has_snap else conv_state, H, float(eps), **p.finish_constexprs(has_snap),
             num_warps=NORM_WARPS, **pdl)
@@ -235,20 +235,20 @@ def aot_specs(shapes, fused_prep_rows=None) -> list:
         for snap in (False, True):
             tag = f"R={rows}{',snap' if snap else ''}"
             if p.fused_prep:
-                specs.append(kernel_spec(_kda_state_prep_kernel, op, f"{tag},BV={p.block_v},fused prep",
+                specs.append(kernel_spec(kda_decode_state_prep_kernel, op, f"{tag},BV={p.block_v},fused prep",
                                          p.state_prep_constexprs(lb, snap), state_prep_types,
                                          num_warps=p.num_warps, ints=dict(H=H)))
-                specs.append(kernel_spec(_kda_finish_kernel, op, tag, p.finish_constexprs(snap),
+                specs.append(kernel_spec(kda_decode_finish_kernel, op, tag, p.finish_constexprs(snap),
                                          finish_types, num_warps=NORM_WARPS, ints=dict(H=H)))
                 continue
-            specs.append(kernel_spec(_kda_prep_kernel, op, tag, p.prep_constexprs(lb, snap),
+            specs.append(kernel_spec(kda_decode_prep_kernel, op, tag, p.prep_constexprs(lb, snap),
                                      prep_types, num_warps=p.prep_warps, ints=dict(H=H)))
-            specs.append(kernel_spec(_kda_state_kernel, op, f"{tag},BV={p.block_v}",
+            specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}",
                                      p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                      ints=dict(H=H)))
         if not (p.fuse_norm or p.fused_prep):
             specs.append(kernel_spec(
-                _kda_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),
+                kda_decode_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=i64, out_ptr=dt,
                      eps="fp32"),
                 num_warps=NORM_WARPS, ints=dict(n_rows=shapes.batch * rows * H, H=H)))

@@ -24,7 +24,7 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
 With `fused_prep` (two launches; a candidate, not the default until measured faster) the prep
 is folded into the state pass, whose programs make their head's q, k, decay and beta and their
 tile's v in registers (no fp32 scratch round trip, one launch fewer), and the norm launch
-(`_kda_finish_kernel`, one program per (request, head)) also updates the conv windows, which
+(`kda_decode_finish_kernel`, one program per (request, head)) also updates the conv windows, which
 only it writes once every state program has read them.
 A padding request (slot -1) reads and writes no state; its raw o is forced to 0, so its output
 rows come out 0 from the norm.
@@ -65,7 +65,7 @@ def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_b
 
 
 @triton.jit
-def _kda_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
+def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
                      conv_ptr, slots_ptr, snap_conv_ptr, qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr,
                      H, lower_bound, scale,
                      ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
@@ -161,7 +161,7 @@ def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
+def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
                       state_ptr, slots_ptr, snap_state_ptr, H, eps,
                       ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                       HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
@@ -184,7 +184,7 @@ def _kda_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, n
 
 
 @triton.jit
-def _kda_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
+def kda_decode_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
                            conv_ptr, state_ptr, slots_ptr, o_raw_ptr, snap_state_ptr, H,
                            lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
@@ -194,7 +194,7 @@ def _kda_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
     V tile): the state slice's load is issued first, then the head's q, k, decay and beta and the
     tile's v are made from the inputs in registers (each V tile of a head repeats the q/k part,
     [R, K] of work); raw o to scratch. It reads the conv windows and writes none:
-    `_kda_finish_kernel` updates them after every tile has read them."""
+    `kda_decode_finish_kernel` updates them after every tile has read them."""
     wait_for_producers(PDL)
     P = H * K
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
@@ -222,11 +222,11 @@ def _kda_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
 
 
 @triton.jit
-def _kda_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, conv_ptr, slots_ptr,
+def kda_decode_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, conv_ptr, slots_ptr,
                        out_ptr, snap_conv_ptr, H, eps,
                        ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                        WB: tl.constexpr, HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
-    """After `_kda_state_prep_kernel`, one program per (request, head): the gated RMSNorm of the
+    """After `kda_decode_state_prep_kernel`, one program per (request, head): the gated RMSNorm of the
     head's raw o rows, and the conv windows' update (every reader of them has finished)."""
     wait_for_producers(PDL)
     b = tl.program_id(0)
@@ -250,7 +250,7 @@ def _kda_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, con
 
 
 @triton.jit
-def _kda_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H, eps,
+def kda_decode_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H, eps,
                      ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
     """Gated RMSNorm of raw o viewed as [N*H, K] rows (one head of one token per row); rows of a
     padding request (slot -1) come out 0 whatever their gate holds."""
