@@ -188,26 +188,23 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 # launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
-# warps, V tile of the state pass, split output)
+# warps, V tile of the state pass)
 PREFILL_CONFIGS = (
     dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
     dict(chunk_warps=8, state_warps=8), dict(chunk_warps=8, state_warps=8, block_v=64),
-    dict(chunk_warps=8, state_warps=4, block_v=32),
-    dict(chunk_warps=4, state_warps=8, split_output=True), dict(chunk_warps=2, state_warps=8, split_output=True),
-    dict(chunk_warps=4, state_warps=8, block_v=64, split_output=True),
-    dict(chunk_warps=4, state_warps=4, block_v=32, split_output=True),
+    dict(chunk_warps=8, state_warps=4, block_v=32), dict(chunk_warps=4, state_warps=8, block_v=64),
+    dict(chunk_warps=4, state_warps=4, block_v=32),
 )
 
 
 def _label(config: dict) -> str:
-    c = {"block_v": None, "split_output": False, **config}
-    return f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}" + (",split" if c["split_output"] else "")
+    c = {"block_v": None, **config}
+    return f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}"
 
 
 def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) -> list[Row]:
     """The chunked prefill at T_PREFILL over launch configurations (`PREFILL_CONFIGS`), the best
-    of them beside fla's chunk_kda; then each pass alone at the best configuration of each form
-    (fused, split output)."""
+    of them beside fla's chunk_kda; then each pass alone at the best configuration."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
@@ -221,13 +218,11 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
         return launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, CHUNK, **config, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
-    peers, notes = {}, ["(chunk warps, state warps, BV[, split]) " + " ".join(
+    peers, notes = {}, ["(chunk warps, state warps, BV) " + " ".join(
         f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]
-    for split in (False, True):     # each pass alone, at the best configuration of each form
-        i = min((i for i, c in enumerate(configs) if c.get("split_output", False) == split), key=sweep.__getitem__)
-        alone = [time_ms(lambda: launch(configs[i], stages=stage), reps=10) for stage in "cso"]
-        notes.append(f"passes alone at {_label(configs[i])} (chunk / state / output or norm) ms: "
-                     + " / ".join(f"{t:.3f}" for t in alone))
+    alone = [time_ms(lambda: launch(configs[best], stages=stage), reps=10) for stage in "csn"]
+    notes.append(f"passes alone at {_label(configs[best])} (chunk / state / norm) ms: "
+                 + " / ".join(f"{t:.3f}" for t in alone))
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d

@@ -273,20 +273,6 @@ def test_prefill_fp16():
                   dtype=torch.float16, device=DEV, seed=6)
 
 
-@pytest.mark.parametrize("block_v", [None, 16])
-def test_prefill_split_output(block_v):
-    """The split form (state pass carries the state alone, outputs per chunk in parallel): a
-    padding request, requests of 1-3 chunks, the state pass whole or over V tiles; the unbounded
-    gate too."""
-    fn = partial(launch_kda_prefill, block_v=block_v, split_output=True)
-    check_prefill(H=2, K=32, lens=[45, 9, 16], slot_ids=[3, -1, 0], lb=-5.0, chunk=16,
-                  dtype=torch.float32, device=DEV, seed=14, fn=fn)
-    check_prefill(H=2, K=32, lens=[40, 7], slot_ids=[1, 2], lb=None, chunk=16,
-                  dtype=torch.float32, device=DEV, seed=15, fn=fn)
-    check_prefill(H=2, K=16, lens=[20, 13], slot_ids=[1, 2], lb=-5.0, chunk=16,
-                  dtype=torch.float16, device=DEV, seed=6, fn=fn)
-
-
 def test_prefill_doubling_inverse_blocks():
     """The chunk pass's diagonal blocks inverted by doubling: chunk 32 (two blocks), several chunks
     with a ragged tail, a padding request and an empty one, the unbounded gate (a truncated
@@ -298,8 +284,8 @@ def test_prefill_doubling_inverse_blocks():
 
 
 def test_prefill_stages():
-    """The fused form (V whole) has no output launch: the chunk and state passes are the whole
-    prefill; anything but letters of "cso" is refused."""
+    """With V whole there is no norm launch: the chunk and state passes are the whole prefill;
+    anything but letters of "csn" is refused."""
     check_prefill(H=2, K=16, lens=[20, 13], slot_ids=[1, 2], lb=-5.0, chunk=16,
                   dtype=torch.float32, device=DEV, seed=9, fn=partial(launch_kda_prefill, stages="cs"))
     with pytest.raises(ValueError, match="stages"):
@@ -309,11 +295,9 @@ def test_prefill_stages():
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
 @pytest.mark.parametrize("lb", [-5.0, None])
-@pytest.mark.parametrize("split", [False, True])
-def test_prefill_k3_shapes_cuda(lb, split):
+def test_prefill_k3_shapes_cuda(lb):
     check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=lb, chunk=64,
-                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8,
-                  fn=partial(launch_kda_prefill, split_output=split))
+                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8, fn=launch_kda_prefill)
 
 
 def test_prefill_rejects_bad_chunk():

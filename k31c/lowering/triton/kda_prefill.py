@@ -1,7 +1,7 @@
 """Triton kernels for `k31c::kda_prefill` (spec/model.md §4.2-4.5): the chunked WY form for varlen
 requests that continue from their slot's conv window and recurrent state.
 
-Two launches (three when the state pass splits V or the outputs):
+Two launches (three when the state pass splits V):
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
    causal conv + SiLU over the window, q/k L2 norms, gates and betas, then the intra-chunk WY
    solve. The chunk is
@@ -19,12 +19,9 @@ Two launches (three when the state pass splits V or the outputs):
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
    the final state and the new conv window. (Optionally V is split into tiles for more programs;
    then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
-Split output (`split_output=True`, the fla / FlashKDA structure; not the default until measured
-faster): the state pass computes V_new and the state update alone, writing each chunk's starting
-state (as the products take it) and V_new to scratch, so its serial chain has two products per
-chunk instead of four; then `_kda_output_kernel`, one program per (chunk, head), all in parallel,
-computes O = (Q⊙exp Γ) S_c + A_qk V_new and the gated norm. The outputs equal the fused form's:
-the same operands, the same order of accumulation.
+(The fla / FlashKDA structure, a state pass that carries the state alone and writes each chunk's
+starting state for a parallel output pass, was measured within 1% of this one in two runs and
+needs a [chunks, H, K, K] state scratch, 400 MB at T = 8192: removed, commit d13d1fc has it.)
 
 Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
 requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
@@ -51,13 +48,11 @@ from k31c.lowering.triton.unit_stride import require_unit_stride
 
 @triton.jit
 def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr, h_ptr, vn_ptr,
+                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr,
                       conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                       W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
-                      SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
-    """SPLIT: the chain carries the state alone; each chunk's starting state (as the products
-    take it) and V_new go to h / vn scratch for `_kda_output_kernel`."""
+                      PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -105,22 +100,18 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         S_dot = S.to(DT)
         v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
         v_dot = v_new.to(DT)
-        if SPLIT:
-            tl.store(h_ptr + ((c_first + i) * H + h).to(tl.int64) * K * K + kv, S_dot, mask=live)
-            tl.store(vn_ptr + blk_k + rkv, v_dot, mask=m2)
-        else:
-            qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
-            a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
-            o = tl.dot(qg, S_dot, input_precision=PREC)
-            o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
+        qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
+        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
+        o = tl.dot(qg, S_dot, input_precision=PREC)
+        o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
         S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
 
-        if FUSED_NORM and not SPLIT:
+        if FUSED_NORM:
             gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
             o = gated_rms_norm(o, gate, norm_w, K, eps)
             tl.store(out_ptr + tc * P + (rp + ch[None, :]),
                      tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
-        elif not SPLIT:                          # raw o; _gated_norm_kernel finishes the rows
+        else:                                    # raw o; _gated_norm_kernel finishes the rows
             tl.store(o_raw_ptr + tc * P + (rp + ch_v[None, :]), tl.where(m2, o, 0.0),
                      mask=(p < L)[:, None])
     tl.store(state_head + kv, S, mask=live)
@@ -140,46 +131,6 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         tl.store(dst, win_q.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + P, win_k.to(conv_ptr.dtype.element_ty), mask=win_mask)
         tl.store(dst + 2 * P, win_v.to(conv_ptr.dtype.element_ty), mask=win_mask)
-
-
-@triton.jit
-def _kda_output_kernel(qg_ptr, aqk_ptr, h_ptr, vn_ptr, gate_ptr, norm_w_ptr, out_ptr, slots_ptr,
-                       cu_ptr, B, H, eps, C: tl.constexpr, K: tl.constexpr, BP: tl.constexpr,
-                       PREC: tl.constexpr, PDL: tl.constexpr = False):
-    """The split form's outputs, one program per (chunk, head), all chunks in parallel:
-    O = (Q⊙exp Γ) S_c + A_qk V_new from the chunk's starting state S_c, then the gated RMSNorm
-    (the whole V row is here). Rows of a padding request (slot -1) are written as 0."""
-    wait_for_producers(PDL)
-    cid = tl.program_id(0)
-    h = tl.program_id(1)
-    P = H * K
-    j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
-    req, in_range = chunk_request(cid, first, n_chunks, B)
-    if in_range:
-        live = tl.load(slots_ptr + req) >= 0
-        L = pick(j, req, length)
-        c0 = (cid - pick(j, req, first)) * C
-        rows = tl.arange(0, C)
-        offs = tl.arange(0, K)
-        in_req = c0 + rows < L
-        m2 = (in_req & live)[:, None]
-        tc = (pick(j, req, start) + c0).to(tl.int64)
-        blk_k = (tc * H + h) * K
-        rk = rows[:, None] * (H * K) + offs[None, :]
-        qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
-        vn = tl.load(vn_ptr + blk_k + rk, mask=m2, other=0.0)
-        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + (rows[:, None] * (H * C) + rows[None, :]),
-                       mask=m2 & (rows[:, None] >= rows[None, :]), other=0.0)
-        s_c = tl.load(h_ptr + (cid * H + h).to(tl.int64) * K * K + (offs[:, None] * K + offs[None, :]),
-                      mask=live, other=0.0)
-        o = tl.dot(qg, s_c, input_precision=PREC)
-        o = tl.dot(a_qk, vn, o, input_precision=PREC)
-        rp = rows[:, None] * P + h * K + offs[None, :]
-        gate = tl.load(gate_ptr + tc * P + rp, mask=m2, other=0.0)
-        norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-        o = gated_rms_norm(o, gate, norm_w, K, eps)
-        tl.store(out_ptr + tc * P + rp, tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty),
-                 mask=in_req[:, None])
 
 
 @triton.jit
@@ -213,7 +164,6 @@ class PrefillPlan:
     chunk_warps: int = 4
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
-    split_output: bool = False   # the state pass carries the state alone; outputs in parallel
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -225,15 +175,12 @@ class PrefillPlan:
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)),
-                    BP=triton.next_power_of_2(self.B + 1), PREC=self.precision, SPLIT=self.split_output)
-
-    def output_constexprs(self) -> dict:
-        return dict(C=self.C, K=self.K, BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
+                    BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
 
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, split_output: bool = False) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -243,7 +190,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, split_output)
+                       state_warps, state_stages)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -261,23 +208,20 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, split_output: bool = False,
-                       stages: str = "cso") -> torch.Tensor:
+                       state_stages: int = 1, stages: str = "csn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
-    the state pass over V tiles (more programs when B·H is small) and adds a norm launch, unless
-    split_output: then the state pass only carries the state (writing each chunk's starting
-    state and V_new) and `_kda_output_kernel` computes every chunk's outputs in parallel.
-    stages: which of the chunk pass, the state pass and the output (or norm) pass to launch
-    (benchmarks time them alone; anything but "cso" leaves the output unfinished)."""
-    if not stages or set(stages) - set("cso"):
-        raise ValueError(f"stages: expected letters of 'cso' (chunk, state, output), got {stages!r}")
+    the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
+    stages: which of the chunk pass, the state pass and the norm launch to run (benchmarks time
+    them alone; anything but "csn" leaves the output unfinished)."""
+    if not stages or set(stages) - set("csn"):
+        raise ValueError(f"stages: expected letters of 'csn' (chunk, state, norm), got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, split_output)
+             state_warps, block_v, state_stages)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -295,20 +239,13 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
             q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
             qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
             num_warps=p.chunk_warps, **pdl)
-    split = p.split_output
-    o_raw = out if BV == K or split else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
-    h_scratch = torch.empty(n_chunks_max, H, K, K, device=q.device, dtype=dt) if split else out
-    vn = torch.empty(T, H, K, device=q.device, dtype=dt) if split else out
+    o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
-            qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw, h_scratch, vn,
+            qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
             conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
             num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
-    if "o" in stages and split and n_chunks_max > 0:
-        _kda_output_kernel[(n_chunks_max, H)](qg, aqk, h_scratch, vn, gate, o_norm_weight, out, slots,
-                                              cu_seqlens, B, H, float(eps), **p.output_constexprs(),
-                                              num_warps=p.state_warps, **pdl)
-    elif "o" in stages and BV < K and T > 0:
+    if "n" in stages and BV < K and T > 0:
         _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
                                                     float(eps), K=K, BT=16, num_warps=4, **pdl)
     return out
@@ -334,6 +271,6 @@ def aot_specs(shapes) -> list:
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
-             h_ptr=dt, vn_ptr=dt, conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
+             conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     return [chunk, state]
