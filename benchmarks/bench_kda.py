@@ -223,6 +223,17 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     alone = [time_ms(lambda: launch(configs[best], stages=stage), reps=10) for stage in "csn"]
     notes.append(f"passes alone at {_label(configs[best])} (chunk / state / norm) ms: "
                  + " / ".join(f"{t:.3f}" for t in alone))
+    # where the chunk pass's time goes: the same pass with 2 conv taps (the taps' price) and with
+    # 32- and 16-row chunks (fewer 16-row blocks a program in sequence, more programs)
+    lay2 = dict(lay, conv_weight=lay["conv_weight"][:, :2].contiguous(),
+                conv_state=lay["conv_state"][:, :1].contiguous())
+    w2 = time_ms(lambda: launch_kda_prefill(*args(tok, lay2), slots, cu, LB, EPS, CHUNK, **configs[best],
+                                            stages="c"), reps=10)
+    by_chunk = {c: time_ms(lambda c=c: launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, c,
+                                                          **configs[best], stages="c"), reps=10)
+                for c in (32, 16)}
+    notes.append(f"chunk pass alone: 2 conv taps {w2:.3f} ms (4: {alone[0]:.3f}); chunk 32 "
+                 f"{by_chunk[32]:.3f}, chunk 16 {by_chunk[16]:.3f} ms")
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d

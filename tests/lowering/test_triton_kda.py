@@ -300,6 +300,18 @@ def test_prefill_k3_shapes_cuda(lb):
                   dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8, fn=launch_kda_prefill)
 
 
+@pytest.mark.parametrize("w", [2, 3])
+def test_other_conv_widths(w, monkeypatch):
+    """A short conv of 2 or 3 taps (K3.1 has 4; bench_kda times the chunk pass at 2 to price the
+    taps): the window of 1-2 rows, prefill and decode with snapshots."""
+    import sys
+    monkeypatch.setattr(sys.modules[__name__], "W", w)
+    check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=-5.0, chunk=32,
+                  dtype=torch.float32, device=DEV, seed=60 + w)
+    check_decode(H=2, K=16, B=3, rows=2, lb=None, snaps=True, dtype=torch.float32, device=DEV,
+                 seed=62 + w)
+
+
 def test_prefill_rejects_bad_chunk():
     gen = torch.Generator().manual_seed(0)
     params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)
