@@ -127,7 +127,8 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
                          (64, 4, "fused"), (16, 4, "fused")),
                 rows=(1, 4)) -> list[Row]:
     """kda_decode swept over `configs` (BV, warps[, "fused": the prep inside the state pass, two
-    launches]; BV = K: one program a head, gated norm fused, no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default tile."""
+    launches]; BV = K: one program a head, gated norm fused, no norm launch), best reported;
+    R > 1 also with per-row snapshots, at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
@@ -214,8 +215,8 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
 
-    def launch(config, **more):
-        return launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, CHUNK, **config, **more)
+    def launch(config, layer=lay, chunk=CHUNK, **more):
+        return launch_kda_prefill(*args(tok, layer), slots, cu, LB, EPS, chunk, **config, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
     peers, notes = {}, ["(chunk warps, state warps, BV) " + " ".join(
@@ -227,10 +228,8 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     # 32- and 16-row chunks (fewer 16-row blocks a program in sequence, more programs)
     lay2 = dict(lay, conv_weight=lay["conv_weight"][:, :2].contiguous(),
                 conv_state=lay["conv_state"][:, :1].contiguous())
-    w2 = time_ms(lambda: launch_kda_prefill(*args(tok, lay2), slots, cu, LB, EPS, CHUNK, **configs[best],
-                                            stages="c"), reps=10)
-    by_chunk = {c: time_ms(lambda c=c: launch_kda_prefill(*args(tok, lay), slots, cu, LB, EPS, c,
-                                                          **configs[best], stages="c"), reps=10)
+    w2 = time_ms(lambda: launch(configs[best], layer=lay2, stages="c"), reps=10)
+    by_chunk = {c: time_ms(lambda c=c: launch(configs[best], chunk=c, stages="c"), reps=10)
                 for c in (32, 16)}
     notes.append(f"chunk pass alone: 2 conv taps {w2:.3f} ms (4: {alone[0]:.3f}); chunk 32 "
                  f"{by_chunk[32]:.3f}, chunk 16 {by_chunk[16]:.3f} ms")

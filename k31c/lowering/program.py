@@ -8,8 +8,8 @@ A program holds its compiled dense pieces and a list of steps:
   and constants; `kernel` names what is bound,
   `"reference"` when no kernel exists for the target and the op's reference implementation runs;
 - `Record(event, stream)` / `Wait(event, stream)`: the stream markers' fork/join events.
-A Dense step is `weights_only` when it reads weights alone (e.g. the KDA conv weights concatenated): its
-outputs change only when a weight does, and the executor keeps them.
+A Dense step is `weights_only` when it reads weights alone (e.g. the KDA conv weights
+concatenated): its outputs change only when a weight does, and the executor keeps them.
 Slots 0..n_inputs-1 are the program's inputs (weights, then the flattened step inputs); `free`
 on a step lists slots whose last use it was (their tensors are dropped after the step). A value
 read on another stream than the one that made it is never freed early: the caching allocator

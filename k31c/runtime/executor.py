@@ -6,9 +6,10 @@ created once. Each step runs wholly under its stream (Inductor launches a piece'
 stream current when the piece starts, Triton launchers on the current stream), events are created
 once per program. With `streams=1` (AMD: dual-stream HIP-graph capture is unreliable there, and on
 the CPU) every step runs on stream 0 and the events are dropped; per-stream order already is a
-valid order of the whole program. A `weights_only` piece runs once and again only when a weight it reads changes (its data pointer or version
-counter); its outputs stay at one address, so a device graph captured after it keeps reading them
-(`refresh_weight_pieces` brings them up to date before a replay).
+valid order of the whole program. A `weights_only` piece runs once and again only when a weight
+it reads changes (its data pointer or version counter); its outputs stay at one address, so a
+device graph captured after it keeps reading them (`refresh_weight_pieces` brings them up to date
+before a replay).
 """
 from __future__ import annotations
 

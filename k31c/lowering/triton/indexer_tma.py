@@ -98,15 +98,13 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                     # a -1 block: negative rows, outside the descriptor, read as zeros
                     k = k_desc.load([block * ROWS_PER_BLOCK, 0])          # [BLOCK_SIZE, D]
                     pos = step * BLOCK_SIZE + offs
+                    if k.dtype == tl.uint8:            # interpreter: the e4m3 values as bytes
+                        k = k.to(tl.float8e4nv, bitcast=True)
                     if FP8_CACHE:
-                        if k.dtype == tl.uint8:                          # interpreter: bytes
-                            k = k.to(tl.float8e4nv, bitcast=True)
                         k_scale = tl.load(cache_f32_ptr + (block.to(tl.int64) * block_stride
                                                            + BLOCK_SIZE * D) // 4 + offs,
                                           mask=(block >= 0) & (offs >= 0), other=0.0)
                     elif MX_CACHE:                      # group scales folded into the keys
-                        if k.dtype == tl.uint8:
-                            k = k.to(tl.float8e4nv, bitcast=True)
                         k = mx_dequant_keys(k, cache_u8_ptr, block, block_stride, offs, BLOCK_SIZE,
                                             D, DOT_DTYPE)
                         k_scale = offs                                   # unused
@@ -152,7 +150,7 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
     total_rows = index_cache.shape[0] * rows_per_block
     k_desc = TensorDescriptor(base, [total_rows, d], [d, 1], [block_size, d])
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
-    cache_u8 = index_cache.view(torch.uint8)          # MXFP8: its group exponents (else unused)
+    cache_u8 = index_cache.view(torch.uint8) if mx else cache_f32   # MXFP8: the group exponents
     num_warps = _num_warps(rows_pad, h_pad, num_warps)
     extra = {}
     if maxnreg is None:
@@ -198,5 +196,6 @@ def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict |
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
                     p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages, mx),
-        dict(ptrs, k_desc=desc, cache_u8_ptr=torch.uint8), num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps),
+        dict(ptrs, k_desc=desc, cache_u8_ptr=torch.uint8 if mx else ptrs["cache_f32_ptr"]),
+        num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps),
         ints=ints)

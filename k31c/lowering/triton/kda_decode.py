@@ -39,7 +39,7 @@ class DecodePlan:
     rows: int            # rows per request
     K: int               # head dim (= V)
     W: int               # conv kernel width
-    block_v: int         # value channels per state program (K: the norm is fused, no norm launch)
+    block_v: int         # value channels per state program (K: the norm fused, unless fused_prep)
     num_warps: int       # state pass
     prep_warps: int = PREP_WARPS
     norm_rows: int = NORM_ROWS
@@ -151,6 +151,10 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
 def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
          conv_state, recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H,
          stages) -> torch.Tensor:
+    if p.fused_prep:
+        return _run_fused_prep(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
+                               conv_state, recurrent, slots, lower_bound, eps, snap_conv, snap_state,
+                               N, H, stages)
     B = slots.shape[0]
     K = p.K
     P = H * K
@@ -158,10 +162,6 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     pdl = pdl_launch(dev)
     has_snap = snap_conv is not None
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    if p.fused_prep:
-        return _run_fused_prep(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
-                               conv_state, recurrent, slots, lb, lower_bound is not None, eps,
-                               snap_conv, snap_state, N, H, stages)
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
@@ -186,9 +186,10 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
 
 
 def _run_fused_prep(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
-                    o_norm_weight, conv_state, recurrent, slots, lb, has_lb, eps, snap_conv,
+                    o_norm_weight, conv_state, recurrent, slots, lower_bound, eps, snap_conv,
                     snap_state, N, H, stages) -> torch.Tensor:
     B, K = slots.shape[0], p.K
+    lb = 0.0 if lower_bound is None else float(lower_bound)
     dev = q.device
     pdl = pdl_launch(dev)
     has_snap = snap_conv is not None
@@ -198,7 +199,8 @@ def _run_fused_prep(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, d
         kda_decode_state_prep_kernel[(B * H * (K // p.block_v),)](
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, recurrent, slots, o_raw, snap_state if has_snap else recurrent, H, lb,
-            K ** -0.5, **p.state_prep_constexprs(has_lb, has_snap), num_warps=p.num_warps, **pdl)
+            K ** -0.5, **p.state_prep_constexprs(lower_bound is not None, has_snap),
+            num_warps=p.num_warps, **pdl)
     if "n" in stages:
         kda_decode_finish_kernel[(B, H)](
             q, k, v, o_raw, gate, o_norm_weight.contiguous(), conv_state, slots, out,

@@ -65,12 +65,12 @@ def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_b
 
 
 @triton.jit
-def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                     conv_ptr, slots_ptr, snap_conv_ptr, qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr,
-                     H, lower_bound, scale,
-                     ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                     WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr,
-                     PDL: tl.constexpr = False):
+def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
+                           dt_bias_ptr, conv_ptr, slots_ptr, snap_conv_ptr, qs_ptr, ks_ptr, vs_ptr,
+                           ds_ptr, bs_ptr, H, lower_bound, scale,
+                           ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                           WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -162,10 +162,10 @@ def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
-                      state_ptr, slots_ptr, snap_state_ptr, H, eps,
-                      ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                      HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                            state_ptr, slots_ptr, snap_state_ptr, H, eps,
+                            ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
+                            HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
+                            PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
     row0_64 = (b * ROWS).to(tl.int64)
@@ -184,12 +184,12 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
 
 
 @triton.jit
-def kda_decode_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                           conv_ptr, state_ptr, slots_ptr, o_raw_ptr, snap_state_ptr, H,
-                           lower_bound, scale,
-                           ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
-                           BV: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
+def kda_decode_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
+                                 dt_bias_ptr, conv_ptr, state_ptr, slots_ptr, o_raw_ptr,
+                                 snap_state_ptr, H, lower_bound, scale,
+                                 ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
+                                 BV: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                                 HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
     """The state pass with the prep folded in (`fused_prep`), one program per (request, head,
     V tile): the state slice's load is issued first, then the head's q, k, decay and beta and the
     tile's v are made from the inputs in registers (each V tile of a head repeats the q/k part,
@@ -217,17 +217,18 @@ def kda_decode_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_pt
                           tl.sum(tl.where(sel, v, 0.0), axis=0),
                           tl.sum(tl.where(rr == r, beta, 0.0), axis=0), live)
         _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_raw_ptr, o_raw_ptr, o_raw_ptr,
-                  snap_state_ptr, 0.0, K, HAS_SNAP, False)
+                  snap_state_ptr, 0.0, K, HAS_SNAP, False)     # raw o: no gate, weight or eps
     tl.store(state_head + kv, S, mask=live)
 
 
 @triton.jit
-def kda_decode_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, conv_ptr, slots_ptr,
-                       out_ptr, snap_conv_ptr, H, eps,
-                       ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                       WB: tl.constexpr, HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
-    """After `kda_decode_state_prep_kernel`, one program per (request, head): the gated RMSNorm of the
-    head's raw o rows, and the conv windows' update (every reader of them has finished)."""
+def kda_decode_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, conv_ptr,
+                             slots_ptr, out_ptr, snap_conv_ptr, H, eps,
+                             ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
+                             W: tl.constexpr, WB: tl.constexpr, HAS_SNAP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """After `kda_decode_state_prep_kernel`, one program per (request, head): the gated RMSNorm of
+    the head's raw o rows, and the conv windows' update (every reader of them has finished)."""
     wait_for_producers(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -251,7 +252,8 @@ def kda_decode_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_pt
 
 @triton.jit
 def kda_decode_norm_kernel(o_ptr, gate_ptr, norm_w_ptr, slots_ptr, out_ptr, n_rows, H, eps,
-                     ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr = False):
+                           ROWS: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Gated RMSNorm of raw o viewed as [N*H, K] rows (one head of one token per row); rows of a
     padding request (slot -1) come out 0 whatever their gate holds."""
     wait_for_producers(PDL)

@@ -293,7 +293,7 @@ def aot_specs(shapes) -> list:
         # q [n, heads, width], cache [blocks, bs, width], partials [splits, n, heads, dv]
         n_keys = table * bs
         ints = dict(n_heads=heads, n_keys=n_keys,
-                    keys_per_split=-(-(-(-n_keys // splits)) // cfg_["bn"]) * cfg_["bn"],
+                    keys_per_split=triton.cdiv(triton.cdiv(n_keys, splits), cfg_["bn"]) * cfg_["bn"],
                     stride_qn=heads * width, stride_qh=width, stride_cb=bs * width, stride_cs=width,
                     stride_btb=table, stride_in=1, stride_os=n * heads * dv, stride_on=heads * dv,
                     stride_oh=dv, stride_ls=n * heads, stride_ln=heads)
