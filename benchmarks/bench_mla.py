@@ -196,11 +196,11 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     t = _try_time(lambda: two_pass.sparse_mla(*args(raw8)))
     if t is not None:
         peers["raw e4m3 (no scale)"] = t
-    # 128 value columns a values program: one scale a row per tile, no per-group reshape (the
-    # default 256 columns span two scale groups)
-    t = _try_time(lambda: two_pass.launch(*args(fp8), config={"dvc": 128}))
+    # the FP8 default is 128 value columns a values program (one scale a row per tile); 256
+    # (the bf16 cache's) spans two scale groups
+    t = _try_time(lambda: two_pass.launch(*args(fp8), config={"dvc": 256}))
     if t is not None:
-        peers["fp8, 128 value columns"] = t
+        peers["fp8, 256 value columns"] = t
     flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
     rows.append(Row("sparse_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,

@@ -6,13 +6,15 @@ program without device graphs, k31c graph replay (3 streams), k31c graph replay 
 k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
 on one; the bytes floor
 (`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
-measured now), the GPU busy share of the replayed step (kernel time / step time, from the
-profiler; not given for PDL, whose kernels start before the one before them ends), the host
-time of one `Engine.decode` call, and the replayed step's time when every
-step's logits are read back before the next (a sampling loop without overlap). The caches are
-filled with random latent rows, index keys and KDA states instead of a prefill (the reference
-prefill cannot reach 32K); the step time is the wall time of `Engine.decode` (host metadata + the
-step), averaged over consecutive steps. Below the table, the largest kernels of each replayed step.
+measured now), the GPU busy share of the replayed step (from the profiler's trace of 4
+consecutive steps: the union of the device's busy time, overlapping streams counted once, over
+the device span; the idle between steps, the metadata copies and graph launches, counts; "idle
+us" is the rest, a step), the host time of one `Engine.decode` call, and the replayed step's
+time when every step's logits are read back before the next (a sampling loop without overlap).
+The caches are filled with random latent rows, index keys and KDA states instead of a prefill
+(the reference prefill cannot reach 32K); the step time is taken by CUDA events over `--steps`
+consecutive `Engine.decode` calls (host metadata + the step) after a warm one, so the loop's
+start is not in it (`step_ms`). Below the table, the largest kernels of each replayed step.
 
     python benchmarks/e2e.py [--out FILE] [--steps N] [--skip-peer] [--quick] [--host-profile]
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: E402
+from timeline import device_nodes, idle_gaps  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
@@ -58,23 +61,43 @@ def fill_random(eng: Engine, batch: int, ctx: int) -> list[int]:
 
 
 def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -> tuple[float, float]:
-    """(wall ms per step over `steps` consecutive decode steps, host ms per `Engine.decode` call).
-    The host time is the call's own time: where it is below the wall time, the host prepares the
-    next step while the device runs this one."""
+    """(ms per step, host ms per `Engine.decode` call) over `steps` consecutive decode steps.
+    The step time is taken on the device, from the end of one warm step to the end of the last
+    (CUDA events in the stream): a loop's start (the first call's host time, before the device
+    has work) is not a per-step cost; where the host is slower than the device (eager), the
+    device waits and the events measure the host. The host time is the call's own time: where it
+    is below the step time, the host prepares the next step while the device runs this one."""
     toks = [7] * len(rids)
     for _ in range(3):
         eng.decode(rids, toks)
     torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    eng.decode(rids, toks)
+    begin.record()
     host = 0.0
-    start = time.perf_counter()
     for _ in range(steps):
         t0 = time.perf_counter()
         logits = eng.decode(rids, toks)
         host += time.perf_counter() - t0
         if read_back:
             logits[-1, :8].cpu()
+    end.record()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3, host / steps * 1e3
+    return begin.elapsed_time(end) / steps, host / steps * 1e3
+
+
+def busy_share(eng: Engine, rids: list[int], steps: int = 4) -> float:
+    """The union of busy device time over the device span of `steps` consecutive decode steps
+    (two more queued before the profiler starts, so the window is the steady state), from the
+    profiler's trace: overlapping streams count once, the idle between steps (the metadata
+    copies and the graph launch) counts as idle."""
+    toks = [7] * len(rids)
+
+    def step():
+        eng.decode(rids, toks)
+    device_nodes(step, steps, lead=2)              # the profiler's own first-use costs
+    span, busy, _ = idle_gaps(device_nodes(step, steps, lead=2))
+    return busy / span
 
 
 def profile_step(eng: Engine, rids: list[int]):
@@ -169,7 +192,7 @@ def main() -> int:
     rows, kernels = [], []
     for ctx in contexts:
         for batch in BATCHES:
-            times, busy, floor, host = {}, float("nan"), float("nan"), float("nan")
+            times, busy, floor, host, idle_us = {}, float("nan"), float("nan"), float("nan"), float("nan")
             for name, eng in engines.items():
                 for rid in list(eng.pool.requests):
                     eng.free(rid)
@@ -184,26 +207,27 @@ def main() -> int:
                     host = host_ms
                     times["k31c graphs, read back"] = step_ms(eng, rids, args.steps, read_back=True)[0]
                     kernel_ms, count, table = profile_step(eng, rids)
-                    busy = kernel_ms / times[name]
+                    busy = busy_share(eng, rids)
+                    idle_us = (1 - busy) * times[name] * 1e3
                     floor = bytes_floor_ms(floor_bytes(model, eng, batch, ctx), machine)
                     kernels.append((ctx, batch, kernel_ms, count, table))
-            rows.append((ctx, batch, times, floor, busy, host))
-            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, host, flush=True)
+            rows.append((ctx, batch, times, floor, busy, idle_us, host))
+            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, idle_us, host, flush=True)
     if args.host_profile:
         lines_host = host_profile(engines["k31c graphs"], min(BATCHES), contexts[0])
     names = [*runners, "k31c graphs, read back"]
     head = ["context", "B", *[f"{n} ms" for n in names], "floor ms", "graphs / floor", "eager / graphs",
-            "peer / graphs", "busy", "host ms"]
+            "peer / graphs", "busy", "idle us", "host ms"]
     lines = [f"Device: {machine.name}; measured copy {machine.copy_gbps:.0f} GB/s; bench config "
              f"(bf16, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for ctx, batch, times, floor, busy, host in rows:
+    for ctx, batch, times, floor, busy, idle_us, host in rows:
         g = times.get("k31c graphs", float("nan"))
         peer = times.get("torch.compile(reduce-overhead)", float("nan"))
         cells = [f"{times.get(n, float('nan')):.3f}" for n in names]
         lines.append("| " + " | ".join([str(ctx), str(batch), *cells, f"{floor:.3f}", f"{g / floor:.2f}",
-                                        f"{times['eager'] / g:.1f}", f"{peer / g:.1f}", f"{busy:.0%}",
-                                        f"{host:.3f}"]) + " |")
+                                        f"{times['eager'] / g:.1f}", f"{peer / g:.1f}", f"{busy:.1%}",
+                                        f"{idle_us:.0f}", f"{host:.3f}"]) + " |")
     for name in runners:
         fn = runners[name]
         if hasattr(fn, "graph_stats"):

@@ -9,11 +9,13 @@
 #      decode projections (benchmarks/bench_linear.py), into $OUT or . (bench-e2e.md,
 #      bench-moe.md, prefill.md, bench-linear.md); about 4, 1, 1.5 and 1 minutes.
 # --kernels-only runs part 2 alone. --shard I/N runs every N-th test of parts 1 and 2 from the
-# I-th: the N commands with I = 1..N run them all once. On a cold H200 (Inductor and Triton
-# compiling) part 1 took more than 7 minutes and part 2 about 8; where one command may run at
-# most 10 minutes, run `--shard 1/3`, `--shard 2/3`, `--shard 3/3` (499 / 370 / 353 s the first
-# time, 467 / 336 s on a warm machine; a module's shared fixtures are built in every shard), then
-# `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
+# I-th: the N commands with I = 1..N run them all once. --parallel N runs those N shards at once,
+# each in its own process, its log in $LOGS/gpu-check-I.log ($LOGS: $OUT, else .), and prints each
+# shard's pytest summary: the tests are mostly Inductor and Triton compiling on the CPU cores, so
+# one H200 machine (16 cores) runs them side by side. On a cold H200 part 1 took more than 7
+# minutes and part 2 about 8 run one after the other; in three sequential shards 499 / 370 / 353 s.
+# Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands),
+# then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
-kernels=1 bench=0 program=1 rest=() shard=()
+kernels=1 bench=0 program=1 rest=() shard=() parallel=0 args=("$@")
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-kernels) kernels=0 ;;
@@ -32,6 +34,9 @@ while [ $# -gt 0 ]; do
         --bench-only) bench=1 program=0 kernels=0 ;;
         --shard) [ $# -ge 2 ] || { echo "gpu_check: --shard needs I/N (e.g. 2/3)" >&2; exit 2; }
                  shard=(--shard "$2"); shift ;;
+        --parallel) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || {
+                        echo "gpu_check: --parallel needs a number of shards (e.g. 3)" >&2; exit 2; }
+                    parallel=$2; shift ;;
         *) rest+=("$1") ;;
     esac
     shift
@@ -41,6 +46,30 @@ import sys, torch, triton
 if not torch.cuda.is_available():
     sys.exit(f'gpu_check: no CUDA device visible to torch {torch.__version__} ({sys.executable})')
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
+if [ "$parallel" -gt 0 ]; then
+    [ ${#shard[@]} -eq 0 ] && [ "$bench" = 0 ] || {
+        echo "gpu_check: --parallel runs the shards itself (no --shard, no --bench)" >&2; exit 2; }
+    logs=${OUT:-.}
+    own=()        # this command's arguments without --parallel N, for each shard
+    skip=0
+    for a in "${args[@]}"; do
+        if [ "$skip" = 1 ]; then skip=0; continue; fi
+        if [ "$a" = --parallel ]; then skip=1; continue; fi
+        own+=("$a")
+    done
+    pids=()
+    for i in $(seq 1 "$parallel"); do
+        bash "$0" "${own[@]}" --shard "$i/$parallel" > "$logs/gpu-check-$i.log" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for i in $(seq 1 "$parallel"); do
+        wait "${pids[$((i - 1))]}" || status=1
+        echo "shard $i/$parallel: $(grep -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' \
+            "$logs/gpu-check-$i.log" | tr '\n' ' ')"
+    done
+    exit $status
+fi
 status=0
 if [ "$program" = 1 ]; then
     "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${shard[@]}" "${rest[@]}" || status=1

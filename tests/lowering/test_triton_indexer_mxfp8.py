@@ -85,10 +85,11 @@ def test_mxfp8_tma_matches_reference(d, heads, r):
 
 
 def test_mxfp8_variants_and_default():
-    """MX_VARIANT is what the registered launcher runs (gather until the TMA form is measured);
-    a layout the TMA kernel cannot box (16-key blocks of 132-byte rows) plans the gather kernel."""
+    """MX_VARIANT is what the registered launcher runs (the TMA form, measured faster); a layout
+    the TMA kernel cannot box (16-key blocks of 132-byte rows) plans the gather kernel."""
     t = get_target("h200")
-    assert tix.mx_plan(t, 4, 4, 128, 4, 256, 64).variant == tix.MX_VARIANT == "gather"
+    assert tix.mx_plan(t, 4, 4, 128, 4, 256, 64).variant == tix.MX_VARIANT == "tma"
+    assert tix.mx_plan(t, 4, 4, 128, 4, 256, 64, variant="gather").variant == "gather"
     assert tix.mx_plan(t, 4, 4, 128, 4, 256, 16, tma_ok=False, variant="tma").variant == "gather"
 
 
@@ -136,8 +137,9 @@ def test_mxfp8_k31_shapes(r):
     args = _mx_problem(heads=32, d=128, block_size=64, row_req=row_req, row_len=row_len, gen=gen,
                        q_dtype=torch.bfloat16)
     want = torch.ops.k31c.lightning_indexer(*args)
-    _check(tix.lightning_indexer(*args), want)
-    _check(tix.launch_indexer(*args, variant="tma"), want)      # 16-bit dots of exact values
+    _check(tix.lightning_indexer(*args), want)                  # the TMA form, 168-register cap
+    _check(tix.launch_indexer(*args, variant="tma", maxnreg=0), want)
+    _check(tix.launch_indexer(*args, variant="gather"), want)   # 4 partial FP8 dots a key
 
 
 def test_pick_change_against_fp32_near_measured():

@@ -34,15 +34,15 @@ def test_two_pass_fp8_matches_reference(heads, cfg):
     assert_close(two_pass.launch(*sparse_args(c), config=cfg), want, torch.float32)
 
 
-@pytest.mark.parametrize("dvc", [None, 128])
+@pytest.mark.parametrize("dvc", [None, 256])
 def test_two_pass_fp8_gpu_tile_plan_on_k31_widths(dvc):
-    """The H200 plan (64-wide row steps, 256 value columns = 2 scale groups a program; or 128, one
-    scale a row, as bench_mla's FP8 row also times) on the 656-byte rows, in fp32 everywhere."""
+    """The H200 plan for FP8 rows (64-wide row steps, 128 value columns = one scale group a row;
+    or 256, two groups a program) on the 656-byte rows, in fp32 everywhere."""
     c = fp8_case(make_case(**{**K31, "k": 200, "requests": 1, "rows": 2, "max_blocks": 6},
                            device=DEV, dtype=torch.float32, seed=41))
     assert c["latent_cache"].shape[2] == 656
-    cfg = two_pass.plan(96, None if dvc is None else {"dvc": dvc}, small=False)
-    assert cfg["dvc"] == (dvc or 256)
+    cfg = two_pass.plan(96, None if dvc is None else {"dvc": dvc}, small=False, fp8=True)
+    assert cfg["dvc"] == (dvc or 128) and two_pass.plan(96, None, small=False)["dvc"] == 256
     assert_close(two_pass.launch(*sparse_args(c), config=cfg),
                  torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
 

@@ -24,11 +24,13 @@ which `variant="gather"` also selects. The TMA kernel was measured the faster (B
 indexer). `plan` derives the launch configuration of either kernel; the launcher and `aot_specs`
 both read it.
 
-An MXFP8 cache (float8_e4m3fn, e4m3 keys with E8M0 group-32 scales) runs indexer_mxfp8.py's
-kernel by default (`MX_VARIANT`): q quantised the same way, four partial dots per 128-wide key
-(same tiles and splits). `variant="tma"` runs it through the TMA kernel instead (MX_CACHE): q
-quantised and dequantised on chip, each block's keys scaled by their group exponents into bf16
-(exact) and one 16-bit dot per block; not the default until measured on the GPU.
+An MXFP8 cache (float8_e4m3fn, e4m3 keys with E8M0 group-32 scales) runs the TMA kernel's MX
+form by default (`MX_VARIANT`, MX_CACHE): q quantised and dequantised on chip, each block's keys
+scaled by their group exponents into bf16 (exact) and one 16-bit dot per block, with a
+168-register cap at 4 warps (3 programs an SM). Measured on the H200 (BENCHMARKS.md, FP8 latent
+rows and the MXFP8 indexer) 5-6x faster than indexer_mxfp8.py's gather kernel (q quantised the
+same way, four partial FP8 dots per 128-wide key), which stays for the layouts a descriptor
+cannot read and for `variant="gather"`.
 
 Precision: on the GPU an FP8 cache is scored with FP8 tensor cores: q is quantised per
 (row, head) like the keys (e4m3, scale max(amax, 1e-4)/448) and its scale folded into w, as
@@ -56,7 +58,7 @@ from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_ti
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 _OP = "k31c::lightning_indexer"
-MX_VARIANT = "gather"       # the MXFP8 cache's kernel (indexer_mxfp8); "tma" is not yet measured
+MX_VARIANT = "tma"          # the MXFP8 cache's kernel: the TMA kernel's MX form (measured faster)
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
 _CPU_KEYS_PER_STEP = 32

@@ -132,8 +132,8 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
                        num_warps: int | None, num_stages: int, q_rcp: bool = False,
                        maxnreg: int | None = None) -> torch.Tensor:
     """Launch on checked arguments (`indexer.launch_indexer(..., variant="tma")` derives them).
-    q_rcp: see `e4m3_hw`; maxnreg: register cap (default on the GPU: 168 with q_rcp, 4 warps and
-    at most 128 query rows a tile, so 3 programs fit an SM; 0: none)."""
+    q_rcp: see `e4m3_hw`; maxnreg: register cap (default on the GPU: 168 for an MXFP8 cache or with
+    q_rcp, at 4 warps and at most 128 query rows a tile, so 3 programs fit an SM; 0: none)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, heads, d = q.shape
@@ -154,7 +154,7 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
     num_warps = _num_warps(rows_pad, h_pad, num_warps)
     extra = {}
     if maxnreg is None:
-        maxnreg = 168 if (q_rcp and quant_q and num_warps == 4 and rows_pad * h_pad <= 128) else 0
+        maxnreg = 168 if ((mx or q_rcp and quant_q) and num_warps == 4 and rows_pad * h_pad <= 128) else 0
     if on_gpu and maxnreg:
         extra["maxnreg"] = maxnreg
     _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
