@@ -123,12 +123,11 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (32, 4, "fused"), (16, 2, "fused"),
-                         (64, 4, "fused"), (16, 4, "fused")),
+                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4)),
                 rows=(1, 4)) -> list[Row]:
-    """kda_decode swept over `configs` (BV, warps[, "fused": the prep inside the state pass, two
-    launches]; BV = K: one program a head, gated norm fused, no norm launch), best reported;
-    R > 1 also with per-row snapshots, at the launcher's default tile."""
+    """kda_decode swept over `configs` (BV, warps; BV = K: one program a head, gated norm fused,
+    no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default
+    tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
@@ -142,13 +141,13 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
         def run(cfg=(None, None), sn=(None, None)):
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1], fused_prep=cfg[2:] == ("fused",))
+                                     num_warps=cfg[1])
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         peers = {}
-        notes = ["(BV,warps[,fused prep]) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
-                                                       for cfg, t in sweep.items())]
+        notes = ["(BV,warps) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
+                                          for cfg, t in sweep.items())]
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)

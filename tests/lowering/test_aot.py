@@ -177,20 +177,18 @@ for bad in (dict(BM=16), dict(nope=3), dict(x_ptr=16)):
         raise AssertionError(f"accepted {bad}")
     except ValueError as e:
         assert "ints" in str(e), e
-from k31c.lowering.triton import indexer as tix, kda_decode as kd
+from k31c.lowering.triton import indexer as tix
 for target in ("h200", "mi350x"):
-    shapes = aot.default_shapes(target)    # and the candidates not yet registered:
-    candidates = kd.aot_specs(shapes, fused_prep_rows={1, 4}) + tix.mx_aot_specs(shapes, "tma")
-    for spec in aot.collect_specs(target) + candidates:
+    for spec in aot.collect_specs(target):
         listed = dict(spec.ints)
         missing = [n for n, t in spec.signature.items() if t in ("i32", "i64") and n not in listed]
         ones = [n for n, v in listed.items() if v == 1 and spec.signature[n] != "constexpr"]
         if missing or ones:
             print(target, aot.spec_name(spec), missing, ones)
-# the candidates build for sm_90a without spilling: the decode's R = 1 pair (its state pass ~80
-# registers) and the MXFP8 TMA scan at R = 1 (~127)
+# the registered MXFP8 scan (the TMA kernel's MX form) builds for sm_90a at R = 1 without
+# spilling (~127 registers)
 shapes = aot.default_shapes("h200")
-for spec in kd.aot_specs(shapes, fused_prep_rows={1})[:2] + tix.mx_aot_specs(shapes, "tma")[:1]:
+for spec in tix.mx_aot_specs(shapes, "tma")[:1]:
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and regs < 128, (spec.variant, regs, spill)

@@ -91,7 +91,7 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-bv8", "fused-prep"])
+@pytest.mark.parametrize("kernel", ["split", "split-bv8"])
 def test_decode_padding_rows_with_garbage_inputs(kernel):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
@@ -103,8 +103,7 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     slots[1] = -1
     for t in tok.values():
         t[rows:2 * rows] = float("nan")                        # the padding request's rows
-    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8),
-          "fused-prep": partial(launch_kda_decode, fused_prep=True)}[kernel]
+    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8)}[kernel]
     got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
@@ -168,26 +167,10 @@ def test_decode_split_softplus_fp16_rolled():
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
 
 
-# the prep inside the state pass (each V tile makes its head's q, k, gates), norm + windows after
-@pytest.mark.parametrize("rows,snaps,lb,block_v", [(1, False, -5.0, 8), (1, True, None, 32), (4, True, -5.0, 8),
-                                                   (3, False, None, 16)])
-def test_decode_fused_prep(rows, snaps, lb, block_v):
-    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=40 + rows, num_slots=5, fn=partial(launch_kda_decode, fused_prep=True, block_v=block_v))
-
-
-def test_decode_fused_prep_fp16():
-    check_decode(H=3, K=16, B=2, rows=2, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=44, fn=partial(launch_kda_decode, fused_prep=True, block_v=8))
-
-
-def test_decode_fused_prep_plan():
+def test_decode_plan_fuses_the_norm_for_whole_heads():
     from k31c.lowering.triton.kda_decode import plan
-    p = plan(1, 128, 4, fused_prep=True)
-    assert (p.fused_prep, p.block_v, p.num_warps, p.fuse_norm) == (True, 32, 4, False)
-    assert not plan(1, 128, 4, block_v=128, fused_prep=True).fuse_norm    # the finish launch norms
-    assert plan(1, 128, 4, block_v=128).fuse_norm
-    assert not plan(1, 128, 4).fused_prep                                 # not the default yet
+    assert plan(1, 128, 4, block_v=128).fuse_norm              # BV = K: no norm launch
+    assert not plan(1, 128, 4).fuse_norm
 
 
 def test_decode_rejects_bad_stages():
@@ -209,13 +192,6 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
-def test_decode_k3_shapes_fused_prep_cuda(rows, snaps):
-    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16, device="cuda",
-                 seed=5 + rows, num_slots=20, fn=partial(launch_kda_decode, fused_prep=True))
 
 
 def test_decode_rejects_bad_layout():

@@ -1,6 +1,6 @@
-"""The launch plan and launcher of `k31c::kda_decode` (the kernels and the forms they make up are
-in kda_decode_kernels.py): `plan` picks the launch configuration once (the state pass's (BV, warps)
-tile measured per rows per request, and the form); the registered launcher and `aot_specs` both
+"""The launch plan and launcher of `k31c::kda_decode` (the kernels and the launches they make up
+are in kda_decode_kernels.py): `plan` picks the launch configuration once (the state pass's
+(BV, warps) tile, measured per rows per request); the registered launcher and `aot_specs` both
 read it."""
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.device import pdl_launch
 from k31c.lowering.triton.kda_common import check_kda_layout
-from k31c.lowering.triton.kda_decode_kernels import (kda_decode_finish_kernel, kda_decode_norm_kernel,
-                                                     kda_decode_prep_kernel, kda_decode_state_kernel,
-                                                     kda_decode_state_prep_kernel)
+from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
+                                                     kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
@@ -30,7 +29,6 @@ NORM_ROWS = 16            # [N*H, K] rows per norm program
 # (BV, num_warps) of the state pass by rows per request: the fastest measured on the H200 at
 # B=16, H=96 (BENCHMARKS.md, KDA); (32, 4) for one row is the steadier of two near-equal tiles.
 _TILE_ONE_ROW, _TILE_ROWS = (32, 4), (32, 2)
-_FUSED_PREP_ROWS: frozenset[int] = frozenset()     # rows per request that default to fused_prep
 
 
 @dataclass(frozen=True)
@@ -39,32 +37,21 @@ class DecodePlan:
     rows: int            # rows per request
     K: int               # head dim (= V)
     W: int               # conv kernel width
-    block_v: int         # value channels per state program (K: the norm fused, unless fused_prep)
+    block_v: int         # value channels per state program (K: the norm fused)
     num_warps: int       # state pass
     prep_warps: int = PREP_WARPS
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
-    fused_prep: bool = False     # prep inside the state pass; norm + windows in the second launch
 
     @property
     def fuse_norm(self) -> bool:
         """The state pass normalises o itself (one program holds the head's whole o rows)."""
-        return self.block_v == self.K and not self.fused_prep
+        return self.block_v == self.K
 
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
                     HAS_SNAP=has_snap)
-
-    def state_prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
-        c = self.prep_constexprs(has_lower_bound, has_snap)
-        del c["WB"]
-        return dict(c, BV=self.block_v)
-
-    def finish_constexprs(self, has_snap: bool) -> dict:
-        c = self.prep_constexprs(False, has_snap)
-        del c["HAS_LOWER_BOUND"]
-        return c
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -90,12 +77,11 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, fused_prep: bool | None = None) -> DecodePlan:
-    """fused_prep None: the measured default for `rows` (`_FUSED_PREP_ROWS`)."""
-    if fused_prep is None:
-        fused_prep = rows in _FUSED_PREP_ROWS
+         unroll_rows: bool = True) -> DecodePlan:
+    """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
+    as given."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, fused_prep)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -129,20 +115,18 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv, snap_state,
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
-                      unroll_rows: bool = True, stages: str = "psn",
-                      fused_prep: bool | None = None) -> torch.Tensor:
+                      unroll_rows: bool = True, stages: str = "psn") -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
-    (fewer registers). fused_prep: the prep inside the state pass (default: `plan`'s). stages:
-    which of prep / state / norm to launch (benchmarks time them alone; anything but "psn"
-    leaves the output unfinished; with fused_prep there is no prep launch)."""
+    (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
+    alone; anything but "psn" leaves the output unfinished)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, fused_prep)
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -151,10 +135,6 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
 def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
          conv_state, recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H,
          stages) -> torch.Tensor:
-    if p.fused_prep:
-        return _run_fused_prep(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
-                               conv_state, recurrent, slots, lower_bound, eps, snap_conv, snap_state,
-                               N, H, stages)
     B = slots.shape[0]
     K = p.K
     P = H * K
@@ -185,37 +165,11 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     return out
 
 
-def _run_fused_prep(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
-                    o_norm_weight, conv_state, recurrent, slots, lower_bound, eps, snap_conv,
-                    snap_state, N, H, stages) -> torch.Tensor:
-    B, K = slots.shape[0], p.K
-    lb = 0.0 if lower_bound is None else float(lower_bound)
-    dev = q.device
-    pdl = pdl_launch(dev)
-    has_snap = snap_conv is not None
-    out = torch.empty_like(q)
-    o_raw = torch.empty(N, H * K, device=dev, dtype=torch.float32)
-    if "s" in stages:
-        kda_decode_state_prep_kernel[(B * H * (K // p.block_v),)](
-            q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-            conv_state, recurrent, slots, o_raw, snap_state if has_snap else recurrent, H, lb,
-            K ** -0.5, **p.state_prep_constexprs(lower_bound is not None, has_snap),
-            num_warps=p.num_warps, **pdl)
-    if "n" in stages:
-        kda_decode_finish_kernel[(B, H)](
-            q, k, v, o_raw, gate, o_norm_weight.contiguous(), conv_state, slots, out,
-            snap_conv if has_snap else conv_state, H, float(eps), **p.finish_constexprs(has_snap),
-            num_warps=NORM_WARPS, **pdl)
-    return out
-
-
-def aot_specs(shapes, fused_prep_rows=None) -> list:
+def aot_specs(shapes) -> list:
     """The launches of `kda_decode` at `shapes` (aot_spec.AotShapes), for the ahead-of-time build,
     from `plan`'s defaults; dtypes as the KDA block passes them: for every rows-per-request count,
     with and without per-row snapshots, prep and state, and the norm (one build per R: it maps
-    rows to requests); or, for the rows in fused_prep_rows (default: `_FUSED_PREP_ROWS`), the
-    state pass with the prep and the finishing norm + windows."""
-    fused_prep_rows = _FUSED_PREP_ROWS if fused_prep_rows is None else fused_prep_rows
+    rows to requests; none when BV = K fuses it into the state pass)."""
     cfg = shapes.cfg
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
@@ -224,31 +178,20 @@ def aot_specs(shapes, fused_prep_rows=None) -> list:
                   a_log_ptr=f32, dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=i64)
     prep_types = dict(inputs, snap_conv_ptr=dt, qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32,
                       bs_ptr=f32, lower_bound="fp32", scale="fp32")
-    state_prep_types = dict(inputs, state_ptr=f32, o_raw_ptr=f32, snap_state_ptr=f32,
-                            lower_bound="fp32", scale="fp32")
-    finish_types = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, o_raw_ptr=f32, gate_ptr=dt, norm_w_ptr=dt,
-                        conv_ptr=dt, slots_ptr=i64, out_ptr=dt, snap_conv_ptr=dt, eps="fp32")
     specs = []
     for rows in shapes.rows_per_request:
-        p = plan(rows, K, W, fused_prep=rows in fused_prep_rows)
+        p = plan(rows, K, W)
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,
                            o_ptr=dt if p.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
                            state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, eps="fp32")
         for snap in (False, True):
             tag = f"R={rows}{',snap' if snap else ''}"
-            if p.fused_prep:
-                specs.append(kernel_spec(kda_decode_state_prep_kernel, op, f"{tag},BV={p.block_v},fused prep",
-                                         p.state_prep_constexprs(lb, snap), state_prep_types,
-                                         num_warps=p.num_warps, ints=dict(H=H)))
-                specs.append(kernel_spec(kda_decode_finish_kernel, op, tag, p.finish_constexprs(snap),
-                                         finish_types, num_warps=NORM_WARPS, ints=dict(H=H)))
-                continue
             specs.append(kernel_spec(kda_decode_prep_kernel, op, tag, p.prep_constexprs(lb, snap),
                                      prep_types, num_warps=p.prep_warps, ints=dict(H=H)))
             specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}",
                                      p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                      ints=dict(H=H)))
-        if not (p.fuse_norm or p.fused_prep):
+        if not p.fuse_norm:
             specs.append(kernel_spec(
                 kda_decode_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=i64, out_ptr=dt,

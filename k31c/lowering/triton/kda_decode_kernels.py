@@ -21,11 +21,9 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      vectors loaded up front (independent of the state), raw o per row, per-row state snapshots,
      final state. With BV = K a program owns the whole head and applies the gated norm itself.
   3. norm (only when BV < K): the gated RMSNorm over raw o, [N*H, K] rows.
-With `fused_prep` (two launches; a candidate, not the default until measured faster) the prep
-is folded into the state pass, whose programs make their head's q, k, decay and beta and their
-tile's v in registers (no fp32 scratch round trip, one launch fewer), and the norm launch
-(`kda_decode_finish_kernel`, one program per (request, head)) also updates the conv windows, which
-only it writes once every state program has read them.
+A two-launch form with the prep inside the state pass (each V-tile program making its head's q, k,
+gates in registers; norm + window update after) measured slower at every tile on the H200 (R = 1:
+86.3-101.0 vs 65.5-68.3 us; R = 4: 229-499 vs 85.1 us) and was removed; git history has it.
 A padding request (slot -1) reads and writes no state; its raw o is forced to 0, so its output
 rows come out 0 from the norm.
 """
@@ -42,16 +40,13 @@ from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_n
 @triton.jit
 def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, conv_row,
                h, H, row0_64, tok0, rr, rv, ch, live, lower_bound, scale,
-               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-               WITH_V: tl.constexpr = True):
+               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
     """A request's R rows of one head, [RB, K] fp32: conv + SiLU over the cached window, q/k L2
-    norms (q pre-scaled), v (WITH_V, else 0), decay exp(g); and sigmoid(beta) [RB]."""
+    norms (q pre-scaled), v, decay exp(g); and sigmoid(beta) [RB]."""
     P = H * K
     q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W)
     k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W)
-    v = 0.0
-    if WITH_V:
-        v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W)
+    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
     f = tl.load(f_ptr + row0_64 * P + (rr[:, None] * P + ch[None, :]), mask=rv[:, None],
@@ -181,73 +176,6 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
     tl.store(state_head + kv, S, mask=live)
-
-
-@triton.jit
-def kda_decode_state_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                 dt_bias_ptr, conv_ptr, state_ptr, slots_ptr, o_raw_ptr,
-                                 snap_state_ptr, H, lower_bound, scale,
-                                 ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
-                                 BV: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                                 HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
-    """The state pass with the prep folded in (`fused_prep`), one program per (request, head,
-    V tile): the state slice's load is issued first, then the head's q, k, decay and beta and the
-    tile's v are made from the inputs in registers (each V tile of a head repeats the q/k part,
-    [R, K] of work); raw o to scratch. It reads the conv windows and writes none:
-    `kda_decode_finish_kernel` updates them after every tile has read them."""
-    wait_for_producers(PDL)
-    P = H * K
-    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
-    ch = h * K + offs
-    ch_v = h * K + offs_v
-    conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    rr = tl.arange(0, RB)
-    rv = rr < ROWS
-    row0_64 = (b * ROWS).to(tl.int64)
-    tok0 = b * ROWS - (W - 1)
-    q, k, _, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
-                                      lower_bound, scale, K, W, HAS_LOWER_BOUND, False)
-    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch_v, 2 * P + ch_v, live, P, W)
-    for r in tl.static_range(ROWS):
-        sel = (rr == r)[:, None]
-        S, o = _delta_row(S, tl.sum(tl.where(sel, q, 0.0), axis=0),
-                          tl.sum(tl.where(sel, k, 0.0), axis=0),
-                          tl.sum(tl.where(sel, decay, 0.0), axis=0),
-                          tl.sum(tl.where(sel, v, 0.0), axis=0),
-                          tl.sum(tl.where(rr == r, beta, 0.0), axis=0), live)
-        _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_raw_ptr, o_raw_ptr, o_raw_ptr,
-                  snap_state_ptr, 0.0, K, HAS_SNAP, False)     # raw o: no gate, weight or eps
-    tl.store(state_head + kv, S, mask=live)
-
-
-@triton.jit
-def kda_decode_finish_kernel(q_ptr, k_ptr, v_ptr, o_raw_ptr, gate_ptr, norm_w_ptr, conv_ptr,
-                             slots_ptr, out_ptr, snap_conv_ptr, H, eps,
-                             ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
-                             W: tl.constexpr, WB: tl.constexpr, HAS_SNAP: tl.constexpr,
-                             PDL: tl.constexpr = False):
-    """After `kda_decode_state_prep_kernel`, one program per (request, head): the gated RMSNorm of
-    the head's raw o rows, and the conv windows' update (every reader of them has finished)."""
-    wait_for_producers(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    P = H * K
-    slot = tl.load(slots_ptr + b)
-    live = slot >= 0
-    slot = tl.maximum(slot, 0)
-    offs = tl.arange(0, K)
-    ch = h * K + offs
-    rr = tl.arange(0, RB)
-    rv = rr < ROWS
-    row0_64 = (b * ROWS).to(tl.int64)
-    tile = row0_64 * P + (rr[:, None] * P + ch[None, :])
-    o = tl.load(o_raw_ptr + tile, mask=rv[:, None], other=0.0)
-    gate = tl.load(gate_ptr + tile, mask=rv[:, None], other=0.0)
-    y = gated_rms_norm(o, gate, tl.load(norm_w_ptr + offs).to(tl.float32), K, eps)
-    tl.store(out_ptr + tile, tl.where(live, y, 0.0).to(out_ptr.dtype.element_ty), mask=rv[:, None])
-    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_ptr + slot * (W - 1) * 3 * P, snap_conv_ptr,
-                   row0_64, b * ROWS - (W - 1), ch, live, P, HAS_SNAP, ROWS, W, WB)
 
 
 @triton.jit
