@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import K31Config
 from . import ops  # noqa: F401  (registers torch.ops.k31c.*)
-from .blocks.attn_res import attn_res
+from .blocks.attn_res import attn_res_norm
 from .blocks.kda import KimiDeltaAttention
 from .blocks.mla import GatedMLA
 from .blocks.moe import GatedMLP, LatentMoE
@@ -83,19 +83,27 @@ class K31Model(nn.Module):
                 p = p + layer.mixer(x, caches, meta, mode, rows, self.cache_slot[i])
                 p = p + layer.ffn(layer.post_attention_layernorm(p), meta)
             return self.norm(p)
+        # the residual stream is partial + pending: each output is added inside the next mix
+        # (attn_res_norm), which also applies the norm after it
         bank: list[torch.Tensor] = []
         partial: torch.Tensor | None = p
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = attn_res(partial, bank, layer.self_attention_res_norm, layer.self_attention_res_proj) \
-                if bank else partial
+            if bank:
+                partial, x = attn_res_norm(partial, pending, bank, layer.self_attention_res_norm,
+                                           layer.self_attention_res_proj, layer.input_layernorm)
+            else:
+                x = layer.input_layernorm(partial)
             if i % block == 0:  # block boundary: snapshot the un-aggregated partial sum, reset
                 bank.append(partial)
                 partial = None
-            a = layer.mixer(layer.input_layernorm(h), caches, meta, mode, rows, self.cache_slot[i])
-            partial = a if partial is None else partial + a
-            h2 = attn_res(partial, bank, layer.mlp_res_norm, layer.mlp_res_proj)
-            partial = partial + layer.ffn(layer.post_attention_layernorm(h2), meta)
-        return self.norm(attn_res(partial, bank, self.output_attn_res_norm, self.output_attn_res_proj))
+            a = layer.mixer(x, caches, meta, mode, rows, self.cache_slot[i])
+            partial, pending = (a, None) if partial is None else (partial, a)
+            partial, x = attn_res_norm(partial, pending, bank, layer.mlp_res_norm, layer.mlp_res_proj,
+                                       layer.post_attention_layernorm)
+            pending = layer.ffn(x, meta)
+        return attn_res_norm(partial, pending, bank, self.output_attn_res_norm, self.output_attn_res_proj,
+                             self.norm)[1]
 
 
 class K31ForCausalLM(nn.Module):

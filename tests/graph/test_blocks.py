@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k31c.config import preset
-from k31c.graph.blocks.attn_res import attn_res
+from k31c.graph.blocks.attn_res import attn_res_norm
 from k31c.graph.blocks.moe import LatentMoE
 from k31c.graph.blocks.norms import RMSNorm, glu_activation
 
@@ -70,26 +70,31 @@ def test_router_and_latent_moe_against_sparse_dispatch(changes):
 
 
 @torch.no_grad()
-def test_attn_res_against_per_token_loop():
+def test_attn_res_norm_against_per_token_loop():
+    """The mix over bank + [partial + addend] and the RMSNorm after it, against a float64 loop."""
     g = torch.Generator().manual_seed(3)
     D, T = 16, 5
     bank = [torch.randn(T, D, generator=g) for _ in range(3)]
-    partial = torch.randn(T, D, generator=g)
-    norm = RMSNorm(D, 1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    partial, addend = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    norm, out_norm = RMSNorm(D, 1e-5), RMSNorm(D, 1e-6)
     proj = torch.nn.Linear(D, 1, bias=False)
-    with torch.no_grad():
-        proj.weight.copy_(torch.randn(1, D, generator=g))
-    got = attn_res(partial, bank, norm, proj)
+    norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    out_norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    proj.weight.copy_(torch.randn(1, D, generator=g))
+    s, x = attn_res_norm(partial, addend, bank, norm, proj, out_norm)
+    torch.testing.assert_close(s, partial + addend)
+    same, x_none = attn_res_norm(partial, None, bank, norm, proj, out_norm)
+    assert same is partial
     for t in range(T):
-        cands = [b[t].double() for b in bank] + [partial[t].double()]
+        cands = [b[t].double() for b in bank] + [partial[t].double() + addend[t].double()]
         w = norm.weight.double() * proj.weight[0].double()
         logits = [float((c / torch.sqrt((c * c).mean() + 1e-5)) @ w) for c in cands]
         mx = max(logits)
         e = [math.exp(v - mx) for v in logits]
-        want = sum(ei / sum(e) * c for ei, c in zip(e, cands))
-        torch.testing.assert_close(got[t].double(), want, rtol=1e-5, atol=1e-6)
+        h = sum(ei / sum(e) * c for ei, c in zip(e, cands))
+        want = out_norm.weight.double() * h / torch.sqrt((h * h).mean() + 1e-6)
+        torch.testing.assert_close(x[t].double(), want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(x_none, x)          # the addend is part of the mix
 
 
 def test_situ_matches_formula():

@@ -34,7 +34,7 @@ def test_target_facts():
 
 def test_every_triton_kernel_registers_for_every_gpu_target():
     ops = {n: set(kernels_for(n)) for n in GPU_TARGETS}
-    assert ops["h200"] == ops["mi350x"] and len(ops["h200"]) == 13
+    assert ops["h200"] == ops["mi350x"] and len(ops["h200"]) == 14
     assert kernels_for("cpu") == {}
 
 

@@ -19,11 +19,11 @@ def test_groups_the_projections_of_one_input(lit):
      # f_b reads f_a's output: a group of its own, fed by the first group's getitem
      .check("k31c.linear_group(%layers.0.self_attn.f_a_proj/getitem, [@layers.0.self_attn.f_b_proj.weight])")
      .check("k31c.kda_decode(%layers.0.self_attn.q_proj/getitem, %layers.0.self_attn.k_proj/getitem")
-     .check("k31c.linear_group(%layers.0.post_attention_layernorm/mul#1, [@layers.0.mlp.gate_proj.weight, "
+     .check("k31c.linear_group(%layers.0.post_attention_layernorm/getitem, [@layers.0.mlp.gate_proj.weight, "
             "@layers.0.mlp.up_proj.weight])")
-     .check("k31c.linear_group(%layers.1.input_layernorm/mul#1, [@layers.1.self_attn.q_a_proj.weight, "
+     .check("k31c.linear_group(%layers.1.input_layernorm/getitem#1, [@layers.1.self_attn.q_a_proj.weight, "
             "@layers.1.self_attn.kv_a_proj_with_mqa.weight, @layers.1.self_attn.g_proj.weight])")
-     .check("k31c.linear_group(%layers.1.post_attention_layernorm/mul#1, "
+     .check("k31c.linear_group(%layers.1.post_attention_layernorm/getitem#1, "
             "[@layers.1.block_sparse_moe.routed_expert_down_proj.weight, "
             "@layers.1.block_sparse_moe.shared_experts.gate_proj.weight, "
             "@layers.1.block_sparse_moe.shared_experts.up_proj.weight])")

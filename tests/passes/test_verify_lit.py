@@ -15,7 +15,7 @@ K = torch.ops.k31c
 def test_accepts_the_pipeline_and_changes_nothing(lit):
     r = lit.run("verify", prior=PRIOR)
     assert r.after == r.before and not r.record.result.changed
-    assert r.record.result.stats["regions"] == 1 and r.record.result.stats["ops"] > 150
+    assert r.record.result.stats["regions"] == 1 and r.record.result.stats["ops"] > 100
 
 
 def test_a_missing_join_is_named_as_the_dump_names_it(lit):
@@ -38,7 +38,7 @@ def test_a_cross_stream_use_names_both_nodes(lit):
         lit.run("verify", prior=PRIOR, gm=gm)
     intact, dims = lit.graph(PRIOR)
     text = format_graph(intact, dims=dims)                          # the dump names them so
-    FileCheck().check("%layers.1.self_attn.indexer.wk/linear = aten.linear(%layers.1.input_layernorm/mul#1,"
+    FileCheck().check("%layers.1.self_attn.indexer.wk/linear = aten.linear(%layers.1.input_layernorm/getitem#1,"
                       ).run(text)
     FileCheck().check("verify: %layers.1.self_attn.indexer.wk/linear (stream 1) uses "
-                      "%layers.1.input_layernorm/mul#1 from stream 0 without waiting").run(str(err.value))
+                      "%layers.1.input_layernorm/getitem#1 from stream 0 without waiting").run(str(err.value))

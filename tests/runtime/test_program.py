@@ -117,7 +117,7 @@ def test_markers_become_events_and_the_main_stream_is_enqueued_first(decode_grap
     assert {op for op, _ in prog.kernels()} == {"k31c::kda_decode", "k31c::mla_cache_write",
                                                  "k31c::index_key_norm_write", "k31c::lightning_indexer_topk",
                                                  "k31c::sparse_mla", "k31c::moe_route", "k31c::moe_experts",
-                                                 "k31c::linear_group"}
+                                                 "k31c::linear_group", "k31c::attn_res_norm"}
 
 
 def program_target(name):

@@ -19,13 +19,14 @@ Conventions shared by all ops (see graph/step.py for the row layout):
 | kda_prefill, kda_decode                                   | kda.py |
 | moe_route, moe_experts                                    | moe.py |
 | linear_group                                              | linear.py |
+| attn_res_norm                                             | attn_res.py |
 | region_enter, region_exit, event_record, event_wait       | streams.py |
 """
 import importlib
 
 import torch
 
-for _m in ("cache_write", "indexer", "mla", "kda", "moe", "linear", "streams"):
+for _m in ("cache_write", "indexer", "mla", "kda", "moe", "linear", "attn_res", "streams"):
     importlib.import_module(f"{__name__}.{_m}")
 
 
