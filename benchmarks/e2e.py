@@ -6,10 +6,10 @@ program without device graphs, k31c graph replay (3 streams), k31c graph replay 
 k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
 on one; the bytes floor
 (`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
-measured now), the GPU busy share of the replayed step (from the profiler's trace of 4
-consecutive steps: the union of the device's busy time, overlapping streams counted once, over
-the device span; the idle between steps, the metadata copies and graph launches, counts; "idle
-us" is the rest, a step), the host time of one `Engine.decode` call, and the replayed step's
+measured now), the GPU busy share of the replayed step (from the profiler's trace of 5
+consecutive steps, the first left out: the union of the device's busy time, overlapping streams
+counted once, over the device span; the idle between steps, the metadata copies and graph
+launches, counts; "idle us" is the rest, a step), the host time of one `Engine.decode` call, and the replayed step's
 time when every step's logits are read back before the next (a sampling loop without overlap).
 The caches are filled with random latent rows, index keys and KDA states instead of a prefill
 (the reference prefill cannot reach 32K); the step time is taken by CUDA events over `--steps`
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: E402
-from timeline import device_nodes, idle_gaps  # noqa: E402
+from timeline import device_nodes, idle_gaps, steady_steps  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
@@ -86,17 +86,18 @@ def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -
     return begin.elapsed_time(end) / steps, host / steps * 1e3
 
 
-def busy_share(eng: Engine, rids: list[int], steps: int = 4) -> float:
-    """The union of busy device time over the device span of `steps` consecutive decode steps
-    (two more queued before the profiler starts, so the window is the steady state), from the
-    profiler's trace: overlapping streams count once, the idle between steps (the metadata
-    copies and the graph launch) counts as idle."""
+def busy_share(eng: Engine, rids: list[int], steps: int = 5) -> float:
+    """The union of busy device time over the device span of the last `steps` - 1 of `steps`
+    consecutive decode steps (`timeline.steady_steps`), from the profiler's trace: overlapping
+    streams count once, the idle between steps (the metadata copies and the graph launch)
+    counts as idle."""
     toks = [7] * len(rids)
 
     def step():
         eng.decode(rids, toks)
-    device_nodes(step, steps, lead=2)              # the profiler's own first-use costs
-    span, busy, _ = idle_gaps(device_nodes(step, steps, lead=2))
+    device_nodes(step, steps)                      # the profiler's own first-use costs
+    window, _ = steady_steps(device_nodes(step, steps))
+    span, busy, _ = idle_gaps(window)
     return busy / span
 
 

@@ -4,14 +4,14 @@ For the bench config at (context, B) points, profiles `--steps` consecutive `Eng
 (no synchronisation between them, as a serving loop issues them) of the k31c graph-replay program
 and prints, from the profiler's trace (every kernel, memcpy and memset with its stream):
 - per step: the span, the union of busy device time (overlapping streams counted once), the
-  kernel sum and the idle time (the host's metadata copies and graph launches included), two
-  steps queued before the profiler starts (the window is the steady state);
+  kernel sum and the idle time (the host's metadata copies and graph launches included), over
+  the steps after the first (`timeline.steady_steps`);
 - the idle before each node summed by (previous node, node), largest first; the nodes by name;
 - with --out FILE, every node (offset, duration, idle before, stream, name) in FILE's .raw.txt.
 The busy column of `k31c bench e2e` is kernel time over wall time; this says which gaps make up
 the rest.
 
-    PYTHONPATH=. python benchmarks/step_timeline.py [--points 2304x1,32768x16] [--steps 4] [--out FILE]
+    PYTHONPATH=. python benchmarks/step_timeline.py [--points 2304x1,32768x16] [--steps 5] [--out FILE]
 """
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e import fill_random, step_ms  # noqa: E402
 from harness import bench_model, emit  # noqa: E402
-from timeline import device_nodes, idle_gaps  # noqa: E402
+from timeline import device_nodes, idle_gaps, steady_steps  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
 
-def report(label: str, nodes: list[dict], steps: int, wall_ms: float) -> tuple[list[str], list[str]]:
-    """(summary lines, every node's line) of `steps` consecutive steps' device timeline."""
+def report(label: str, nodes: list[dict], wall_ms: float) -> tuple[list[str], list[str]]:
+    """(summary lines, every node's line) of consecutive steps' device timeline, the steady
+    steps only (`timeline.steady_steps`)."""
+    nodes, steps = steady_steps(nodes)
     span, busy, before = idle_gaps(nodes)
     ksum = sum(n["dur"] for n in nodes)
     lines = [f"\n### {label}: {wall_ms:.3f} ms a step (e2e.step_ms, 20 steps)", "",
@@ -62,7 +64,7 @@ def report(label: str, nodes: list[dict], steps: int, wall_ms: float) -> tuple[l
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="2304x1,32768x16", help="context x batch, comma separated")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out")
     ap.add_argument("--options", default="{}", help="compile options as JSON (e.g. '{\"pdl\": true}')")
     args = ap.parse_args()
@@ -75,8 +77,8 @@ def main() -> int:
     except ValueError as e:
         print(f"step_timeline: bad --points or --options: {e}", file=sys.stderr)
         return 2
-    if args.steps < 2:
-        print("step_timeline: --steps must be at least 2", file=sys.stderr)
+    if args.steps < 3:
+        print("step_timeline: --steps must be at least 3", file=sys.stderr)
         return 2
     model = bench_model()
     compiled = k31c_api.compile(model, target="h200", options=options)
@@ -92,9 +94,8 @@ def main() -> int:
 
         def step():
             eng.decode(rids, toks)
-        device_nodes(step, args.steps, lead=2)         # the profiler's own first-use costs
-        summary, nodes = report(f"context {ctx}, B {batch}", device_nodes(step, args.steps, lead=2),
-                                args.steps, wall)
+        device_nodes(step, args.steps)         # the profiler's own first-use costs
+        summary, nodes = report(f"context {ctx}, B {batch}", device_nodes(step, args.steps), wall)
         lines += summary
         raw += nodes
     emit(lines, args.out)

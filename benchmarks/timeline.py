@@ -13,14 +13,10 @@ from torch.profiler import ProfilerActivity, profile
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def device_nodes(fn, calls: int, lead: int = 0) -> list[dict]:
+def device_nodes(fn, calls: int) -> list[dict]:
     """The device events (kernels, memcpys, memsets) of `calls` consecutive calls of `fn`, issued
-    without synchronising between them, by start time (us), each with its stream. `lead` calls
-    are issued before the profiler starts, so the device already has work queued when the
-    window opens (a steady state: the host's time for the first call is not device idle)."""
+    without synchronising between them, by start time (us), each with its stream."""
     torch.cuda.synchronize()
-    for _ in range(lead):
-        fn()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
@@ -51,3 +47,16 @@ def idle_gaps(nodes: list[dict]) -> tuple[float, float, list[float]]:
         cur_end = max(cur_end, n["ts"] + n["dur"])
     busy += cur_end - cur_start
     return cur_end - start, busy, before
+
+
+def steady_steps(nodes: list[dict], last: str = "Memcpy DtoD") -> tuple[list[dict], int]:
+    """(the nodes of the whole steps after the first, how many): the window from the node after the
+    first step's last node to the last step's last node. A decode step ends with the copy of its
+    logits out of the graph's buffer (`last`, a device-to-device memcpy). The first step is left
+    out: the profiler's start takes longer than the steps queued before it, so the device waits
+    for the host there, which a serving loop's device does not."""
+    ends = [i for i, n in enumerate(nodes) if n["name"].startswith(last)]
+    if len(ends) < 2:
+        raise ValueError(f"steady_steps: fewer than two steps end with a '{last}' node")
+    return nodes[ends[0] + 1:ends[-1] + 1], len(ends) - 1
+

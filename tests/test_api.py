@@ -109,7 +109,7 @@ def test_compile_only_targets_build_but_do_not_run(model, compiled_run):
     compiled = k31c_api.compile(model, target="mi350x")
     eng = Engine(model, max_requests=4, max_seq_len=128, step_fn=compiled)   # the scenario's pool
     r = eng.add_request()
-    program = compiled.build(StepKind("prefill"), eng._meta([r], [0], [3]), eng.pool.caches(),
+    program = compiled.build(StepKind("prefill"), eng._inputs([r], [0], [3], [1, 2, 3])[1], eng.pool.caches(),
                              executable=False)
     kernels = {(n.meta.get("k31c") or {}).get("kernel") for n in program.gm.graph.nodes}
     assert "stream" in kernels

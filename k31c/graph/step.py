@@ -43,24 +43,30 @@ def step_meta(*, slot_mapping, block_table, row_req, row_len, kda_slots, cu_seql
                        for name, v in fields.items()})
 
 
-def host_ints_to_device(groups: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Each list of host ints as its own 1-D tensor on `device`.
+def host_ints_to_device(groups: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Each group (a list of host ints, or a CPU tensor of any shape) as a tensor of that shape on
+    `device`, all of them views of one buffer filled by one copy.
 
-    On a CUDA device the ints go through one pinned host buffer with non-blocking copies: a plain
+    On a CUDA device the ints go through a pinned host buffer with one non-blocking copy: a plain
     `torch.tensor(..., device="cuda")` waits for the stream to drain, which would serialize every
-    step's host work with the previous step's kernels. Each group gets its own device tensor (not
-    a view of one buffer): views at batch-dependent offsets would make Dynamo guard on them and
-    retrace for every batch size."""
+    step's host work with the previous step's kernels, and one copy per group is a device node
+    each (a replayed decode step's metadata was 6 copies and a gather of the block table). The
+    views start at offsets that depend on the batch: Dynamo (`torch.compile` of the eager model)
+    specialises on them, which costs a recompile per batch size, not per step."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return [torch.tensor(g, dtype=dtype, device=device) for g in groups]
-    pinned = torch.tensor([v for g in groups for v in g], dtype=dtype).pin_memory()
+    flat = [torch.as_tensor(g, dtype=dtype).reshape(-1) if isinstance(g, torch.Tensor)
+            else torch.tensor(g, dtype=dtype) for g in groups]
+    shapes = [tuple(g.shape) if isinstance(g, torch.Tensor) else (len(g),) for g in groups]
+    host = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+    if device.type == "cuda":
+        buf = torch.empty(host.shape, dtype=dtype, device=device)
+        buf.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        buf = host.to(device)
     out, start = [], 0
-    for g in groups:
-        t = torch.empty(len(g), dtype=dtype, device=device)
-        t.copy_(pinned[start:start + len(g)], non_blocking=True)
-        out.append(t)
-        start += len(g)
+    for f, shape in zip(flat, shapes):
+        out.append(buf[start:start + f.numel()].view(shape))
+        start += f.numel()
     return out
 
 

@@ -60,7 +60,10 @@ class Engine:
         if bad:
             raise ValueError(f"token ids out of range [0, {V}): {bad[:8]}")
 
-    def _meta(self, rids: Sequence[int], starts: list[int], counts: list[int]) -> StepMeta:
+    def _inputs(self, rids: Sequence[int], starts: list[int], counts: list[int],
+                tokens: Sequence[int]) -> tuple[torch.Tensor, StepMeta]:
+        """(token ids, StepMeta) of a step on the device: the int64 fields in one copy, the int32
+        fields and the requests' block-table rows (kept on the host by the pool) in another."""
         pool, dev = self.pool, self.device
         slot_mapping, row_req, row_len, cu = [], [], [], [0]
         for b, (rid, s, n) in enumerate(zip(rids, starts, counts)):
@@ -69,14 +72,13 @@ class Engine:
             row_req += [b] * n
             row_len += list(range(s + 1, s + n + 1))
             cu.append(cu[-1] + n)
-        slot_mapping, kda_slots = host_ints_to_device([slot_mapping, [pool.requests[r].slot for r in rids]],
-                                                      torch.int64, dev)
-        row_req, row_len, cu = host_ints_to_device([row_req, row_len, cu], torch.int32, dev)
-        return step_meta(slot_mapping=slot_mapping, block_table=pool.block_table[kda_slots], row_req=row_req,
-                         row_len=row_len, kda_slots=kda_slots, cu_seqlens=cu, device=dev)
-
-    def _ids(self, flat: Sequence[int]) -> torch.Tensor:
-        return host_ints_to_device([list(map(int, flat))], torch.int64, self.device)[0]
+        slots = [pool.requests[r].slot for r in rids]
+        ids, slot_mapping, kda_slots = host_ints_to_device([list(map(int, tokens)), slot_mapping, slots],
+                                                           torch.int64, dev)
+        row_req, row_len, cu, table = host_ints_to_device([row_req, row_len, cu, pool.block_table[slots]],
+                                                          torch.int32, dev)
+        return ids, step_meta(slot_mapping=slot_mapping, block_table=table, row_req=row_req, row_len=row_len,
+                              kda_slots=kda_slots, cu_seqlens=cu, device=dev)
 
     @torch.no_grad()
     def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],
@@ -135,8 +137,7 @@ class Engine:
         """One prefill step (at most max_prefill_tokens rows): logits [sum(len), vocab]."""
         flat = [t for ts in tokens for t in ts]
         starts = [self.length(r) for r in rids]
-        meta = self._meta(rids, starts, [len(t) for t in tokens])
-        ids = self._ids(flat)
+        ids, meta = self._inputs(rids, starts, [len(t) for t in tokens], flat)
         logits = self.step_fn(ids, meta, self.pool.caches(), "prefill", 1)
         for r, t in zip(rids, tokens):
             self.pool.requests[r].length += len(t)
@@ -157,9 +158,8 @@ class Engine:
         flat = [t for rs in rows for t in rs]
         self._check_tokens(flat)
         starts = [self.length(r) for r in rids]
-        meta = self._meta(rids, starts, [R] * len(rids))
+        ids, meta = self._inputs(rids, starts, [R] * len(rids), flat)
         snaps = self.pool.new_snapshots(len(rids), R) if R > 1 else None
-        ids = self._ids(flat)
         logits = self.step_fn(ids, meta, self.pool.caches(snaps), "decode", R)
         for r in rids:
             self.pool.requests[r].length += R

@@ -32,8 +32,8 @@ def test_tiny_decode_is_one_graph_for_every_batch_size(tiny_engine):
     compiled = torch.compile(model, backend=k31c_api.backend(options={"executor": "fx"}),
                              fullgraph=True, dynamic=True)
     for batch in (2, 3):
-        meta = eng._meta(rids[:batch], [eng.length(r) for r in rids[:batch]], [1] * batch)
-        ids = torch.arange(batch) + 3
+        ids, meta = eng._inputs(rids[:batch], [eng.length(r) for r in rids[:batch]], [1] * batch,
+                                list(range(3, 3 + batch)))
         ours, theirs = copy.deepcopy(eng.pool.caches()), copy.deepcopy(eng.pool.caches())
         with torch.no_grad():
             got = compiled(ids, meta, ours, "decode", 1)

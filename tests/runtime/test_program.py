@@ -41,7 +41,7 @@ def decode_graph(model):
     eng = _engine(model)
     rids = [eng.add_request() for _ in range(2)]
     eng.prefill(rids, [list(range(1, 30)), list(range(4, 9))])
-    meta = eng._meta(rids, [eng.length(r) for r in rids], [1, 1])
+    _, meta = eng._inputs(rids, [eng.length(r) for r in rids], [1, 1], [7, 7])
     program = compiled.build(StepKind("decode"), meta, eng.pool.caches(), executable=False)
     return program, eng, meta
 
@@ -235,7 +235,7 @@ def test_padding_requests_read_and_write_nothing(model):
     from k31c.api import _step_inputs
     from k31c.graph.capture import flat_step_inputs
     graphs = DecodeGraphs(program.executor, _step_inputs(program, step), (4,), None, b.pool.max_blocks_per_req)
-    meta = b._meta([0, 1], [b.length(0), b.length(1)], [1, 1])
+    _, meta = b._inputs([0, 1], [b.length(0), b.length(1)], [1, 1], [3, 9])
     flat = flat_step_inputs(program.captured, program.placeholders, torch.tensor([3, 9]), meta, b.pool.caches())
     statics = graphs.static_inputs(4, flat)
     statics.fill(flat)
@@ -247,7 +247,7 @@ def test_padding_requests_read_and_write_nothing(model):
     for sa, sb in zip(a.pool.kda, b.pool.kda):
         torch.testing.assert_close(sa.recurrent, sb.recurrent)
         torch.testing.assert_close(sa.conv, sb.conv)
-    one = b._meta([0], [b.length(0) + 1], [1])
+    _, one = b._inputs([0], [b.length(0) + 1], [1], [4])
     flat1 = flat_step_inputs(program.captured, program.placeholders, torch.tensor([4]), one, b.pool.caches())
     statics.fill(flat1)
     slots = statics.buffers[statics.inputs.names.index("meta.kda_slots")]
