@@ -51,8 +51,8 @@ def host_ints_to_device(groups: list, dtype: torch.dtype, device) -> list[torch.
     `torch.tensor(..., device="cuda")` waits for the stream to drain, which would serialize every
     step's host work with the previous step's kernels, and one copy per group is a device node
     each (a replayed decode step's metadata was 6 copies and a gather of the block table). The
-    views start at offsets that depend on the batch: Dynamo (`torch.compile` of the eager model)
-    specialises on them, which costs a recompile per batch size, not per step."""
+    views start at offsets that depend on the batch; a `torch.compile(..., dynamic=True)` of the
+    model does not retrace for them (tests/passes/test_dynamo_backend.py)."""
     device = torch.device(device)
     flat = [torch.as_tensor(g, dtype=dtype).reshape(-1) if isinstance(g, torch.Tensor)
             else torch.tensor(g, dtype=dtype) for g in groups]
