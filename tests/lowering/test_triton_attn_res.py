@@ -1,7 +1,7 @@
 """Triton attn_res_norm (Block AttnRes' mix + the RMSNorm after it) against a float64 oracle written
-here from spec/model.md §3 (interpreter on CPU, compiled on CUDA): bank sizes 1 to 16, with and
+here from spec/model.md §3 (interpreter on CPU, compiled on CUDA): bank sizes 1 to 19, with and
 without the pending addend, widths that are and are not powers of two, fp32 and bf16, strided
-rows, no rows; on CUDA the K3.1 Pro width and batch sizes of a decode step.
+rows, no rows, a bank longer than the kernel's pointer arguments (its tail stacked); on CUDA the K3.1 Pro width and batch sizes of a decode step.
 
 Tolerances: fp32 near its accumulation error; bf16: the oracle rounds where the reference rounds
 (s, the mix, the normalised row, the product), so what is left is the sums' order moving a value
@@ -64,7 +64,7 @@ def _check(got, p):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_bank,addend", [(1, False), (2, True), (5, True), (16, True)])
+@pytest.mark.parametrize("n_bank,addend", [(1, False), (2, True), (5, True), (16, True), (19, True)])
 @pytest.mark.parametrize("d", [96, 128])
 def test_matches_the_oracle(d, n_bank, addend, dtype):
     gen = torch.Generator().manual_seed(d + n_bank)
@@ -96,8 +96,9 @@ def test_bad_arguments_name_the_input():
     p = _problem(3, 32, 2, torch.float32, gen)
     with pytest.raises(ValueError, match=r"bank\[1\]"):
         ar.attn_res_norm(p["partial"], p["addend"], [p["bank"][0], p["bank"][1][:, :16]], *_args(p)[3:])
-    with pytest.raises(ValueError, match="at most 16 block snapshots"):
-        ar.attn_res_norm(p["partial"], None, p["bank"] * 9, *_args(p)[3:])
+    with pytest.raises(ValueError, match="width 16400"):
+        q = _problem(2, 16400, 1, torch.float32, gen)
+        ar.attn_res_norm(*_args(q))
     with pytest.raises(ValueError, match="norm_weight"):
         ar.attn_res_norm(*_args(p)[:5], p["norm_weight"].double(), 1e-5, 1e-6)
 

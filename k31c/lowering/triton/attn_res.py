@@ -7,8 +7,10 @@ running mix is rescaled when the maximum moves. The mix is rounded to the model 
 reference casts it), normalised by its own rms in fp32, cast, and scaled by norm_weight. The whole
 row (D <= 16K) stays in registers, so each byte is read once and x and s are written once.
 
-Bank entries are separate tensors (the model's list of block snapshots), passed as up to
-`MAX_BANK` pointer arguments; K3.1 Pro has at most 9 (93 layers in blocks of 12).
+Bank entries are separate tensors (the model's list of block snapshots), passed as `MAX_BANK`
+pointer arguments; K3.1 Pro has at most 8 (93 layers in blocks of 12). A longer bank passes its
+entries from the 16th on stacked into one tensor as the last pointer (a copy a launch, only for
+such models).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _fold(v, q, eps, m, l, acc, D: tl.constexpr):
 @triton.jit
 def _attn_res_norm_kernel(partial_ptr, addend_ptr, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12,
                           b13, b14, b15, rn_ptr, rp_ptr, nw_ptr, s_ptr, x_ptr, res_eps, norm_eps,
-                          stride_p, stride_a, stride_b, stride_s, stride_x,
+                          stride_p, stride_a, stride_b, stride_s, stride_x, stride_tail,
                           D: tl.constexpr, BLOCK: tl.constexpr, N_BANK: tl.constexpr,
                           HAS_ADDEND: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
@@ -52,7 +54,10 @@ def _attn_res_norm_kernel(partial_ptr, addend_ptr, b0, b1, b2, b3, b4, b5, b6, b
     l = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK], tl.float32)
     for i in tl.static_range(N_BANK):
-        b = (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15)[i]
+        if N_BANK <= 16 or i < 15:
+            b = (b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, b15)[i]
+        else:                           # entries 15.. stacked in b15, stride_tail apart
+            b = b15 + (i - 15) * stride_tail
         v = tl.load(b + row * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
         m, l, acc = _fold(v, q, res_eps, m, l, acc, D)
     s = tl.load(partial_ptr + row * stride_p + cols, mask=ok, other=0.0)
@@ -84,25 +89,29 @@ def attn_res_norm(partial: torch.Tensor, addend: torch.Tensor | None, bank: list
                   res_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     check_attn_res_norm(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight)
     n, d = partial.shape
-    if len(bank) > MAX_BANK or d > MAX_WIDTH:
-        raise ValueError(f"attn_res_norm: the Triton kernel takes at most {MAX_BANK} block snapshots "
-                         f"and width {MAX_WIDTH}, got {len(bank)} and {d}")
+    if d > MAX_WIDTH:
+        raise ValueError(f"attn_res_norm: the Triton kernel holds a row of at most {MAX_WIDTH} values "
+                         f"in registers, got width {d}")
     s, x = torch.empty_like(partial), torch.empty_like(partial)
     if n == 0:
         return s, x
     partial = _row_major(partial)
     bank = [_row_major(b) for b in bank]
     stride_b = bank[0].stride(0)
-    if any(b.stride(0) != stride_b for b in bank):       # one row stride for every snapshot
+    if len(bank) > MAX_BANK or any(b.stride(0) != stride_b for b in bank):   # one row stride for all
         bank = [b.contiguous() for b in bank]
         stride_b = d
+    ptrs, stride_tail = bank[:MAX_BANK], 0
+    if len(bank) > MAX_BANK:
+        ptrs = bank[:MAX_BANK - 1] + [torch.stack(bank[MAX_BANK - 1:])]
+        stride_tail = n * d
+    ptrs += [bank[0]] * (MAX_BANK - len(ptrs))
     add = partial if addend is None else _row_major(addend)
-    ptrs = bank + [bank[0]] * (MAX_BANK - len(bank))
     p = plan(d)
     _attn_res_norm_kernel[(n,)](
         partial, add, *ptrs, res_norm_weight.reshape(-1), res_proj_weight.reshape(-1), norm_weight.reshape(-1),
         s, x, float(res_eps), float(norm_eps), partial.stride(0), add.stride(0), stride_b, s.stride(0),
-        x.stride(0), D=d, BLOCK=p["BLOCK"], N_BANK=len(bank), HAS_ADDEND=addend is not None,
+        x.stride(0), stride_tail, D=d, BLOCK=p["BLOCK"], N_BANK=len(bank), HAS_ADDEND=addend is not None,
         num_warps=p["num_warps"], **pdl_launch(partial.device))
     return s, x
 
@@ -119,7 +128,7 @@ def aot_specs(shapes) -> list:
     banks = range(1, triton.cdiv(cfg.num_hidden_layers, cfg.attn_res_block_size) + 1)
     ptrs = dict(partial_ptr=dt, addend_ptr=dt, **{f"b{i}": dt for i in range(MAX_BANK)}, rn_ptr=dt,
                 rp_ptr=dt, nw_ptr=dt, s_ptr=dt, x_ptr=dt, res_eps="fp32", norm_eps="fp32")
-    ints = dict(stride_p=d, stride_a=d, stride_b=d, stride_s=d, stride_x=d)
+    ints = dict(stride_p=d, stride_a=d, stride_b=d, stride_s=d, stride_x=d, stride_tail=0)
     return [kernel_spec(_attn_res_norm_kernel, "k31c::attn_res_norm", f"bank={nb}",
                         dict(D=d, BLOCK=p["BLOCK"], N_BANK=nb, HAS_ADDEND=True), ptrs,
                         num_warps=p["num_warps"], ints=ints) for nb in banks]
