@@ -47,6 +47,12 @@ class DecoderLayer(nn.Module):
             return self.block_sparse_moe(x, meta.row_len)      # padding rows read no expert
         return self.mlp(x)
 
+    def ffn_terms(self, x: torch.Tensor, meta: StepMeta) -> list[torch.Tensor]:
+        """The FFN's output as the terms it sums (a MoE layer: routed and shared experts)."""
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x, meta.row_len, terms=True)
+        return [self.mlp(x)]
+
     def mixer(self, x, caches: Caches, meta: StepMeta, mode: str, rows: int, slot: int):
         if self.is_mla:
             return self.self_attn(x, caches.mla[slot], meta, mode)
@@ -83,11 +89,11 @@ class K31Model(nn.Module):
                 p = p + layer.mixer(x, caches, meta, mode, rows, self.cache_slot[i])
                 p = p + layer.ffn(layer.post_attention_layernorm(p), meta)
             return self.norm(p)
-        # the residual stream is partial + pending: each output is added inside the next mix
-        # (attn_res_norm), which also applies the norm after it
+        # the residual stream is partial + the pending terms: each output is added inside the next
+        # mix (attn_res_norm), which also applies the norm after it
         bank: list[torch.Tensor] = []
         partial: torch.Tensor | None = p
-        pending: torch.Tensor | None = None
+        pending: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if bank:
                 partial, x = attn_res_norm(partial, pending, bank, layer.self_attention_res_norm,
@@ -98,10 +104,10 @@ class K31Model(nn.Module):
                 bank.append(partial)
                 partial = None
             a = layer.mixer(x, caches, meta, mode, rows, self.cache_slot[i])
-            partial, pending = (a, None) if partial is None else (partial, a)
+            partial, pending = (a, []) if partial is None else (partial, [a])
             partial, x = attn_res_norm(partial, pending, bank, layer.mlp_res_norm, layer.mlp_res_proj,
                                        layer.post_attention_layernorm)
-            pending = layer.ffn(x, meta)
+            pending = layer.ffn_terms(x, meta)
         return attn_res_norm(partial, pending, bank, self.output_attn_res_norm, self.output_attn_res_proj,
                              self.norm)[1]
 

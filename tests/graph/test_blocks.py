@@ -81,10 +81,14 @@ def test_attn_res_norm_against_per_token_loop():
     norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
     out_norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
     proj.weight.copy_(torch.randn(1, D, generator=g))
-    s, x = attn_res_norm(partial, addend, bank, norm, proj, out_norm)
+    s, x = attn_res_norm(partial, [addend], bank, norm, proj, out_norm)
     torch.testing.assert_close(s, partial + addend)
-    same, x_none = attn_res_norm(partial, None, bank, norm, proj, out_norm)
+    same, x_none = attn_res_norm(partial, [], bank, norm, proj, out_norm)
     assert same is partial
+    half = addend / 2
+    s2, x2 = attn_res_norm(partial, [half, addend - half], bank, norm, proj, out_norm)   # two terms
+    torch.testing.assert_close(s2, s)
+    torch.testing.assert_close(x2, x)
     for t in range(T):
         cands = [b[t].double() for b in bank] + [partial[t].double() + addend[t].double()]
         w = norm.weight.double() * proj.weight[0].double()

@@ -1,6 +1,6 @@
 """Triton attn_res_norm (Block AttnRes' mix + the RMSNorm after it) against a float64 oracle written
-here from spec/model.md §3 (interpreter on CPU, compiled on CUDA): bank sizes 1 to 19, with and
-without the pending addend, widths that are and are not powers of two, fp32 and bf16, strided
+here from spec/model.md §3 (interpreter on CPU, compiled on CUDA): bank sizes 1 to 19, with no,
+one and two pending addends, widths that are and are not powers of two, fp32 and bf16, strided
 rows, no rows, a bank longer than the kernel's pointer arguments (its tail stacked); on CUDA the K3.1 Pro width and batch sizes of a decode step.
 
 Tolerances: fp32 near its accumulation error; bf16: the oracle rounds where the reference rounds
@@ -20,25 +20,27 @@ DEVICE = "cuda" if CUDA else "cpu"
 gpu_only = pytest.mark.skipif(not CUDA, reason="K3.1 widths run on CUDA only")
 
 
-def _problem(t, d, n_bank, dtype, gen, addend=True):
+def _problem(t, d, n_bank, dtype, gen, n_add=1):
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
     bank = [rnd(t, d, scale=float(i + 1)) for i in range(n_bank)]   # unlike scales: uneven weights
-    return dict(partial=rnd(t, d), addend=rnd(t, d) if addend else None, bank=bank,
+    return dict(partial=rnd(t, d), addends=[rnd(t, d) for _ in range(n_add)], bank=bank,
                 res_norm_weight=(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype),
                 res_proj_weight=rnd(1, d), norm_weight=(torch.rand(d, generator=gen) + 0.5).to(DEVICE, dtype),
                 res_eps=1e-5, norm_eps=1e-6)
 
 
 def _oracle(p):
-    """float64, rounded to the model dtype where spec §3 and Kimi's RMSNorm round (`r`): s =
-    r(partial + addend), softmax over <v / rms(v), w_n * w_p> of bank + [s], h = r(mix), then
-    r(w * r(h / rms(h)))."""
+    """float64, rounded to the model dtype where spec §3, the model's adds and Kimi's RMSNorm round
+    (`r`): s = r(partial + r(a0 + a1)), softmax over <v / rms(v), w_n * w_p> of bank + [s],
+    h = r(mix), then r(w * r(h / rms(h)))."""
     dt = p["partial"].dtype
 
     def r(t):
         return t.to(dt).double()
-    s = r(p["partial"].double() + (p["addend"].double() if p["addend"] is not None else 0))
+    adds = [a.double() for a in p["addends"]]
+    total = r(adds[0] + adds[1]) if len(adds) == 2 else adds[0] if adds else 0
+    s = r(p["partial"].double() + total)
     cands = torch.stack([b.double() for b in p["bank"]] + [s], 1)                      # [T, n+1, D]
     q = p["res_norm_weight"].double() * p["res_proj_weight"].double().reshape(-1)
     logits = (cands / (cands.pow(2).mean(-1, keepdim=True) + p["res_eps"]).sqrt() * q).sum(-1)
@@ -48,7 +50,7 @@ def _oracle(p):
 
 
 def _args(p):
-    return (p["partial"], p["addend"], p["bank"], p["res_norm_weight"], p["res_proj_weight"],
+    return (p["partial"], p["addends"], p["bank"], p["res_norm_weight"], p["res_proj_weight"],
             p["norm_weight"], p["res_eps"], p["norm_eps"])
 
 
@@ -64,11 +66,11 @@ def _check(got, p):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_bank,addend", [(1, False), (2, True), (5, True), (16, True), (19, True)])
+@pytest.mark.parametrize("n_bank,n_add", [(1, 0), (2, 1), (3, 2), (5, 1), (16, 2), (19, 1)])
 @pytest.mark.parametrize("d", [96, 128])
-def test_matches_the_oracle(d, n_bank, addend, dtype):
+def test_matches_the_oracle(d, n_bank, n_add, dtype):
     gen = torch.Generator().manual_seed(d + n_bank)
-    p = _problem(7, d, n_bank, dtype, gen, addend)
+    p = _problem(7, d, n_bank, dtype, gen, n_add)
     got = ar.attn_res_norm(*_args(p))
     _check(got, p)
     # the reference op (what a CPU program runs) agrees with the same oracle, and with the kernel
@@ -95,7 +97,11 @@ def test_bad_arguments_name_the_input():
     gen = torch.Generator().manual_seed(12)
     p = _problem(3, 32, 2, torch.float32, gen)
     with pytest.raises(ValueError, match=r"bank\[1\]"):
-        ar.attn_res_norm(p["partial"], p["addend"], [p["bank"][0], p["bank"][1][:, :16]], *_args(p)[3:])
+        ar.attn_res_norm(p["partial"], p["addends"], [p["bank"][0], p["bank"][1][:, :16]], *_args(p)[3:])
+    with pytest.raises(ValueError, match=r"addends\[0\]"):
+        ar.attn_res_norm(p["partial"], [p["partial"][:, :8]], *_args(p)[2:])
+    with pytest.raises(ValueError, match="at most 2 terms"):
+        ar.attn_res_norm(p["partial"], [p["partial"]] * 3, *_args(p)[2:])
     with pytest.raises(ValueError, match="width 16400"):
         q = _problem(2, 16400, 1, torch.float32, gen)
         ar.attn_res_norm(*_args(q))
@@ -109,4 +115,6 @@ def test_bad_arguments_name_the_input():
 def test_k31_width_on_the_gpu(batch, n_bank):
     gen = torch.Generator().manual_seed(batch + n_bank)
     p = _problem(batch, 7168, n_bank, torch.bfloat16, gen)
+    _check(ar.attn_res_norm(*_args(p)), p)
+    p = _problem(batch, 7168, n_bank, torch.bfloat16, gen, n_add=2)
     _check(ar.attn_res_norm(*_args(p)), p)

@@ -140,9 +140,10 @@ class LatentMoE(nn.Module):
             if cfg.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps, dt)
 
-    def forward(self, x: torch.Tensor, row_len: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, row_len: Optional[torch.Tensor] = None, terms: bool = False):
         """x [N, D]; `row_len` (the step's keys per row) marks a device graph's padding rows
-        (row_len 0), which then read no expert."""
+        (row_len 0), which then read no expert. With `terms`, the routed and the shared experts'
+        outputs as a list, not yet added (Block AttnRes adds them inside its next mix)."""
         latent = self.cfg.routed_expert_hidden_size is not None
         # the down projection first: the dense ops before the two k31c ops form one piece
         z = self.routed_expert_down_proj(x) if latent else x
@@ -152,9 +153,10 @@ class LatentMoE(nn.Module):
             if self.cfg.latent_moe_use_norm:
                 u = self.routed_expert_norm(u)
             u = self.routed_expert_up_proj(u)
-        if self.cfg.num_shared_experts:
-            u = u + self.shared_experts(x)
-        return u
+        if not self.cfg.num_shared_experts:
+            return [u] if terms else u
+        shared = self.shared_experts(x)
+        return [u, shared] if terms else u + shared
 
     def reset_parameters(self, gen: torch.Generator) -> None:
         for m in self.children():

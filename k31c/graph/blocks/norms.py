@@ -14,18 +14,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, addend: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, addends: list[torch.Tensor] | None = None,
                 bank: list[torch.Tensor] | None = None, res_norm: "RMSNorm | None" = None,
                 res_proj: nn.Linear | None = None):
         """The norm of x; with `bank` (Block AttnRes, graph/blocks/attn_res.py), the norm of the
-        mix over bank + [x + addend] with the layer's `res_norm` and `res_proj`, returned with
-        x + addend as (s, normed). The mix runs inside this module's call so its graph nodes
+        mix over bank + [x + addends] with the layer's `res_norm` and `res_proj`, returned with
+        s = x + addends as (s, normed). The mix runs inside this module's call so its graph nodes
         carry the norm's name (`layers.3.input_layernorm/attn_res_norm`)."""
         if bank is None:
             return self.weight * rms_normalize(x, self.eps)
-        s, normed = torch.ops.k31c.attn_res_norm(x, addend, bank, res_norm.weight, res_proj.weight,
+        s, normed = torch.ops.k31c.attn_res_norm(x, addends or [], bank, res_norm.weight, res_proj.weight,
                                                  self.weight, res_norm.eps, self.eps)
-        return (x if addend is None else s), normed
+        return (s if addends else x), normed
 
     def reset_parameters(self, gen: torch.Generator) -> None:
         nn.init.ones_(self.weight)

@@ -1,39 +1,45 @@
 """Block Attention Residuals' mix and the RMSNorm after it (spec/model.md §3), as one op.
 
 Op (namespace k31c):
-- `attn_res_norm(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight, res_eps,
+- `attn_res_norm(partial, addends, bank, res_norm_weight, res_proj_weight, norm_weight, res_eps,
   norm_eps)` → (s, x):
-  s = partial + addend (a copy of partial when addend is None), in the model dtype: the layer's
-  partial sum with the output that was still to be added;
+  s = partial + (addends[0] + addends[1]) (at most two; a copy of partial when there are none), in
+  the model dtype, each add rounded as the model's own adds are: the layer's partial sum with
+  the output that was still to be added (a MoE layer's is two terms, the routed and the shared
+  experts');
   h = softmax_i(<rmsnorm(V_i), res_norm_weight ⊙ res_proj_weight>) · V_i over V = bank + [s], in
   fp32, cast to the model dtype (HF `_apply_attn_res`: the softmax weights use the normalised
   candidates, the mix the raw ones);
   x = norm_weight · (h / rms(h)) (Kimi's RMSNorm: normalised in fp32, cast, then scaled).
-  partial, addend, each bank entry and x: [T, D]; the weights [D] (res_proj_weight [1, D]).
+  partial, each addend, each bank entry and x: [T, D]; the weights [D] (res_proj_weight [1, D]).
 
 Every layer of a Block-AttnRes model mixes its candidates twice (before the mixer and before the
 FFN) and the model once more before the final norm. As plain PyTorch that is a residual add, a
 stack, norms, a softmax and a weighted sum: five or six small kernels, each a graph node of a
-decode step; the op is one. The reference is that plain PyTorch.
+decode step (and a MoE layer's add of its two terms one more); the op is one. The reference is
+that plain PyTorch.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_attn_res_norm(partial: torch.Tensor, addend: Optional[torch.Tensor], bank: list[torch.Tensor],
+MAX_ADDENDS = 2
+
+
+def check_attn_res_norm(partial: torch.Tensor, addends: list[torch.Tensor], bank: list[torch.Tensor],
                         res_norm_weight: torch.Tensor, res_proj_weight: torch.Tensor,
                         norm_weight: torch.Tensor) -> None:
     if partial.dtype not in _FLOATS or partial.dim() != 2:
         raise ValueError(f"partial: expected a float [T, D] tensor, got {partial.dtype} {tuple(partial.shape)}")
     if not bank:
         raise ValueError("bank: expected at least one block snapshot, got none")
+    if len(addends) > MAX_ADDENDS:
+        raise ValueError(f"addends: expected at most {MAX_ADDENDS} terms, got {len(addends)}")
     shape, dt = tuple(partial.shape), partial.dtype
-    for name, t in ([("addend", addend)] if addend is not None else []) + \
+    for name, t in [(f"addends[{i}]", a) for i, a in enumerate(addends)] + \
             [(f"bank[{i}]", b) for i, b in enumerate(bank)]:
         if tuple(t.shape) != shape or t.dtype != dt or t.device != partial.device:
             raise ValueError(f"{name}: expected {dt} {list(shape)} on {partial.device} (partial's), "
@@ -60,11 +66,12 @@ def attn_res_mix(values: list[torch.Tensor], res_norm_weight: torch.Tensor, res_
 
 
 @torch.library.custom_op("k31c::attn_res_norm", mutates_args=())
-def attn_res_norm(partial: torch.Tensor, addend: Optional[torch.Tensor], bank: list[torch.Tensor],
+def attn_res_norm(partial: torch.Tensor, addends: list[torch.Tensor], bank: list[torch.Tensor],
                   res_norm_weight: torch.Tensor, res_proj_weight: torch.Tensor, norm_weight: torch.Tensor,
                   res_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attn_res_norm(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight)
-    s = partial.clone() if addend is None else partial + addend
+    check_attn_res_norm(partial, addends, bank, res_norm_weight, res_proj_weight, norm_weight)
+    s = partial.clone() if not addends else partial + (addends[0] if len(addends) == 1
+                                                       else addends[0] + addends[1])
     h = attn_res_mix([*bank, s], res_norm_weight, res_proj_weight, res_eps).to(partial.dtype)
     hf = h.float()
     x = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + norm_eps)).to(h.dtype)
@@ -72,6 +79,6 @@ def attn_res_norm(partial: torch.Tensor, addend: Optional[torch.Tensor], bank: l
 
 
 @attn_res_norm.register_fake
-def _(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight, res_eps, norm_eps):
-    check_attn_res_norm(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight)
+def _(partial, addends, bank, res_norm_weight, res_proj_weight, norm_weight, res_eps, norm_eps):
+    check_attn_res_norm(partial, addends, bank, res_norm_weight, res_proj_weight, norm_weight)
     return torch.empty_like(partial), torch.empty_like(partial)

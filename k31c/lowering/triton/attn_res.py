@@ -1,7 +1,7 @@
 """Triton kernel for `k31c::attn_res_norm`: Block AttnRes' mix and the RMSNorm after it, one launch.
 
-One program per row: the row of every candidate (the bank's snapshots, then s = partial + addend,
-rounded to the model dtype as the reference's add is) is read once, in order, and folded into an
+One program per row: the row of every candidate (the bank's snapshots, then s = partial + the
+addends, each add rounded to the model dtype as the reference's adds are) is read once, in order, and folded into an
 online softmax: its logit is <v, q> / rms(v) with q = res_norm_weight ⊙ res_proj_weight, the
 running mix is rescaled when the maximum moves. The mix is rounded to the model dtype (the
 reference casts it), normalised by its own rms in fp32, cast, and scaled by norm_weight. The whole
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.graph.ops.attn_res import check_attn_res_norm
+from k31c.graph.ops.attn_res import MAX_ADDENDS, check_attn_res_norm
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
@@ -39,11 +39,11 @@ def _fold(v, q, eps, m, l, acc, D: tl.constexpr):
 
 
 @triton.jit
-def _attn_res_norm_kernel(partial_ptr, addend_ptr, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12,
+def _attn_res_norm_kernel(partial_ptr, a0_ptr, a1_ptr, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12,
                           b13, b14, b15, rn_ptr, rp_ptr, nw_ptr, s_ptr, x_ptr, res_eps, norm_eps,
-                          stride_p, stride_a, stride_b, stride_s, stride_x, stride_tail,
+                          stride_p, stride_a, stride_a1, stride_b, stride_s, stride_x, stride_tail,
                           D: tl.constexpr, BLOCK: tl.constexpr, N_BANK: tl.constexpr,
-                          HAS_ADDEND: tl.constexpr, PDL: tl.constexpr = False):
+                          N_ADD: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -61,8 +61,12 @@ def _attn_res_norm_kernel(partial_ptr, addend_ptr, b0, b1, b2, b3, b4, b5, b6, b
         v = tl.load(b + row * stride_b + cols, mask=ok, other=0.0).to(tl.float32)
         m, l, acc = _fold(v, q, res_eps, m, l, acc, D)
     s = tl.load(partial_ptr + row * stride_p + cols, mask=ok, other=0.0)
-    if HAS_ADDEND:
-        s = (s.to(tl.float32) + tl.load(addend_ptr + row * stride_a + cols, mask=ok, other=0.0).to(tl.float32))
+    if N_ADD > 0:
+        a = tl.load(a0_ptr + row * stride_a + cols, mask=ok, other=0.0)
+        if N_ADD > 1:           # the two terms' sum first, rounded, as the model adds them
+            a = (a.to(tl.float32) + tl.load(a1_ptr + row * stride_a1 + cols, mask=ok,
+                                            other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
+        s = (s.to(tl.float32) + a.to(tl.float32))
         s = s.to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + row * stride_s + cols, s, mask=ok)
     m, l, acc = _fold(s.to(tl.float32), q, res_eps, m, l, acc, D)
@@ -84,10 +88,10 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 @register("k31c::attn_res_norm", GPU_TARGETS)
-def attn_res_norm(partial: torch.Tensor, addend: torch.Tensor | None, bank: list[torch.Tensor],
+def attn_res_norm(partial: torch.Tensor, addends: list[torch.Tensor], bank: list[torch.Tensor],
                   res_norm_weight: torch.Tensor, res_proj_weight: torch.Tensor, norm_weight: torch.Tensor,
                   res_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_attn_res_norm(partial, addend, bank, res_norm_weight, res_proj_weight, norm_weight)
+    check_attn_res_norm(partial, addends, bank, res_norm_weight, res_proj_weight, norm_weight)
     n, d = partial.shape
     if d > MAX_WIDTH:
         raise ValueError(f"attn_res_norm: the Triton kernel holds a row of at most {MAX_WIDTH} values "
@@ -106,29 +110,30 @@ def attn_res_norm(partial: torch.Tensor, addend: torch.Tensor | None, bank: list
         ptrs = bank[:MAX_BANK - 1] + [torch.stack(bank[MAX_BANK - 1:])]
         stride_tail = n * d
     ptrs += [bank[0]] * (MAX_BANK - len(ptrs))
-    add = partial if addend is None else _row_major(addend)
+    adds = [_row_major(a) for a in addends] + [partial] * (MAX_ADDENDS - len(addends))
     p = plan(d)
     _attn_res_norm_kernel[(n,)](
-        partial, add, *ptrs, res_norm_weight.reshape(-1), res_proj_weight.reshape(-1), norm_weight.reshape(-1),
-        s, x, float(res_eps), float(norm_eps), partial.stride(0), add.stride(0), stride_b, s.stride(0),
-        x.stride(0), stride_tail, D=d, BLOCK=p["BLOCK"], N_BANK=len(bank), HAS_ADDEND=addend is not None,
-        num_warps=p["num_warps"], **pdl_launch(partial.device))
+        partial, *adds, *ptrs, res_norm_weight.reshape(-1), res_proj_weight.reshape(-1),
+        norm_weight.reshape(-1), s, x, float(res_eps), float(norm_eps), partial.stride(0), adds[0].stride(0),
+        adds[1].stride(0), stride_b, s.stride(0), x.stride(0), stride_tail, D=d, BLOCK=p["BLOCK"],
+        N_BANK=len(bank), N_ADD=len(addends), num_warps=p["num_warps"], **pdl_launch(partial.device))
     return s, x
 
 
 def aot_specs(shapes) -> list:
     """The launches at `shapes` (aot_spec.AotShapes): a decode batch of K3.1 Pro's hidden width,
     one build per bank size a model of `num_hidden_layers` layers in blocks of
-    `attn_res_block_size` reaches (with the pending addend, as every mix but the first has)."""
+    `attn_res_block_size` reaches, with one pending addend (an attention or dense-MLP output) and
+    with two (a MoE layer's routed and shared terms)."""
     cfg = shapes.cfg
     if cfg.attn_res_block_size is None:
         return []
     d, dt = cfg.hidden_size, cfg.torch_dtype
     p = plan(d)
     banks = range(1, triton.cdiv(cfg.num_hidden_layers, cfg.attn_res_block_size) + 1)
-    ptrs = dict(partial_ptr=dt, addend_ptr=dt, **{f"b{i}": dt for i in range(MAX_BANK)}, rn_ptr=dt,
+    ptrs = dict(partial_ptr=dt, a0_ptr=dt, a1_ptr=dt, **{f"b{i}": dt for i in range(MAX_BANK)}, rn_ptr=dt,
                 rp_ptr=dt, nw_ptr=dt, s_ptr=dt, x_ptr=dt, res_eps="fp32", norm_eps="fp32")
-    ints = dict(stride_p=d, stride_a=d, stride_b=d, stride_s=d, stride_x=d, stride_tail=0)
-    return [kernel_spec(_attn_res_norm_kernel, "k31c::attn_res_norm", f"bank={nb}",
-                        dict(D=d, BLOCK=p["BLOCK"], N_BANK=nb, HAS_ADDEND=True), ptrs,
-                        num_warps=p["num_warps"], ints=ints) for nb in banks]
+    ints = dict(stride_p=d, stride_a=d, stride_a1=d, stride_b=d, stride_s=d, stride_x=d, stride_tail=0)
+    return [kernel_spec(_attn_res_norm_kernel, "k31c::attn_res_norm", f"bank={nb},addends={na}",
+                        dict(D=d, BLOCK=p["BLOCK"], N_BANK=nb, N_ADD=na), ptrs,
+                        num_warps=p["num_warps"], ints=ints) for nb in banks for na in (1, 2)]
