@@ -1,9 +1,9 @@
 """Triton kernel for `k31c::attn_res_norm`: Block AttnRes' mix and the RMSNorm after it, one launch.
 
 One program per row: the row of every candidate (the bank's snapshots, then s = partial + the
-addends, each add rounded to the model dtype as the reference's adds are) is read once, in order, and folded into an
-online softmax: its logit is <v, q> / rms(v) with q = res_norm_weight ⊙ res_proj_weight, the
-running mix is rescaled when the maximum moves. The mix is rounded to the model dtype (the
+addends, each add rounded to the model dtype as the reference's adds are) is read once, in
+order, and folded into an online softmax: its logit is <v, q> / rms(v) with q = res_norm_weight
+⊙ res_proj_weight, the running mix is rescaled when the maximum moves. The mix is rounded to the model dtype (the
 reference casts it), normalised by its own rms in fp32, cast, and scaled by norm_weight. The whole
 row (D <= 16K) stays in registers, so each byte is read once and x and s are written once.
 
