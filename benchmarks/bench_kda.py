@@ -12,10 +12,15 @@ read + written dominates: 6 MiB per request) over the copy bandwidth measured in
 Prefill: one request of T = 8192 tokens from a live state, chunk 64, against fla's `chunk_kda`
 (and its conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale).
 
+Decode at small batches (`small_batch_rows`, with --decode): the state-pass tile at B = 1 and 4,
+k31c alone, cycling through 16 requests' states so the state is not L2-resident.
+
 Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill | --decode]   (the prefill or decode
 rows alone; fla-core must be importable for the fla peers)
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -187,6 +192,36 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     return out
 
 
+def small_batch_rows(m: Machine, batches=(1, 4), configs=((32, 4), (64, 4), (128, 4), (16, 2)),
+                     slots_in_pool: int = 16) -> list[Row]:
+    """The decode tile at the small batches of a serving step (R = 1): k31c only, each (BV, warps)
+    of `configs`, as CUDA-graph replays of 20 calls that cycle through the states of
+    `slots_in_pool` requests (6 MiB each, 96 MiB in all: past the L2, as in a decode step where
+    the weights stream between two layers' states)."""
+    from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
+    gen = torch.Generator().manual_seed(1)
+    lay = layer(slots_in_pool, gen)
+    out = []
+    for B in batches:
+        tok = tokens(B, gen)
+        sets = [torch.arange(j * B, (j + 1) * B, device="cuda") % slots_in_pool
+                for j in range(slots_in_pool // B)]
+
+        turn = itertools.count()
+
+        def run(cfg):
+            return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None,
+                                     block_v=cfg[0], num_warps=cfg[1])
+
+        sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
+        best = min(sweep, key=sweep.get)
+        out.append(Row("kda_decode", f"B={B} R=1 H={H} K=V={K}, {slots_in_pool} states cycled", sweep[best],
+                       bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
+                       f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
+                       + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())))
+    return out
+
+
 # launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
 # warps, V tile of the state pass)
 PREFILL_CONFIGS = (
@@ -283,5 +318,6 @@ if __name__ == "__main__":
     if flags - {"--prefill", "--decode"} or len(flags) > 1:
         sys.exit(f"bench_kda: expected nothing, --prefill or --decode, got {' '.join(sys.argv[1:])}")
     m = measure_machine()
-    rows = prefill_rows(m) if "--prefill" in flags else decode_rows(m) if "--decode" in flags else run(m)
+    rows = prefill_rows(m) if "--prefill" in flags else \
+        decode_rows(m) + small_batch_rows(m) if "--decode" in flags else run(m)
     print(markdown(rows, m))
