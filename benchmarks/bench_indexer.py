@@ -137,10 +137,10 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
 
 def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
     """The MXFP8 index cache (e4m3 + one E8M0 byte per 32 values: also 132 B/token) scanned by
-    the registered MX kernel (`indexer.MX_VARIANT`) and both forms (indexer_mxfp8's gather kernel:
-    four partial FP8 dots per key; the TMA kernel's MX form: keys and q dequantised to exact bf16
-    on chip, one dot per block, with its default 168-register cap for 3 programs an SM and
-    without it), against the registered FP8 kernel (per-token scale) on the same bytes with fp32
+    the registered MX kernel (`indexer.MX_VARIANT`: the TMA kernel's MX form, keys and q
+    dequantised to exact bf16 on chip, one dot per block, a 168-register cap for 3 programs an
+    SM), the same without the cap and indexer_mxfp8's gather kernel (four partial FP8 dots per
+    key), against the registered FP8 kernel (per-token scale) on the same bytes with fp32
     scales."""
     from k31c.lowering.triton import indexer as tix
 
@@ -166,8 +166,7 @@ def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
         tiles = {kw: _try_time(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1],
                                                                 variant="gather"),
                                timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
-        for name, knobs in (("mxfp8 gather kernel", dict(variant="gather")),
-                            ("mxfp8 tma kernel", dict(variant="tma")),
+        for name, knobs in (("mxfp8 gather kernel", dict(variant="gather")),     # the registered: tma
                             ("mxfp8 tma kernel, no register cap", dict(variant="tma", maxnreg=0))):
             t = _try_time(lambda knobs=knobs: tix.launch_indexer(*args, **knobs), timer=graph_ms)
             if t is not None:

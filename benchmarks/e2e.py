@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: E402
-from timeline import device_nodes, idle_gaps, steady_steps  # noqa: E402
+from timeline import device_nodes, idle_gaps, per_step, steady_steps  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
@@ -86,36 +86,19 @@ def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -
     return begin.elapsed_time(end) / steps, host / steps * 1e3
 
 
-def busy_share(eng: Engine, rids: list[int], steps: int = 5) -> float:
-    """The union of busy device time over the device span of the last `steps` - 1 of `steps`
-    consecutive decode steps (`timeline.steady_steps`), from the profiler's trace: overlapping
-    streams count once, the idle between steps (the metadata copies and the graph launch)
-    counts as idle."""
+def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, list]:
+    """(busy share, [(node, us, count)] a step) from the profiler's trace of `steps` consecutive
+    decode steps, the first left out (`timeline.steady_steps`): busy is the union of busy device
+    time over the device span (overlapping streams count once; the idle between steps, the
+    metadata copies and the graph launch, counts as idle)."""
     toks = [7] * len(rids)
 
     def step():
         eng.decode(rids, toks)
     device_nodes(step, steps)                      # the profiler's own first-use costs
-    window, _ = steady_steps(device_nodes(step, steps))
+    window, k = steady_steps(device_nodes(step, steps))
     span, busy, _ = idle_gaps(window)
-    return busy / span
-
-
-def profile_step(eng: Engine, rids: list[int]):
-    """(kernel ms of one step, number of kernels, [(kernel, ms, count)] by time) from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    toks = [7] * len(rids)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eng.decode(rids, toks)
-        torch.cuda.synchronize()
-    per: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            slot = per.setdefault(e.name, [0.0, 0])
-            slot[0] += e.device_time / 1e3
-            slot[1] += 1
-    table = sorted(((name, ms, n) for name, (ms, n) in per.items()), key=lambda r: -r[1])
-    return sum(r[1] for r in table), sum(r[2] for r in table), table
+    return busy / span, per_step(window, k)
 
 
 def host_profile(eng: Engine, batch: int, ctx: int, steps: int = 50) -> list[str]:
@@ -207,11 +190,10 @@ def main() -> int:
                 if name == "k31c graphs":
                     host = host_ms
                     times["k31c graphs, read back"] = step_ms(eng, rids, args.steps, read_back=True)[0]
-                    kernel_ms, count, table = profile_step(eng, rids)
-                    busy = busy_share(eng, rids)
+                    busy, table = step_profile(eng, rids)
                     idle_us = (1 - busy) * times[name] * 1e3
                     floor = bytes_floor_ms(floor_bytes(model, eng, batch, ctx), machine)
-                    kernels.append((ctx, batch, kernel_ms, count, table))
+                    kernels.append((ctx, batch, table))
             rows.append((ctx, batch, times, floor, busy, idle_us, host))
             print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, idle_us, host, flush=True)
     if args.host_profile:
@@ -233,10 +215,12 @@ def main() -> int:
         fn = runners[name]
         if hasattr(fn, "graph_stats"):
             lines.append(f"\n{name}: device graphs {fn.graph_stats()}")
-    for ctx, batch, kernel_ms, count, table in kernels:
-        lines += [f"\nk31c graphs, context {ctx}, B {batch}: {count} kernels, {kernel_ms:.3f} ms; the largest:", "",
-                  "| kernel | ms | count |", "|---|---|---|"]
-        lines += [f"| {name[:90]} | {ms:.3f} | {n} |" for name, ms, n in table[:12]]
+    for ctx, batch, table in kernels:
+        count, kernel_ms = round(sum(r[2] for r in table)), sum(r[1] for r in table) / 1e3
+        lines += [f"\nk31c graphs, context {ctx}, B {batch}: {count} device nodes, {kernel_ms:.3f} ms a "
+                  "step; the largest:", "",
+                  "| node | ms a step | count a step |", "|---|---|---|"]
+        lines += [f"| {name[:90]} | {us / 1e3:.3f} | {n:g} |" for name, us, n in table[:12]]
     if args.host_profile:
         lines += lines_host
     emit(lines, args.out)

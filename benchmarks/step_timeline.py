@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e import fill_random, step_ms  # noqa: E402
 from harness import bench_model, emit  # noqa: E402
-from timeline import device_nodes, idle_gaps, steady_steps  # noqa: E402
+from timeline import device_nodes, idle_gaps, per_step, steady_steps  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
@@ -49,11 +49,8 @@ def report(label: str, nodes: list[dict], wall_ms: float) -> tuple[list[str], li
     lines += ["The idle before a node, summed by (previous node, node) over the steps (largest 25):", "",
               "| previous | node | idle us a step |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {g / steps:.2f} |" for (a, b), g in by_pair.most_common(25)]
-    counts = Counter(n["name"] for n in nodes)
     lines += ["", "| node | count a step | us a step |", "|---|---|---|"]
-    for name, c in counts.most_common():
-        lines.append(f"| {name[:90]} | {c / steps:g} | "
-                     f"{sum(n['dur'] for n in nodes if n['name'] == name) / steps:.1f} |")
+    lines += [f"| {name[:90]} | {c:g} | {us:.1f} |" for name, us, c in per_step(nodes, steps)]
     t0 = nodes[0]["ts"]
     raw = [f"# {label}: offset us, duration us, idle before us, stream, name"]
     raw += [f"{n['ts'] - t0:9.1f} {n['dur']:7.1f} {gap:6.1f} s{n['stream']!s:<3} {n['name'][:100]}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -59,4 +60,13 @@ def steady_steps(nodes: list[dict], last: str = "Memcpy DtoD") -> tuple[list[dic
     if len(ends) < 2:
         raise ValueError(f"steady_steps: fewer than two steps end with a '{last}' node")
     return nodes[ends[0] + 1:ends[-1] + 1], len(ends) - 1
+
+
+def per_step(nodes: list[dict], steps: int) -> list[tuple[str, float, float]]:
+    """[(node name, us a step, count a step)] of `steps` steps' nodes, the most time first."""
+    acc: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for n in nodes:
+        acc[n["name"]][0] += n["dur"]
+        acc[n["name"]][1] += 1
+    return sorted(((name, us / steps, c / steps) for name, (us, c) in acc.items()), key=lambda r: -r[1])
 
