@@ -125,9 +125,9 @@ def test_decode_k32_snapshots_fp16():
 
 def test_decode_tile_defaults():
     # per-R defaults measured on the H200 (BENCHMARKS.md, KDA); explicit knobs win
-    assert decode_tile(1, 128) == (32, 4) and decode_tile(4, 128) == (32, 2)
+    assert decode_tile(1, 128) == (128, 4) and decode_tile(1, 64) == (64, 4) and decode_tile(4, 128) == (32, 2)
     assert decode_tile(4, 128, block_v=16) == (16, 2)
-    assert decode_tile(1, 128, num_warps=8) == (32, 8)
+    assert decode_tile(1, 128, num_warps=8) == (128, 8)
     assert decode_tile(1, 32) == (32, 4)                       # capped at K
     with pytest.raises(ValueError, match="block_v"):
         decode_tile(1, 128, block_v=48)
@@ -135,9 +135,10 @@ def test_decode_tile_defaults():
         decode_tile(1, 128, num_warps=3)
 
 
-@pytest.mark.parametrize("rows,tile", [(1, (32, 4)), (4, (32, 2))])
+@pytest.mark.parametrize("rows,tile", [(1, (128, 4)), (4, (32, 2))])
 def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
-    # the registered `k31c::kda_decode` launcher runs all three launches at the per-R tile
+    # the registered `k31c::kda_decode` launcher runs its launches at the per-R tile (R = 1: BV = K,
+    # the norm fused into the state pass)
     import k31c.lowering.triton.kda_decode as kd
     seen = {}
 
@@ -170,7 +171,8 @@ def test_decode_split_softplus_fp16_rolled():
 def test_decode_plan_fuses_the_norm_for_whole_heads():
     from k31c.lowering.triton.kda_decode import plan
     assert plan(1, 128, 4, block_v=128).fuse_norm              # BV = K: no norm launch
-    assert not plan(1, 128, 4).fuse_norm
+    assert plan(1, 128, 4).fuse_norm and not plan(4, 128, 4).fuse_norm   # the defaults
+    assert not plan(1, 128, 4, block_v=32).fuse_norm
 
 
 def test_decode_rejects_bad_stages():

@@ -27,8 +27,9 @@ NORM_ROWS = 16            # [N*H, K] rows per norm program
 # ---- launch plan ----------------------------------------------------------------------------
 
 # (BV, num_warps) of the state pass by rows per request: the fastest measured on the H200 at
-# B=16, H=96 (BENCHMARKS.md, KDA); (32, 4) for one row is the steadier of two near-equal tiles.
-_TILE_ONE_ROW, _TILE_ROWS = (32, 4), (32, 2)
+# B=16, H=96 (BENCHMARKS.md, KDA). For one row BV = K (capped at K: one program per head, the gated
+# norm fused, two launches instead of three) won at B = 1 and 16 in four runs.
+_TILE_ONE_ROW, _TILE_ROWS = (128, 4), (32, 2)
 
 
 @dataclass(frozen=True)
