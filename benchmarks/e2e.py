@@ -8,8 +8,10 @@ on one; the bytes floor
 (`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
 measured now), the GPU busy share of the replayed step (from the profiler's trace of 5
 consecutive steps, the first left out: the union of the device's busy time, overlapping streams
-counted once, over the device span; the idle between steps, the metadata copies and graph
-launches, counts; "idle us" is the rest, a step), the host time of one `Engine.decode` call, and the replayed step's
+counted once, over the device span; the idle between steps and the graph launches counts; "idle
+us" is the rest, a step; "kernels / step": the same union of busy time a step over the step time
+measured without the profiler, the issue's "kernel time / step time", which leaves out the
+profiler's own gaps), the host time of one `Engine.decode` call, and the replayed step's
 time when every step's logits are read back before the next (a sampling loop without overlap).
 The caches are filled with random latent rows, index keys and KDA states instead of a prefill
 (the reference prefill cannot reach 32K); the step time is taken by CUDA events over `--steps`
@@ -86,8 +88,8 @@ def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -
     return begin.elapsed_time(end) / steps, host / steps * 1e3
 
 
-def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, list]:
-    """(busy share, [(node, us, count)] a step) from the profiler's trace of `steps` consecutive
+def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, float, list]:
+    """(busy share, busy us a step, [(node, us, count)] a step) from the profiler's trace of `steps` consecutive
     decode steps, the first left out (`timeline.steady_steps`): busy is the union of busy device
     time over the device span (overlapping streams count once; the idle between steps, the
     metadata copies and the graph launch, counts as idle)."""
@@ -98,7 +100,7 @@ def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, l
     device_nodes(step, steps)                      # the profiler's own first-use costs
     window, k = steady_steps(device_nodes(step, steps))
     span, busy, _ = idle_gaps(window)
-    return busy / span, per_step(window, k)
+    return busy / span, busy / k, per_step(window, k)
 
 
 def host_profile(eng: Engine, batch: int, ctx: int, steps: int = 50) -> list[str]:
@@ -176,7 +178,7 @@ def main() -> int:
     rows, kernels = [], []
     for ctx in contexts:
         for batch in BATCHES:
-            times, busy, floor, host, idle_us = {}, float("nan"), float("nan"), float("nan"), float("nan")
+            times, busy, floor, host, idle_us, kernels_share = {}, *[float("nan")] * 5
             for name, eng in engines.items():
                 for rid in list(eng.pool.requests):
                     eng.free(rid)
@@ -190,27 +192,29 @@ def main() -> int:
                 if name == "k31c graphs":
                     host = host_ms
                     times["k31c graphs, read back"] = step_ms(eng, rids, args.steps, read_back=True)[0]
-                    busy, table = step_profile(eng, rids)
+                    busy, busy_us, table = step_profile(eng, rids)
                     idle_us = (1 - busy) * times[name] * 1e3
+                    kernels_share = busy_us / (times[name] * 1e3)
                     floor = bytes_floor_ms(floor_bytes(model, eng, batch, ctx), machine)
                     kernels.append((ctx, batch, table))
-            rows.append((ctx, batch, times, floor, busy, idle_us, host))
-            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, idle_us, host, flush=True)
+            rows.append((ctx, batch, times, floor, busy, idle_us, kernels_share, host))
+            print(ctx, batch, {k: round(v, 3) for k, v in times.items()}, floor, busy, idle_us, kernels_share,
+                  host, flush=True)
     if args.host_profile:
         lines_host = host_profile(engines["k31c graphs"], min(BATCHES), contexts[0])
     names = [*runners, "k31c graphs, read back"]
     head = ["context", "B", *[f"{n} ms" for n in names], "floor ms", "graphs / floor", "eager / graphs",
-            "peer / graphs", "busy", "idle us", "host ms"]
+            "peer / graphs", "busy", "idle us", "kernels / step", "host ms"]
     lines = [f"Device: {machine.name}; measured copy {machine.copy_gbps:.0f} GB/s; bench config "
              f"(bf16, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for ctx, batch, times, floor, busy, idle_us, host in rows:
+    for ctx, batch, times, floor, busy, idle_us, kernels_share, host in rows:
         g = times.get("k31c graphs", float("nan"))
         peer = times.get("torch.compile(reduce-overhead)", float("nan"))
         cells = [f"{times.get(n, float('nan')):.3f}" for n in names]
         lines.append("| " + " | ".join([str(ctx), str(batch), *cells, f"{floor:.3f}", f"{g / floor:.2f}",
                                         f"{times['eager'] / g:.1f}", f"{peer / g:.1f}", f"{busy:.1%}",
-                                        f"{idle_us:.0f}", f"{host:.3f}"]) + " |")
+                                        f"{idle_us:.0f}", f"{kernels_share:.1%}", f"{host:.3f}"]) + " |")
     for name in runners:
         fn = runners[name]
         if hasattr(fn, "graph_stats"):

@@ -47,6 +47,7 @@ from .errors import UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
 from .graph.ops import is_k31c
+from .graph.step import caches_device, step_to_device
 from .graph.ops.streams import is_marker
 from .lowering.build import build_program, op_name
 from .lowering.program import Program as KernelProgram
@@ -56,7 +57,8 @@ from .options import program_target, split_options
 from .passes.manager import PassContext, PassRecord, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
-from .runtime.graphs import DecodeGraphs, StepInputs
+from .runtime.graphs import DecodeGraphs
+from .runtime.staging import StepInputs
 
 @dataclass
 class StepReport:
@@ -181,6 +183,10 @@ class CompiledModel:
     def parameters(self):
         return self.model.parameters()
 
+    # Engine(compiled) passes a step's token ids and metadata as host tensors: a replayed device
+    # graph stages them itself (runtime/staging.py); any other call moves them to the device here.
+    host_step_inputs = True
+
     @property
     def cache_formats(self) -> dict[str, str]:
         """Pool formats the quantize options ask for (Engine(compiled) allocates its pool so)."""
@@ -272,9 +278,15 @@ class CompiledModel:
     def __call__(self, input_ids, meta, caches, mode: str = "prefill", rows: int = 1):
         step = StepKind(mode, rows)
         program = self._programs.get(step)
+        if getattr(input_ids, "device", None) is not None and input_ids.device.type == "cpu":
+            device = caches_device(caches)
+            graphs = program.graphs if program is not None and program.fn is not None else None
+            if device.type != "cpu" and (graphs is None or graphs.bucket(meta.block_table.shape[0]) is None):
+                input_ids, meta = step_to_device(input_ids, meta, device)
         if program is None or program.fn is None:
             program = self.build(step, meta, caches)
-        flat = flat_step_inputs(program.captured, program.placeholders, input_ids, meta, caches)
+        flat = flat_step_inputs(program.captured, program.placeholders, input_ids, meta, caches,
+                                host_step_inputs=program.graphs is not None)
         with torch.no_grad():
             if program.graphs is not None:
                 return program.graphs(flat, meta.block_table.shape[0])

@@ -310,9 +310,11 @@ def _leaf_checks(captured: Captured, placeholders: list[torch.fx.Node]) -> list[
     return captured.leaf_checks
 
 
-def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches):
+def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches,
+                     host_step_inputs: bool = False):
     """Weights + flattened step inputs in placeholder order, after checking that the program covers
-    these shapes (a mismatch would need a new capture: it is an error naming the input)."""
+    these shapes (a mismatch would need a new capture: it is an error naming the input). With
+    `host_step_inputs`, token ids and metadata may also be host tensors (device graphs stage them)."""
     try:
         leaves = step_leaves(input_ids, meta, caches)
     except AttributeError as e:
@@ -330,7 +332,8 @@ def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], inpu
         if not isinstance(t, torch.Tensor) or t.dtype != c.dtype or t.dim() != c.ndim:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{c.name}: expected {c.dtype} with {c.ndim} dims, got {got}")
-        if t.device.type != c.device:
+        if t.device.type != c.device and not (host_step_inputs and t.device.type == "cpu"
+                                              and (c.name == "input_ids" or c.name.startswith("meta."))):
             raise ValueError(f"{c.name}: on {t.device}, the program runs on {c.device}")
         shape = t.shape
         for d, want in c.static:

@@ -70,6 +70,16 @@ def host_ints_to_device(groups: list, dtype: torch.dtype, device) -> list[torch.
     return out
 
 
+def step_to_device(input_ids: torch.Tensor, meta: StepMeta, device) -> tuple[torch.Tensor, StepMeta]:
+    """Host token ids and metadata on `device`: the int64 fields in one copy, the int32 ones in
+    another (host_ints_to_device)."""
+    ids, slot_mapping, kda_slots = host_ints_to_device([input_ids, meta.slot_mapping, meta.kda_slots],
+                                                       torch.int64, device)
+    row_req, row_len, cu, table = host_ints_to_device([meta.row_req, meta.row_len, meta.cu_seqlens,
+                                                       meta.block_table], torch.int32, device)
+    return ids, StepMeta(slot_mapping, table, row_req, row_len, kda_slots, cu)
+
+
 @dataclass
 class MLALayerCache:
     """One MLA layer's share of the flat block pool (blocks are shared by all layers).
@@ -153,3 +163,11 @@ def padding_step(batch: int, rows: int, max_blocks: int, device) -> tuple[torch.
                      kda_slots=torch.full((batch,), -1, dtype=i64, device=device),
                      cu_seqlens=torch.arange(batch + 1, dtype=i32, device=device) * rows)
     return torch.zeros(n, dtype=i64, device=device), meta
+
+
+def caches_device(caches: Caches) -> torch.device:
+    """Where a step runs: the device of its cache pools."""
+    first = (caches.kda or caches.mla or [None])[0]
+    if first is None:
+        raise ValueError("step inputs: the caches hold no KDA or MLA layer")
+    return (first.conv if isinstance(first, KDALayerState) else first.latent).device

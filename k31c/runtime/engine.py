@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..graph.step import StepMeta, host_ints_to_device, step_meta
+from ..graph.step import StepMeta, step_meta, step_to_device
 from .kv import CachePool
 
 
@@ -42,6 +42,7 @@ class Engine:
                               block_size=block_size, index_cache=index_cache, latent_cache=latent_cache,
                               device=self.device)
         self.step_fn = model if step_fn is None else step_fn   # a module's truth value is its len()
+        self._host_inputs = bool(getattr(self.step_fn, "host_step_inputs", False)) and self.device.type == "cuda"
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self) -> int:
@@ -62,9 +63,11 @@ class Engine:
 
     def _inputs(self, rids: Sequence[int], starts: list[int], counts: list[int],
                 tokens: Sequence[int]) -> tuple[torch.Tensor, StepMeta]:
-        """(token ids, StepMeta) of a step on the device: the int64 fields in one copy, the int32
-        fields and the requests' block-table rows (kept on the host by the pool) in another."""
-        pool, dev = self.pool, self.device
+        """(token ids, StepMeta) of a step: on the host for a step function that takes them there
+        (a compiled model: its device graphs stage them themselves), else on the device (the int64
+        fields in one copy, the int32 fields and the requests' block-table rows, kept on the host
+        by the pool, in another)."""
+        pool = self.pool
         slot_mapping, row_req, row_len, cu = [], [], [], [0]
         for b, (rid, s, n) in enumerate(zip(rids, starts, counts)):
             pool.reserve(rid, s + n)
@@ -73,12 +76,12 @@ class Engine:
             row_len += list(range(s + 1, s + n + 1))
             cu.append(cu[-1] + n)
         slots = [pool.requests[r].slot for r in rids]
-        ids, slot_mapping, kda_slots = host_ints_to_device([list(map(int, tokens)), slot_mapping, slots],
-                                                           torch.int64, dev)
-        row_req, row_len, cu, table = host_ints_to_device([row_req, row_len, cu, pool.block_table[slots]],
-                                                          torch.int32, dev)
-        return ids, step_meta(slot_mapping=slot_mapping, block_table=table, row_req=row_req, row_len=row_len,
-                              kda_slots=kda_slots, cu_seqlens=cu, device=dev)
+        ids = torch.tensor(list(map(int, tokens)), dtype=torch.int64)
+        meta = step_meta(slot_mapping=slot_mapping, block_table=pool.block_table[slots], row_req=row_req,
+                         row_len=row_len, kda_slots=slots, cu_seqlens=cu, device="cpu")
+        if self._host_inputs:
+            return ids, meta
+        return step_to_device(ids, meta, self.device)
 
     @torch.no_grad()
     def prefill(self, rids: Sequence[int], tokens: Sequence[Sequence[int]],

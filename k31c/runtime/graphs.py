@@ -1,8 +1,8 @@
 """Device graphs: one captured CUDA/HIP graph per (batch bucket, rows) of a decode step kind.
 
-A decode step with B requests runs as the graph of the smallest bucket >= B: the step's inputs
-(token ids, metadata, verification snapshots) are copied into the bucket's static buffers, the
-rows past B hold padding requests (graph/step.py's `padding_step`: they read and write nothing),
+A decode step with B requests runs as the graph of the smallest bucket >= B: the step's token ids
+and metadata are staged into the bucket's static buffers by the graph's first node (staging.py),
+verification snapshots are copied back after it, the rows past B hold padding requests (graph/step.py's `padding_step`: they read and write nothing),
 the graph is replayed and the first B x rows logits are returned (a copy: the next replay reuses
 the buffer). The cache pools are graph inputs by address: a call with other cache tensors than
 the captured ones is an error. A batch larger than every bucket runs uncaptured, counted.
@@ -23,6 +23,7 @@ import torch
 from ..errors import RuntimeFailure
 from ..graph.step import padding_step
 from .executor import Executor
+from .staging import StagedInputs, StepInputs
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -37,65 +38,9 @@ def check_buckets(buckets) -> tuple[int, ...]:
 
 
 @dataclass
-class StepInputs:
-    """Where a step kind's per-step inputs sit among the program inputs, and their shapes."""
-    per_step: list[int]                 # program input index of each per-step tensor
-    names: list[str]
-    shapes: list[tuple]                 # symbolic shapes (sympy expressions in the batch symbol)
-    snapshots: list[int]                # the subset of per_step written by the step (copied back)
-    batch_symbol: sympy.Symbol
-    rows: int
-
-
-class StaticInputs:
-    """A bucket's static buffers for the per-step inputs: padding everywhere at first, then each
-    step's real values in the first rows (rows a larger batch filled before are padded again)."""
-
-    def __init__(self, inputs: StepInputs, templates: list[torch.Tensor]):
-        self.inputs = inputs
-        snaps = [index in inputs.snapshots for index in inputs.per_step]
-        self.buffers = [t if snap else t.clone() for t, snap in zip(templates, snaps)]
-        self.padding = [None if snap else t for t, snap in zip(templates, snaps)]
-        self.filled = [0] * len(templates)
-
-    def bind(self, flat: list) -> list:
-        """`flat` with the per-step inputs replaced by the buffers."""
-        run = list(flat)
-        for index, t in zip(self.inputs.per_step, self.buffers):
-            run[index] = t
-        return run
-
-    def fill(self, flat: list) -> None:
-        """Copy the step's inputs in (one multi-tensor copy per dtype, not one copy per input)."""
-        dst: dict[torch.dtype, list] = {}
-        src: dict[torch.dtype, list] = {}
-        for i, (index, static) in enumerate(zip(self.inputs.per_step, self.buffers)):
-            pad = self.padding[i]
-            if pad is None:                      # snapshots: written by the step
-                continue
-            n = flat[index].shape[0]
-            pairs = [(static[:n], flat[index])]
-            if self.filled[i] > n:
-                pairs.append((static[n:self.filled[i]], pad[n:self.filled[i]]))
-            for d, s in pairs:
-                if d.numel():
-                    dst.setdefault(d.dtype, []).append(d)
-                    src.setdefault(d.dtype, []).append(s)
-            self.filled[i] = n
-        for dtype, tensors in dst.items():
-            torch._foreach_copy_(tensors, src[dtype])
-
-    def copy_back(self, flat: list, batch: int) -> None:
-        """The step's snapshots of the first `batch` requests into the caller's tensors."""
-        for index, static in zip(self.inputs.per_step, self.buffers):
-            if index in self.inputs.snapshots:
-                flat[index].copy_(static[:batch])
-
-
-@dataclass
 class _Graph:
     graph: object
-    statics: StaticInputs
+    statics: StagedInputs
     out: torch.Tensor
 
 
@@ -104,6 +49,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     uncaptured: int = 0                 # calls with a batch larger than every bucket
+    table_copies: int = 0               # replays whose block table was copied whole (staging.py)
 
 
 class DecodeGraphs:
@@ -149,8 +95,8 @@ class DecodeGraphs:
         first = self.inputs.per_step[0]
         return tuple(flat[i].data_ptr() for i in range(first, len(flat)) if i not in per_step)
 
-    def static_inputs(self, batch: int, flat: list) -> StaticInputs:
-        return StaticInputs(self.inputs, self._templates(batch, flat))
+    def static_inputs(self, batch: int, flat: list) -> StagedInputs:
+        return StagedInputs(self.inputs, self._templates(batch, flat), self.executor.device)
 
     def _capture(self, batch: int, flat: list) -> _Graph:
         statics = self.static_inputs(batch, flat)
@@ -158,10 +104,13 @@ class DecodeGraphs:
         capture_stream = torch.cuda.Stream(device=self.executor.device)
         capture_stream.wait_stream(torch.cuda.current_stream(self.executor.device))
         with torch.cuda.stream(capture_stream):
-            self.executor(run)                  # warm-up on padding: compiles, tunes, writes nothing
+            statics.stage()                     # warm-up on padding: compiles, tunes, writes nothing
+            self.executor(run)
         torch.cuda.current_stream(self.executor.device).wait_stream(capture_stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
+            statics.stage()
+            statics.staged.record()             # the host may rewrite the staging buffer after this
             out = self.executor(run)[0]
         self.stats.captures += 1
         return _Graph(graph, statics, out)
@@ -180,7 +129,7 @@ class DecodeGraphs:
         entry = self.graphs.get(bucket)
         if entry is None:
             entry = self.graphs[bucket] = self._capture(bucket, flat)
-        entry.statics.fill(flat)
+        self.stats.table_copies += entry.statics.fill(flat)
         self.executor.refresh_weight_pieces(flat)
         entry.graph.replay()
         self.stats.replays += 1

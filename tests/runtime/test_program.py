@@ -239,6 +239,7 @@ def test_padding_requests_read_and_write_nothing(model):
     flat = flat_step_inputs(program.captured, program.placeholders, torch.tensor([3, 9]), meta, b.pool.caches())
     statics = graphs.static_inputs(4, flat)
     statics.fill(flat)
+    statics.stage()
     got = program.executor(statics.bind(flat))[0]
     assert got.shape[0] == 4
     close(got[:2], want, tol=1e-5)
@@ -250,6 +251,7 @@ def test_padding_requests_read_and_write_nothing(model):
     _, one = b._inputs([0], [b.length(0) + 1], [1], [4])
     flat1 = flat_step_inputs(program.captured, program.placeholders, torch.tensor([4]), one, b.pool.caches())
     statics.fill(flat1)
+    statics.stage()
     slots = statics.buffers[statics.inputs.names.index("meta.kda_slots")]
     assert slots.tolist() == [flat1[statics.inputs.per_step[statics.inputs.names.index("meta.kda_slots")]][0].item(), -1, -1, -1]
 
