@@ -10,6 +10,8 @@ from k31c.lowering.triton.stage import stage_words
 from k31c.runtime.staging import StagedInputs, StepInputs
 
 BUCKET, ROWS, MAX_BLOCKS = 4, 2, 6
+# on a GPU machine: static buffers on the device, the staging buffer pinned and read zero-copy
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _inputs() -> StepInputs:
@@ -43,6 +45,8 @@ def _run(statics: StagedInputs, step: dict) -> bool:
         flat[index] = t
     whole = statics.fill(flat)
     statics.stage()
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
     return whole
 
 
@@ -50,12 +54,12 @@ def _check(statics: StagedInputs, step: dict, batch: int) -> None:
     pad = _padding(BUCKET)
     for i, index in enumerate(statics.inputs.per_step[:5]):
         want = torch.cat([step[index], pad[i][step[index].shape[0]:]])
-        assert torch.equal(statics.buffers[i], want), statics.inputs.names[i]
+        assert torch.equal(statics.buffers[i].cpu(), want), statics.inputs.names[i]
 
 
 def test_fill_and_stage_pad_the_rows_past_the_batch():
     gen = torch.Generator().manual_seed(0)
-    statics = StagedInputs(_inputs(), _padding(BUCKET), torch.device("cpu"))
+    statics = StagedInputs(_inputs(), [t.to(DEV) for t in _padding(BUCKET)], DEV)
     assert statics.capacity == BUCKET * (ROWS + 1)
     two = _step(2, gen, table=torch.full((2, MAX_BLOCKS), -1, dtype=torch.int32))
     two[12][:, :2] = torch.randint(0, 1000, (2, 2), generator=gen, dtype=torch.int32)
@@ -79,7 +83,7 @@ def test_stale_pairs_are_cleared():
     """A step shipped as pairs, then one copied whole that sets an entry the pairs wrote: the old
     pairs must not be applied again."""
     gen = torch.Generator().manual_seed(1)
-    statics = StagedInputs(_inputs(), _padding(BUCKET), torch.device("cpu"))
+    statics = StagedInputs(_inputs(), [t.to(DEV) for t in _padding(BUCKET)], DEV)
     first = _step(2, gen, table=torch.full((2, MAX_BLOCKS), -1, dtype=torch.int32))
     first[12][0, 0] = 11
     assert not _run(statics, first)
@@ -92,7 +96,7 @@ def test_stale_pairs_are_cleared():
 
 def test_stage_words_against_indexing():
     gen = torch.Generator().manual_seed(2)
-    dense = torch.empty(37, dtype=torch.int32)
+    dense = torch.empty(37, dtype=torch.int32, device=DEV)
     table = torch.randint(-5, 5, (5, 9), generator=gen, dtype=torch.int32)
     idx = torch.randperm(45, generator=gen)[:6].to(torch.int32)
     idx[2] = -1
@@ -102,8 +106,10 @@ def test_stage_words_against_indexing():
     want = table.clone().view(-1)
     keep = idx >= 0
     want[idx[keep].long()] = vals[keep]
+    if DEV.type == "cuda":
+        src, table = src.pin_memory(), table.to(DEV)
     stage_words(src, dense, table.view(-1))
-    assert torch.equal(dense, src[:37]) and torch.equal(table.view(-1), want)
+    assert torch.equal(dense.cpu(), src[:37].cpu()) and torch.equal(table.view(-1).cpu(), want)
     with pytest.raises(ValueError, match="int32"):
         stage_words(src.long(), dense, table.view(-1))
     with pytest.raises(ValueError, match="odd"):
