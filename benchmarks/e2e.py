@@ -11,7 +11,8 @@ consecutive steps, the first left out: the union of the device's busy time, over
 counted once, over the device span; the idle between steps and the graph launches counts; "idle
 us" is the rest, a step; "kernels / step": the same union of busy time a step over the step time
 measured without the profiler, the issue's "kernel time / step time", which leaves out the
-profiler's own gaps), the host time of one `Engine.decode` call, and the replayed step's
+profiler's own gaps), the host time of one `Engine.decode` call (the wait for
+the previous step's staging event included: the host runs one step ahead), and the replayed step's
 time when every step's logits are read back before the next (a sampling loop without overlap).
 The caches are filled with random latent rows, index keys and KDA states instead of a prefill
 (the reference prefill cannot reach 32K); the step time is taken by CUDA events over `--steps`
