@@ -47,8 +47,8 @@ from .errors import UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
 from .graph.ops import is_k31c
-from .graph.step import caches_device, step_to_device
 from .graph.ops.streams import is_marker
+from .graph.step import caches_device, step_to_device
 from .lowering.build import build_program, op_name
 from .lowering.program import Program as KernelProgram
 from .lowering.targets import Target, get_target

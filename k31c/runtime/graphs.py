@@ -2,16 +2,19 @@
 
 A decode step with B requests runs as the graph of the smallest bucket >= B: the step's token ids
 and metadata are staged into the bucket's static buffers by the graph's first node (staging.py),
-verification snapshots are copied back after it, the rows past B hold padding requests (graph/step.py's `padding_step`: they read and write nothing),
-the graph is replayed and the first B x rows logits are returned (a copy: the next replay reuses
-the buffer). The cache pools are graph inputs by address: a call with other cache tensors than
-the captured ones is an error. A batch larger than every bucket runs uncaptured, counted.
+the rows past B hold padding requests (graph/step.py's `padding_step`: they read and write
+nothing), the graph is replayed, verification snapshots are copied out and the first B x rows
+logits are returned (a copy: the next replay reuses the buffer). The cache pools are graph inputs
+by address: a call with other cache tensors than the captured ones is an error. A batch larger
+than every bucket runs uncaptured, counted.
 
-Capture: the bucket's buffers are filled with padding, the program runs once on the capture stream
-(so autotuning, lazy allocation and kernel compilation happen outside the capture), then
-`torch.cuda.graph` records it; side streams fork from and join into the capturing stream (the
-executor's events). All buckets and step kinds of a compiled model share one memory pool. The same
-code captures HIP graphs under a ROCm build of torch; there the target asks for one stream.
+Capture: the bucket's buffers are filled with padding, the staging kernel and the program run once
+on the capture stream (so autotuning, lazy allocation and kernel compilation happen outside the
+capture), then `torch.cuda.graph` records it; side streams fork from and join into the capturing
+stream (the executor's events). All buckets and step kinds of a compiled model share one memory
+pool. The same code captures HIP graphs under a ROCm build of torch; there the target asks for
+one stream, and the staging buffer is copied to the device by a memcpy node before the staging
+kernel (staging.py).
 """
 from __future__ import annotations
 
