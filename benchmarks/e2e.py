@@ -90,10 +90,10 @@ def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -
 
 
 def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, float, list]:
-    """(busy share, busy us a step, [(node, us, count)] a step) from the profiler's trace of `steps` consecutive
-    decode steps, the first left out (`timeline.steady_steps`): busy is the union of busy device
-    time over the device span (overlapping streams count once; the idle between steps, the
-    metadata copies and the graph launch, counts as idle)."""
+    """(busy share, busy us a step, [(node, us, count)] a step) from the profiler's trace of
+    `steps` consecutive decode steps, the first left out (`timeline.steady_steps`): busy is the union of busy device
+    time over the device span (overlapping streams count once; the idle between steps and the
+    graph launch counts as idle)."""
     toks = [7] * len(rids)
 
     def step():

@@ -4,8 +4,8 @@ For the bench config at (context, B) points, profiles `--steps` consecutive `Eng
 (no synchronisation between them, as a serving loop issues them) of the k31c graph-replay program
 and prints, from the profiler's trace (every kernel, memcpy and memset with its stream):
 - per step: the span, the union of busy device time (overlapping streams counted once), the
-  kernel sum and the idle time (the host's metadata copies and graph launches included), over
-  the steps after the first (`timeline.steady_steps`);
+  kernel sum and the idle time (the gaps between graphs included), over the steps after the
+  first (`timeline.steady_steps`);
 - the idle before each node summed by (previous node, node), largest first; the nodes by name;
 - with --out FILE, every node (offset, duration, idle before, stream, name) in FILE's .raw.txt.
 The busy column of `k31c bench e2e` is kernel time over wall time; this says which gaps make up
