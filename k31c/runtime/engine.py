@@ -42,6 +42,7 @@ class Engine:
                               block_size=block_size, index_cache=index_cache, latent_cache=latent_cache,
                               device=self.device)
         self.step_fn = model if step_fn is None else step_fn   # a module's truth value is its len()
+        # a compiled model takes a step's ids and metadata on the host (its device graphs stage them)
         self._host_inputs = bool(getattr(self.step_fn, "host_step_inputs", False)) and self.device.type == "cuda"
 
     # ---- requests ---------------------------------------------------------------------------------

@@ -127,7 +127,8 @@ class StagedInputs:
     def _fill_table(self, rows: torch.Tensor) -> bool:
         n = rows.shape[0]
         upto = max(n, self.table_rows)
-        want = rows if upto == n else torch.cat([rows, torch.full((upto - n, rows.shape[1]), -1, dtype=rows.dtype)])
+        pad = torch.full((upto - n, rows.shape[1]), -1, dtype=rows.dtype)
+        want = rows if upto == n else torch.cat([rows, pad])
         old = self.shadow[:upto]
         changed = (old != want).view(-1).nonzero().squeeze(1)
         pairs = self.host[self.n_dense:].view(-1, 2)

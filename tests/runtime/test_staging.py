@@ -34,7 +34,8 @@ def _step(batch: int, gen: torch.Generator, table=None) -> dict[int, torch.Tenso
     n = batch * ROWS
     if table is None:
         table = torch.randint(0, 1000, (batch, MAX_BLOCKS), generator=gen, dtype=torch.int32)
-    return {10: torch.randint(0, 2**40, (n,), generator=gen), 11: torch.randint(0, 2**40, (n,), generator=gen),
+    return {10: torch.randint(0, 2**40, (n,), generator=gen),
+            11: torch.randint(0, 2**40, (n,), generator=gen),
             12: table, 13: torch.randint(1, 500, (n,), generator=gen, dtype=torch.int32),
             14: torch.arange(batch + 1, dtype=torch.int32) * ROWS, 20: torch.zeros(batch, ROWS, 3)}
 

@@ -33,7 +33,8 @@ def stage_words(src: torch.Tensor, dense: torch.Tensor, table: torch.Tensor) -> 
     n_dense, rest = dense.numel(), src.numel() - dense.numel()
     for name, t in (("src", src), ("dense", dense), ("table", table)):
         if t.dtype != torch.int32 or not t.is_contiguous():
-            raise ValueError(f"stage_words: {name} must be contiguous int32, got {t.dtype} {tuple(t.stride())}")
+            raise ValueError(f"stage_words: {name} must be contiguous int32, got {t.dtype} "
+                             f"strides {tuple(t.stride())}")
     if rest < 0 or rest % 2:
         raise ValueError(f"stage_words: src holds {src.numel()} words: {n_dense} dense and an odd "
                          "or negative number of pair words")
