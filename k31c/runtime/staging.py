@@ -68,8 +68,8 @@ class StagedInputs:
             self.table = table.clone()
             self.shadow = table.cpu().clone()            # what the device table holds once staged
             self.capacity = table.shape[0] * (inputs.rows + 1)   # new blocks a decode step can add
-        else:
-            self.table = torch.empty(0, dtype=torch.int32, device=device)
+        else:                                            # a one-word stand-in: no null pointer
+            self.table = torch.full((1,), -1, dtype=torch.int32, device=device)
             self.shadow, self.capacity = None, 0
         self.host = torch.empty(n + 2 * self.capacity, dtype=torch.int32, pin_memory=cuda)
         self.host[n:] = -1
@@ -103,7 +103,7 @@ class StagedInputs:
         """The graph's first node: the staging buffer into the static buffers."""
         if self.src is not self.host:
             self.src.copy_(self.host, non_blocking=True)
-        stage_words(self.src, self.dense, self.table.view(-1) if self.table.numel() else self.table)
+        stage_words(self.src, self.dense, self.table.view(-1))
 
     def fill(self, flat: list) -> bool:
         """The step's inputs into the staging buffer (after the previous replay has read it).

@@ -115,3 +115,21 @@ def test_stage_words_against_indexing():
         stage_words(src.long(), dense, table.view(-1))
     with pytest.raises(ValueError, match="odd"):
         stage_words(src[:-1], dense, table.view(-1))
+
+
+def test_a_step_without_a_block_table():
+    """A program that takes no block table (no MLA layer reads it) stages the other inputs."""
+    gen = torch.Generator().manual_seed(3)
+    full = _inputs()
+    keep = [i for i, name in enumerate(full.names) if name != "meta.block_table"]
+    inputs = StepInputs([full.per_step[i] for i in keep], [full.names[i] for i in keep],
+                        [full.shapes[i] for i in keep], full.snapshots, full.batch_symbol, ROWS)
+    pad = _padding(BUCKET)
+    statics = StagedInputs(inputs, [pad[i].to(DEV) for i in keep], DEV)
+    assert statics.capacity == 0
+    step = _step(2, gen)
+    del step[12]
+    assert not _run(statics, step)
+    for i, index in enumerate(inputs.per_step[:4]):
+        want = torch.cat([step[index], pad[keep[i]][step[index].shape[0]:]])
+        assert torch.equal(statics.buffers[i].cpu(), want), inputs.names[i]
