@@ -128,7 +128,7 @@ def fla_decode_peers(tok, lay, B, R):
 
 
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
-                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4), (128, 8)),
+                configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4)),
                 rows=(1, 4)) -> list[Row]:
     """kda_decode swept over `configs` (BV, warps; BV = K: one program a head, gated norm fused,
     no norm launch), best reported; R > 1 also with per-row snapshots, at the launcher's default
@@ -193,7 +193,7 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
 
 
 def small_batch_rows(m: Machine, batches=(1, 4),
-                     configs=((32, 4), (64, 4), (128, 4), (128, 8), (16, 2)),
+                     configs=((32, 4), (64, 4), (128, 4), (16, 2)),
                      slots_in_pool: int = 16) -> list[Row]:
     """The decode tile at the small batches of a serving step (R = 1): k31c only, each (BV, warps)
     of `configs`, as CUDA-graph replays of 20 calls that cycle through the states of
