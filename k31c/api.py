@@ -5,6 +5,8 @@
     Engine(model, step_fn=compiled)                                      # or Engine(compiled)
     print(compiled.report)                                               # what each pass did
 
+The step's token ids and metadata may be device or host tensors (the Engine passes host ones: a
+replayed decode graph stages them itself, runtime/staging.py; other calls copy them over once).
 A program is built on the first call of each step kind (prefill, decode, verification with R
 rows) for the cache pool it is called with, and serves every batch size after that: its batch
 dimension is symbolic. `compilations` counts builds per step kind; a call the program does not
