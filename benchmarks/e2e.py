@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: E402
-from timeline import device_nodes, idle_gaps, per_step, steady_steps  # noqa: E402
+from timeline import idle_gaps, per_step, steady_profile  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
@@ -91,15 +91,11 @@ def step_ms(eng: Engine, rids: list[int], steps: int, read_back: bool = False) -
 
 def step_profile(eng: Engine, rids: list[int], steps: int = 5) -> tuple[float, float, list]:
     """(busy share, busy us a step, [(node, us, count)] a step) from the profiler's trace of
-    `steps` consecutive decode steps, the first left out (`timeline.steady_steps`): busy is the union of busy device
-    time over the device span (overlapping streams count once; the idle between steps and the
-    graph launch counts as idle)."""
+    `steps` consecutive decode steps, the first left out (`timeline.steady_profile`): busy is the
+    union of busy device time over the device span (overlapping streams count once; the idle
+    between steps and the graph launch counts as idle)."""
     toks = [7] * len(rids)
-
-    def step():
-        eng.decode(rids, toks)
-    device_nodes(step, steps)                      # the profiler's own first-use costs
-    window, k = steady_steps(device_nodes(step, steps))
+    window, k = steady_profile(lambda: eng.decode(rids, toks), steps)
     span, busy, _ = idle_gaps(window)
     return busy / span, busy / k, per_step(window, k)
 

@@ -28,15 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from e2e import fill_random, step_ms  # noqa: E402
 from harness import bench_model, emit  # noqa: E402
-from timeline import device_nodes, idle_gaps, per_step, steady_steps  # noqa: E402
+from timeline import idle_gaps, per_step, steady_profile  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
 
-def report(label: str, nodes: list[dict], wall_ms: float) -> tuple[list[str], list[str]]:
-    """(summary lines, every node's line) of consecutive steps' device timeline, the steady
-    steps only (`timeline.steady_steps`)."""
-    nodes, steps = steady_steps(nodes)
+
+def report(label: str, nodes: list[dict], steps: int, wall_ms: float) -> tuple[list[str], list[str]]:
+    """(summary lines, every node's line) of `steps` steady steps' device timeline
+    (`timeline.steady_profile`)."""
     span, busy, before = idle_gaps(nodes)
     ksum = sum(n["dur"] for n in nodes)
     lines = [f"\n### {label}: {wall_ms:.3f} ms a step (e2e.step_ms, 20 steps)", "",
@@ -88,11 +88,8 @@ def main() -> int:
         rids = fill_random(eng, batch, ctx)
         wall, _ = step_ms(eng, rids, 20)
         toks = [7] * batch
-
-        def step():
-            eng.decode(rids, toks)
-        device_nodes(step, args.steps)         # the profiler's own first-use costs
-        summary, nodes = report(f"context {ctx}, B {batch}", device_nodes(step, args.steps), wall)
+        window, steps = steady_profile(lambda: eng.decode(rids, toks), args.steps)
+        summary, nodes = report(f"context {ctx}, B {batch}", window, steps, wall)
         lines += summary
         raw += nodes
     emit(lines, args.out)

@@ -62,6 +62,13 @@ def steady_steps(nodes: list[dict], last: str = "Memcpy DtoD") -> tuple[list[dic
     return nodes[ends[0] + 1:ends[-1] + 1], len(ends) - 1
 
 
+def steady_profile(fn, calls: int) -> tuple[list[dict], int]:
+    """`steady_steps` of `calls` consecutive calls of `fn`, after one untimed profile of as many
+    (the profiler's own first-use costs)."""
+    device_nodes(fn, calls)
+    return steady_steps(device_nodes(fn, calls))
+
+
 def per_step(nodes: list[dict], steps: int) -> list[tuple[str, float, float]]:
     """[(node name, us a step, count a step)] of `steps` steps' nodes, the most time first."""
     acc: dict[str, list] = defaultdict(lambda: [0.0, 0])
@@ -69,4 +76,3 @@ def per_step(nodes: list[dict], steps: int) -> list[tuple[str, float, float]]:
         acc[n["name"]][0] += n["dur"]
         acc[n["name"]][1] += 1
     return sorted(((name, us / steps, c / steps) for name, (us, c) in acc.items()), key=lambda r: -r[1])
-

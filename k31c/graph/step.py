@@ -43,20 +43,17 @@ def step_meta(*, slot_mapping, block_table, row_req, row_len, kda_slots, cu_seql
                        for name, v in fields.items()})
 
 
-def host_ints_to_device(groups: list, dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Each group (a list of host ints, or a CPU tensor of any shape) as a tensor of that shape on
-    `device`, all of them views of one buffer filled by one copy.
+def host_ints_to_device(groups: list[torch.Tensor], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Each host tensor of `groups` (any shape) as a tensor of that shape and `dtype` on `device`,
+    all of them views of one buffer filled by one copy.
 
-    On a CUDA device the ints go through a pinned host buffer with one non-blocking copy: a plain
+    On a CUDA device through a pinned host buffer with one non-blocking copy: a plain
     `torch.tensor(..., device="cuda")` waits for the stream to drain, which would serialize every
     step's host work with the previous step's kernels, and one copy per group is a device node
-    each (a replayed decode step's metadata was 6 copies and a gather of the block table). The
-    views start at offsets that depend on the batch; a `torch.compile(..., dynamic=True)` of the
-    model does not retrace for them (tests/passes/test_dynamo_backend.py)."""
+    each. The views start at offsets that depend on the batch; a `torch.compile(...,
+    dynamic=True)` of the model does not retrace for them (tests/passes/test_dynamo_backend.py)."""
     device = torch.device(device)
-    flat = [torch.as_tensor(g, dtype=dtype).reshape(-1) if isinstance(g, torch.Tensor)
-            else torch.tensor(g, dtype=dtype) for g in groups]
-    shapes = [tuple(g.shape) if isinstance(g, torch.Tensor) else (len(g),) for g in groups]
+    flat = [g.to(dtype).reshape(-1) for g in groups]
     host = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
     if device.type == "cuda":
         buf = torch.empty(host.shape, dtype=dtype, device=device)
@@ -64,8 +61,8 @@ def host_ints_to_device(groups: list, dtype: torch.dtype, device) -> list[torch.
     else:
         buf = host.to(device)
     out, start = [], 0
-    for f, shape in zip(flat, shapes):
-        out.append(buf[start:start + f.numel()].view(shape))
+    for f, g in zip(flat, groups):
+        out.append(buf[start:start + f.numel()].view(g.shape))
         start += f.numel()
     return out
 

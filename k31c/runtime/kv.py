@@ -86,7 +86,7 @@ class CachePool:
                     for _ in cfg.kda_layers]
         self.free_slots = list(range(max_requests - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
-        # host bookkeeping: a step ships its requests' rows with its other metadata (one copy)
+        # host bookkeeping: a step ships its requests' rows with its other metadata
         self.block_table = torch.full((max_requests, self.max_blocks_per_req), -1, dtype=torch.int32)
         self.requests: dict[int, Request] = {}
         self._next_id = 0

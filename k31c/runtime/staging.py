@@ -49,9 +49,6 @@ class StagedInputs:
         buffers the step writes)."""
         self.inputs = inputs
         cuda = device.type == "cuda"
-        # zero-copy needs the pinned buffer mapped into the device's address space (CUDA's unified
-        # addressing); elsewhere the graph copies it to the device first
-        self.zero_copy = cuda and torch.version.hip is None
         self.table_index = inputs.names.index(TABLE) if TABLE in inputs.names else None
         staged = [i for i, index in enumerate(inputs.per_step)
                   if index not in inputs.snapshots and i != self.table_index]
@@ -73,7 +70,10 @@ class StagedInputs:
             self.shadow, self.capacity = None, 0
         self.host = torch.empty(n + 2 * self.capacity, dtype=torch.int32, pin_memory=cuda)
         self.host[n:] = -1
-        self.src = self.host if self.zero_copy or not cuda else torch.empty_like(self.host, device=device)
+        # zero-copy needs the pinned buffer mapped into the device's address space (CUDA's unified
+        # addressing); under ROCm the graph copies it to the device first
+        hip = cuda and torch.version.hip is not None
+        self.src = torch.empty_like(self.host, device=device) if hip else self.host
         self.buffers, self.host_views, self.padding = [], [], []
         for i, t in enumerate(templates):
             if i in offsets:
@@ -127,8 +127,8 @@ class StagedInputs:
     def _fill_table(self, rows: torch.Tensor) -> bool:
         n = rows.shape[0]
         upto = max(n, self.table_rows)
-        pad = torch.full((upto - n, rows.shape[1]), -1, dtype=rows.dtype)
-        want = rows if upto == n else torch.cat([rows, pad])
+        want = rows if upto == n else torch.cat(
+            [rows, torch.full((upto - n, rows.shape[1]), -1, dtype=rows.dtype)])
         old = self.shadow[:upto]
         changed = (old != want).view(-1).nonzero().squeeze(1)
         pairs = self.host[self.n_dense:].view(-1, 2)
