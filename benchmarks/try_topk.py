@@ -17,7 +17,10 @@
    software pipelined; two passes), first checked against the registered filter (the same
    candidates, counts and ties at a set threshold; also on the CPU under TRITON_INTERPRET=1).
 
-    PYTHONPATH=. python benchmarks/try_topk.py [steps]     (steps: the check and part 3 alone)
+4. (`stages`) the filter with its loads software-pipelined through shared memory
+   (`_filter_staged`) over programs, tiles and pipeline depth.
+
+    PYTHONPATH=. python benchmarks/try_topk.py [steps | stages]     (the check and part 3 or 4 alone)
 """
 from __future__ import annotations
 
@@ -177,6 +180,31 @@ def _filter_variant(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, ties_ptr
     tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 0))
 
 
+@triton.jit
+def _filter_staged(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
+                   chunk, TILE: tl.constexpr, STAGES: tl.constexpr):
+    """topk._filter_kernel with its loads left to Triton's software pipeliner (`tl.range`,
+    STAGES deep through shared memory: bytes in flight that hold no registers) instead of the
+    one-tile register prefetch."""
+    row = tl.program_id(0)
+    rows = row + tl.zeros([1], tl.int32)
+    st_rows = state_ptr + rows * topk.ROW_STATE
+    n = tl.load(row_len_ptr + row)
+    thresh = tl.load(st_rows + topk.ST_THRESH).to(tl.uint32, bitcast=True)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, n)
+    src_row = src_ptr + row.to(tl.int64) * src_stride
+    ties = tl.zeros([1, TILE], tl.int32)
+    for start in tl.range(lo, hi, TILE, num_stages=STAGES):
+        pos = start + tl.arange(0, TILE)
+        live = (pos < hi)[None, :]
+        key = order_key(tl.load(src_row + pos, mask=pos < hi, other=0.0))[None, :]
+        ties += (live & (key == thresh[:, None])).to(tl.int32)
+        topk.append_candidates(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
+                               key, pos[None, :], live & (key > thresh[:, None]), cap)
+    tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
+
+
 def check_filter_variants(device: str = "cuda") -> None:
     """Both variants append the same candidates (as a set), count and ties as the registered
     filter, at a set threshold (scores > 0.5 and == 0.5) over rows with planted ties."""
@@ -186,13 +214,16 @@ def check_filter_variants(device: str = "cuda") -> None:
     p = topk.plan(rows, width, 64, programs=8)
     key_half = 0x3F000000 | 0x80000000          # order_key(0.5)
     results = []
-    for form in (None, 0, 1):
+    for form in (None, 0, 1, "staged"):
         ws = p.workspace(device)
         ws["state"].zero_()
         ws["state"].view(rows, topk.ROW_STATE)[:, 1] = key_half - (1 << 32)
         row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
         args = (scores, scores.stride(0))
-        if form is None:
+        if form == "staged":
+            _filter_staged[(rows, p.n_chunks)](*args, row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
+                                               p.cap, p.chunk, TILE=topk.SCORE_TILE, STAGES=3)
+        elif form is None:
             topk._filter_kernel[(rows, p.n_chunks)](*args, row_len, ws["state"], ws["ckey"], ws["cpos"],
                                                     ws["ties"], p.cap, p.chunk, TILE=topk.SCORE_TILE)
         else:
@@ -204,7 +235,7 @@ def check_filter_variants(device: str = "cuda") -> None:
         results.append((count, sets, ws["ties"].view(rows, -1).sum(1).tolist()))
     want = results[0]
     assert all(c == int((scores[r] > 0.5).sum()) for r, c in enumerate(want[0])), want[0]
-    for form, got in zip((0, 1), results[1:]):
+    for form, got in zip((0, 1, "staged"), results[1:]):
         assert got == want, f"form {form} differs from the registered filter"
     print(f"filter variants == the registered filter (counts {want[0]}, ties {want[2]})")
 
@@ -282,11 +313,41 @@ def filter_steps() -> None:
             print(f"filter variant 64x{ctx >> 10}K: {what}: {us:.1f} us")
 
 
+def filter_stages() -> None:
+    """The staged filter (loads pipelined through shared memory) over programs in all and depth,
+    beside the registered filter at its launch shape, after one plan launch (the counter is reset
+    before every replay so each launch appends as the real one does)."""
+    for ctx in (128 << 10, 1 << 20):
+        scores = torch.randn(64, ctx, device="cuda")
+        row_len, p, ws = _planned(scores)
+        cnt = ws["state"].view(64, topk.ROW_STATE)[:, 0]
+        reg = graph_us(lambda: (cnt.zero_(), topk._filter_kernel[(64, p.n_chunks)](
+            scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"], p.cap, p.chunk,
+            TILE=topk.SCORE_TILE, num_warps=topk.FILTER_WARPS)), launches=10)
+        print(f"filter 64x{ctx >> 10}K registered (+ counter reset): {reg:.1f} us")
+        for programs in (1024, 2048, 4096):
+            for tile, warps in ((1024, 4), (2048, 8)):
+                q = topk.plan(64, ctx, 2048, tile=tile, programs=programs)
+                for stages in (2, 3, 4):
+                    try:
+                        us = graph_us(lambda: (cnt.zero_(), _filter_staged[(64, q.n_chunks)](
+                            scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
+                            p.cap, q.chunk, TILE=tile, STAGES=stages, num_warps=warps)), launches=10)
+                    except Exception as e:  # noqa: BLE001  (a shape that does not compile is reported)
+                        print(f"staged {programs} programs tile {tile} stages {stages}: {type(e).__name__}")
+                        continue
+                    print(f"filter 64x{ctx >> 10}K staged: {programs} programs (chunk {q.chunk}), tile {tile}, "
+                          f"{warps} warps, {stages} stages: {us:.1f} us")
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
         check_filter_variants("cpu")
         sys.exit(0)
     check_filter_variants()
+    if sys.argv[1:] == ["stages"]:
+        filter_stages()
+        sys.exit(0)
     if sys.argv[1:] != ["steps"]:
         micro_costs()
         filter_sweep()

@@ -113,8 +113,10 @@ def collect_specs(target_name: str, shapes: Optional[AotShapes] = None,
             ops = tuple(op for op in spec.ops if op in registered)
             if not ops:
                 continue
-            if "PDL" in spec.constexprs:    # the kernels as the target launches them
-                spec = spec._replace(constexprs={**spec.constexprs, "PDL": target.pdl})
+            if "PDL" in spec.constexprs:    # the kernels as the target launches them (a launch
+                # that is PDL by its own plan, such as a pair_launch dependent, stays so)
+                spec = spec._replace(constexprs={**spec.constexprs,
+                                                 "PDL": target.pdl or bool(spec.constexprs["PDL"])})
             key = (spec.kernel.__name__, json.dumps(spec.signature, sort_keys=True),
                    repr(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages,
                    spec.ints)

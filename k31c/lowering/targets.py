@@ -36,6 +36,11 @@ class Target:
     pdl: bool = False                        # programmatic dependent launch of the k31c kernels
                                              # (lowering/triton/device.py; sm_90+)
 
+    @property
+    def pdl_capable(self) -> bool:
+        """Whether the hardware has programmatic dependent launch (NVIDIA sm_90 and later)."""
+        return self.triton_backend == "cuda" and isinstance(self.triton_arch, int) and self.triton_arch >= 90
+
     def dot_precision(self, fast: bool) -> str:
         """`tl.dot`'s input_precision: the fast one where the kernel asks for it, else exact."""
         return self.fast_dot_precision if fast else "ieee"

@@ -185,6 +185,16 @@ for target in ("h200", "mi350x"):
         ones = [n for n, v in listed.items() if v == 1 and spec.signature[n] != "constexpr"]
         if missing or ones:
             print(target, aot.spec_name(spec), missing, ones)
+# h200 builds the KDA decode state pass as the prep's PDL dependent (its state loaded before its
+# wait; PDL whatever the target's `pdl`), mi350x as a plain launch
+for target, paired in (("h200", True), ("mi350x", False)):
+    specs = aot.collect_specs(target, families=["kda_decode"])
+    kinds = {n: [s.constexprs for s in specs if s.kernel.__name__ == n]
+             for n in ("kda_decode_state_kernel", "kda_decode_prep_kernel")}
+    assert all(kinds.values()), kinds
+    assert all(c.get("STATE_FIRST", False) is paired and bool(c["PDL"]) is paired
+               for c in kinds["kda_decode_state_kernel"]), (target, kinds)
+    assert all(c.get("DEPENDENT", False) is paired for c in kinds["kda_decode_prep_kernel"]), target
 # the registered MXFP8 scan (the TMA kernel's MX form) builds for sm_90a at R = 1 without
 # spilling (~127 registers)
 shapes = aot.default_shapes("h200")
@@ -200,7 +210,8 @@ def test_every_integer_argument_has_its_value_at_the_shapes():
     """kernel_spec specializes integers as the JIT does (1 a constexpr, a multiple of 16 hinted;
     names that are not integer arguments refused), and each AOT spec gives every integer
     argument its value at the build's shapes, so the build compiles what the launch would run;
-    an integer left out would build the kernel's generic form."""
+    an integer left out would build the kernel's generic form. Also: the launches a target pairs
+    by PDL are built as such."""
     out = subprocess.run([sys.executable, "-c", _INTS_PROBE], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
@@ -227,4 +238,5 @@ def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["False False False False False", "True True True True True"]
+
 

@@ -196,6 +196,27 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
 
 
+@pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")
+@pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
+def test_decode_state_first_is_the_plain_launch_cuda(rows, snaps):
+    """The state pass launched as the prep's PDL dependent (its state loaded before the wait)
+    gives bit for bit what the plain launch order gives, and both match the reference."""
+    gen = torch.Generator().manual_seed(40 + rows)
+    params, conv, state = make_layer(96, 128, 20, torch.bfloat16, "cuda", gen)
+    tok = make_tokens(16 * rows, 96, 128, torch.bfloat16, "cuda", gen)
+    ids = torch.randperm(20, generator=gen)[:16]
+    ids[3] = -1
+    slots = ids.cuda()
+    paired, plain = (run_decode(partial(launch_kda_decode, state_first=f), tok, params, conv, state,
+                                slots, rows, -5.0, snaps) for f in (True, False))
+    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, snaps)
+    for name, a, b, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), paired,
+                             plain, want):
+        if a is not None:
+            assert torch.equal(a, b), name
+            close(name, a, w, torch.bfloat16)
+
+
 def test_decode_rejects_bad_layout():
     gen = torch.Generator().manual_seed(0)
     params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)

@@ -17,6 +17,13 @@ launch. Waiting before the first memory access makes this safe whatever the kern
 the wait is transitive (the kernel before waited for its own predecessor before it finished).
 `Target.pdl` switches it (`k31c.compile(..., options={"pdl": True})` sets it for one program,
 whose executor runs under `using_target`).
+
+A launcher may also use PDL for one pair of its own launches whatever `Target.pdl` says
+(`pair_launch`): the second kernel is launched as a dependent and does its own wait, after the
+loads that do not depend on the first (the KDA decode state pass loads its state slice while the
+prep launch runs). It may read before its wait only what kernels before the first one wrote:
+the first kernel let it launch only after its own wait (or, launched plainly, it started after
+them).
 """
 from __future__ import annotations
 
@@ -94,6 +101,14 @@ def pdl_launch(device: torch.device) -> dict:
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
+def pair_launch(device: torch.device) -> bool:
+    """Whether a launcher may launch the second kernel of a pair as a PDL dependent of the first
+    (CUDA sm_90+, compiled kernels), whatever the target record's `pdl` says."""
+    if device.type != "cuda" or interpreting() or torch.version.hip:
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -105,4 +120,12 @@ def wait_for_producers(PDL: tl.constexpr):
     visible), then let the next kernel launch. A kernel calls it before any memory access."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def let_dependent_start(PDL: tl.constexpr, DEPENDENT: tl.constexpr):
+    """The first kernel of a `pair_launch` pair, after its `wait_for_producers(PDL)`: let the
+    dependent launch now (with PDL the wait already did)."""
+    if DEPENDENT and not PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -13,7 +13,7 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import pdl_launch
+from k31c.lowering.triton.device import pair_launch, pdl_launch
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
@@ -43,6 +43,7 @@ class DecodePlan:
     prep_warps: int = PREP_WARPS
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
+    state_first: bool = False   # the state pass launched as the prep's PDL dependent (sm_90+)
 
     @property
     def fuse_norm(self) -> bool:
@@ -52,11 +53,12 @@ class DecodePlan:
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
-                    HAS_SNAP=has_snap)
+                    HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
-                    FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows))
+                    FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows),
+                    **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}))
 
     def norm_constexprs(self) -> dict:
         return dict(ROWS=self.rows, K=self.K, BR=self.norm_rows)
@@ -78,11 +80,11 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True) -> DecodePlan:
+         unroll_rows: bool = True, state_first: bool = False) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given."""
+    as given (state_first only where the hardware has PDL)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, state_first)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -116,18 +118,23 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv, snap_state,
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
-                      unroll_rows: bool = True, stages: str = "psn") -> torch.Tensor:
+                      unroll_rows: bool = True, stages: str = "psn",
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
-    alone; anything but "psn" leaves the output unfinished)."""
+    alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
+    as the prep's PDL dependent, loading its state while the prep runs (default: where the
+    device has PDL)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
+    paired = pair_launch(q.device) and "p" in stages
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows,
+             paired if state_first is None else (state_first and paired))
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -158,7 +165,8 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
         kda_decode_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
-            **p.state_constexprs(has_snap), num_warps=p.num_warps, **pdl)
+            **{**pdl, **p.state_constexprs(has_snap),
+               **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
     if "n" in stages and not p.fuse_norm:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
@@ -181,7 +189,7 @@ def aot_specs(shapes) -> list:
                       bs_ptr=f32, lower_bound="fp32", scale="fp32")
     specs = []
     for rows in shapes.rows_per_request:
-        p = plan(rows, K, W)
+        p = plan(rows, K, W, state_first=shapes.target.pdl_capable)
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,
                            o_ptr=dt if p.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
                            state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, eps="fp32")

@@ -20,6 +20,8 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      fused_recurrent_kda): slot -> [K, BV] state slice, R delta-rule steps on it with the rows'
      vectors loaded up front (independent of the state), raw o per row, per-row state snapshots,
      final state. With BV = K a program owns the whole head and applies the gated norm itself.
+     On sm_90 it is launched as the prep's PDL dependent (device.pair_launch): its programs load
+     their state slice while the prep runs and wait for the prep's scratch after.
   3. norm (only when BV < K): the gated RMSNorm over raw o, [N*H, K] rows.
 A two-launch form with the prep inside the state pass (each V-tile program making its head's q, k,
 gates in registers; norm + window update after) measured slower at every tile on the H200 (R = 1:
@@ -32,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k31c.lowering.triton.device import wait_for_producers
+from k31c.lowering.triton.device import let_dependent_start, wait_for_producers
 from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_norm, kda_gate_math,
                                              update_windows)
 
@@ -65,8 +67,10 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
                            ds_ptr, bs_ptr, H, lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                            WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False):
+                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False,
+                           DEPENDENT: tl.constexpr = False):
     wait_for_producers(PDL)
+    let_dependent_start(PDL, DEPENDENT)      # the state pass may load its state meanwhile
     b = tl.program_id(0)
     h = tl.program_id(1)
     P = H * K
@@ -160,9 +164,14 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                             state_ptr, slots_ptr, snap_state_ptr, H, eps,
                             ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                             HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                            PDL: tl.constexpr = False):
-    wait_for_producers(PDL)
+                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False):
+    """STATE_FIRST (launched as the prep's PDL dependent): the slots and the state slice, written
+    before the prep ran, are loaded before the wait for the prep's scratch."""
+    if not STATE_FIRST:
+        wait_for_producers(PDL)
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
+    if STATE_FIRST:
+        wait_for_producers(PDL)
     row0_64 = (b * ROWS).to(tl.int64)
     if UNROLL:
         # the rows' vector loads do not depend on the state: all can issue up front (registers)
