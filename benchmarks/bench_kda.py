@@ -144,9 +144,9 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         snap = (torch.empty(B, R, W - 1, 3 * P, device="cuda", dtype=ACT),
                 torch.empty(B, R, H, K, K, device="cuda"))
 
-        def run(cfg=(None, None), sn=(None, None), state_first=None, one_launch=False):
+        def run(cfg=(None, None), sn=(None, None), state_first=None):
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1], state_first=state_first, one_launch=one_launch)
+                                     num_warps=cfg[1], state_first=state_first)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
@@ -157,8 +157,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         default = graph_ms(lambda: run())
         plain = graph_ms(lambda: run(state_first=False))
         notes.append(f"default tile {default * 1e3:.1f}us, state pass not paired {plain * 1e3:.1f}us")
-        ones = {nw: graph_ms(lambda nw=nw: run((K, nw), one_launch=True)) for nw in (4, 8)}
-        notes.append("one launch (BV = K) " + " ".join(f"{nw} warps:{t * 1e3:.1f}us" for nw, t in ones.items()))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
@@ -216,21 +214,18 @@ def small_batch_rows(m: Machine, batches=(1, 4),
 
         turn = itertools.count()
 
-        def run(cfg, state_first=None, one_launch=False):
+        def run(cfg, state_first=None):
             return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None,
-                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first,
-                                     one_launch=one_launch)
+                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         plain = graph_ms(lambda: run(decode_tile(1, K), state_first=False))
-        one = graph_ms(lambda: run((K, 4), one_launch=True))
         out.append(Row("kda_decode", f"B={B} R=1 H={H} K=V={K}, {slots_in_pool} states cycled", sweep[best],
                        bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
-                       + f"; default tile, state pass not paired: {plain * 1e3:.1f}us"
-                       + f"; one launch (BV = K, 4 warps): {one * 1e3:.1f}us"))
+                       + f"; default tile, state pass not paired: {plain * 1e3:.1f}us"))
     return out
 
 

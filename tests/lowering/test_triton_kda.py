@@ -163,14 +163,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-# the whole decode of a (request, head) in one launch (BV = K)
-@pytest.mark.parametrize("rows,snaps,lb", [(1, False, -5.0), (1, True, None), (3, True, -5.0)])
-def test_decode_one_launch(rows, snaps, lb):
-    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=50 + rows, num_slots=5,
-                 fn=partial(launch_kda_decode, block_v=32, one_launch=True))
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
@@ -198,13 +190,10 @@ def test_decode_k3_shapes_cuda(rows, snaps):
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
 @pytest.mark.parametrize("num_warps", [4, 8])
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_decode_k3_shapes_whole_head_cuda(num_warps, one_launch):
-    """BV = K: one program a head with the gated norm fused, after a prep launch or with the
-    prep in it (bench_kda's sweep times them)."""
+def test_decode_k3_shapes_whole_head_cuda(num_warps):
+    """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
-                 seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps,
-                                                  one_launch=one_launch))
+                 seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")

@@ -15,8 +15,8 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.device import pair_launch, pdl_launch
 from k31c.lowering.triton.kda_common import check_kda_layout
-from k31c.lowering.triton.kda_decode_kernels import (kda_decode_head_kernel, kda_decode_norm_kernel,
-                                                     kda_decode_prep_kernel, kda_decode_state_kernel)
+from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
+                                                     kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
@@ -44,7 +44,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (sm_90+)
-    one_launch: bool = False    # BV = K: prep, state and norm in one program per (request, head)
 
     @property
     def fuse_norm(self) -> bool:
@@ -55,11 +54,6 @@ class DecodePlan:
         return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
                     HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
-
-    def head_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
-        c = self.prep_constexprs(has_lower_bound, has_snap)
-        c.pop("DEPENDENT", None)
-        return c
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -86,13 +80,11 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, state_first: bool = False, one_launch: bool = False) -> DecodePlan:
+         unroll_rows: bool = True, state_first: bool = False) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given (state_first only where the hardware has PDL; one_launch only with BV = K)."""
+    as given (state_first only where the hardware has PDL)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
-    one_launch = one_launch and BV == K
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows,
-                      state_first and not one_launch, one_launch)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, state_first)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -127,15 +119,14 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, one_launch: bool = False) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL). one_launch (with BV = K): the whole decode in one kernel
-    (`kda_decode_head_kernel`; stages: "s" runs it)."""
+    device has PDL)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
@@ -143,7 +134,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
     paired = pair_launch(q.device) and "p" in stages
     p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows,
-             paired if state_first is None else (state_first and paired), one_launch)
+             paired if state_first is None else (state_first and paired))
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -159,16 +150,6 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     pdl = pdl_launch(dev)
     has_snap = snap_conv is not None
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    if p.one_launch:
-        out = torch.empty_like(q)
-        if "s" in stages:
-            kda_decode_head_kernel[(B * H,)](
-                q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
-                conv_state, slots, snap_conv if has_snap else conv_state, out, gate,
-                o_norm_weight.contiguous(), recurrent, snap_state if has_snap else recurrent, H, lb,
-                K ** -0.5, float(eps), **p.head_constexprs(lower_bound is not None, has_snap),
-                num_warps=p.num_warps, **pdl)
-        return out
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from k31c.lowering.triton.device import let_dependent_start, wait_for_producers
 from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_norm, kda_gate_math,
-                                             row_of, update_windows)
+                                             update_windows)
 
 
 @triton.jit
@@ -184,38 +184,6 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
             S = _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
-    tl.store(state_head + kv, S, mask=live)
-
-
-@triton.jit
-def kda_decode_head_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                           conv_ptr, slots_ptr, snap_conv_ptr, o_ptr, gate_ptr, norm_w_ptr, state_ptr,
-                           snap_state_ptr, H, lower_bound, scale, eps,
-                           ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                           WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    """The whole decode of one (request, head) in one launch: its [K, K] state is loaded first
-    (the long pole), the prep runs in registers while those loads are in flight, then the R
-    delta-rule rows with the gated norm, the conv window and the state written back."""
-    wait_for_producers(PDL)
-    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, K)
-    P = H * K
-    ch = h * K + offs
-    conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    rr = tl.arange(0, RB)
-    rv = rr < ROWS
-    row0_64 = (b * ROWS).to(tl.int64)
-    tok0 = b * ROWS - (W - 1)
-    q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
-                                      lower_bound, scale, K, W, HAS_LOWER_BOUND)
-    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
-                   P, HAS_SNAP, ROWS, W, WB)
-    for r in tl.static_range(ROWS):
-        S, o = _delta_row(S, row_of(q, rr, r), row_of(k, rr, r), row_of(decay, rr, r),
-                          row_of(v, rr, r), tl.sum(tl.where(rr == r, beta, 0.0), axis=0), live)
-        _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr,
-                  snap_state_ptr, eps, K, HAS_SNAP, True)
     tl.store(state_head + kv, S, mask=live)
 
 
