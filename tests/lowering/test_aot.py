@@ -185,16 +185,19 @@ for target in ("h200", "mi350x"):
         ones = [n for n, v in listed.items() if v == 1 and spec.signature[n] != "constexpr"]
         if missing or ones:
             print(target, aot.spec_name(spec), missing, ones)
-# h200 builds the KDA decode state pass as the prep's PDL dependent (its state loaded before its
-# wait; PDL whatever the target's `pdl`), mi350x as a plain launch
-for target, paired in (("h200", True), ("mi350x", False)):
-    specs = aot.collect_specs(target, families=["kda_decode"])
-    kinds = {n: [s.constexprs for s in specs if s.kernel.__name__ == n]
-             for n in ("kda_decode_state_kernel", "kda_decode_prep_kernel")}
-    assert all(kinds.values()), kinds
-    assert all(c.get("STATE_FIRST", False) is paired and bool(c["PDL"]) is paired
-               for c in kinds["kda_decode_state_kernel"]), (target, kinds)
-    assert all(c.get("DEPENDENT", False) is paired for c in kinds["kda_decode_prep_kernel"]), target
+# h200 builds the KDA decode pair of one row a request both plain and as a PDL pair (the state
+# pass the prep's dependent, PDL whatever the target's `pdl`); its 4-row pass and mi350x plain only
+for target in ("h200", "mi350x"):
+    got = set()
+    for s in aot.collect_specs(target, families=["kda_decode"]):
+        c = s.constexprs
+        if s.kernel.__name__ == "kda_decode_state_kernel":
+            assert c.get("STATE_FIRST", False) == bool(c["PDL"]), (target, s.variant)
+            got.add(("state", c["ROWS"], c.get("STATE_FIRST", False)))
+        elif s.kernel.__name__ == "kda_decode_prep_kernel":
+            got.add(("prep", c["ROWS"], c.get("DEPENDENT", False)))
+    pairs = {(k, 1, True) for k in ("state", "prep")} if target == "h200" else set()
+    assert got == {(k, r, False) for k in ("state", "prep") for r in (1, 4)} | pairs, (target, got)
 # the registered MXFP8 scan (the TMA kernel's MX form) builds for sm_90a at R = 1 without
 # spilling (~127 registers)
 shapes = aot.default_shapes("h200")

@@ -175,6 +175,13 @@ def test_decode_plan_fuses_the_norm_for_whole_heads():
     assert not plan(1, 128, 4, block_v=32).fuse_norm
 
 
+def test_decode_pairs_the_state_pass_only_when_its_grid_fits_the_sms():
+    from k31c.lowering.triton.kda_decode import plan
+    one_row = plan(1, 128, 4)                       # BV = K: a program per (request, head)
+    assert one_row.pairs(1, 96, 132) and not one_row.pairs(2, 96, 132)
+    assert not plan(4, 128, 4).pairs(1, 96, 132)    # BV = 32: 384 programs at one request
+
+
 def test_decode_rejects_bad_stages():
     with pytest.raises(ValueError, match="stages"):
         check_decode(H=2, K=16, B=2, rows=1, lb=-5.0, snaps=False, dtype=torch.float32,

@@ -4,6 +4,7 @@ are in kda_decode_kernels.py): `plan` picks the launch configuration once (the s
 read it."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -13,7 +14,7 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import pair_launch, pdl_launch
+from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
@@ -43,12 +44,22 @@ class DecodePlan:
     prep_warps: int = PREP_WARPS
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
-    state_first: bool = False   # the state pass launched as the prep's PDL dependent (sm_90+)
+    state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
 
     @property
     def fuse_norm(self) -> bool:
         """The state pass normalises o itself (one program holds the head's whole o rows)."""
         return self.block_v == self.K
+
+    def state_programs(self, requests: int, H: int) -> int:
+        return requests * H * (self.K // self.block_v)
+
+    def pairs(self, requests: int, H: int, sms: int) -> bool:
+        """Whether the state pass should be the prep's PDL dependent: only when every state
+        program can be resident beside the prep (one per SM at most). Measured on the H200: B = 1,
+        R = 1 (96 programs) 10.0-10.1 us paired vs 11.1-11.2 plain; B = 4 (384) and B = 16
+        paired are 1-4% slower (early programs wait on SMs the prep needs)."""
+        return self.state_programs(requests, H) <= sms
 
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
@@ -126,15 +137,17 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     paired = pair_launch(q.device) and "p" in stages
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows,
-             paired if state_first is None else (state_first and paired))
+    if state_first is None:
+        state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
+    p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -177,8 +190,9 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
 def aot_specs(shapes) -> list:
     """The launches of `kda_decode` at `shapes` (aot_spec.AotShapes), for the ahead-of-time build,
     from `plan`'s defaults; dtypes as the KDA block passes them: for every rows-per-request count,
-    with and without per-row snapshots, prep and state, and the norm (one build per R: it maps
-    rows to requests; none when BV = K fuses it into the state pass)."""
+    with and without per-row snapshots, prep and state (also as a PDL pair where
+    `DecodePlan.pairs` allows it at one request), and the norm (one build per R: it maps rows to
+    requests; none when BV = K fuses it into the state pass)."""
     cfg = shapes.cfg
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
@@ -189,17 +203,23 @@ def aot_specs(shapes) -> list:
                       bs_ptr=f32, lower_bound="fp32", scale="fp32")
     specs = []
     for rows in shapes.rows_per_request:
-        p = plan(rows, K, W, state_first=shapes.target.pdl_capable)
+        base = plan(rows, K, W)
+        # paired at one request where the grid allows it (DecodePlan.pairs), plain otherwise
+        pairs = shapes.target.pdl_capable and base.pairs(1, H, shapes.target.sm_count)
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,
-                           o_ptr=dt if p.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
+                           o_ptr=dt if base.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
                            state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, eps="fp32")
-        for snap in (False, True):
-            tag = f"R={rows}{',snap' if snap else ''}"
-            specs.append(kernel_spec(kda_decode_prep_kernel, op, tag, p.prep_constexprs(lb, snap),
-                                     prep_types, num_warps=p.prep_warps, ints=dict(H=H)))
-            specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}",
-                                     p.state_constexprs(snap), state_types, num_warps=p.num_warps,
-                                     ints=dict(H=H)))
+        for p in (base, dataclasses.replace(base, state_first=True)) if pairs else (base,):
+            pair = ",paired" if p.state_first else ""
+            for snap in (False, True):
+                tag = f"R={rows}{',snap' if snap else ''}"
+                specs.append(kernel_spec(kda_decode_prep_kernel, op, tag + pair,
+                                         p.prep_constexprs(lb, snap), prep_types,
+                                         num_warps=p.prep_warps, ints=dict(H=H)))
+                specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
+                                         p.state_constexprs(snap), state_types, num_warps=p.num_warps,
+                                         ints=dict(H=H)))
+        p = base
         if not p.fuse_norm:
             specs.append(kernel_spec(
                 kda_decode_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),

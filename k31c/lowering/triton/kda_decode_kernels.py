@@ -20,12 +20,15 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      fused_recurrent_kda): slot -> [K, BV] state slice, R delta-rule steps on it with the rows'
      vectors loaded up front (independent of the state), raw o per row, per-row state snapshots,
      final state. With BV = K a program owns the whole head and applies the gated norm itself.
-     On sm_90 it is launched as the prep's PDL dependent (device.pair_launch): its programs load
-     their state slice while the prep runs and wait for the prep's scratch after.
+     On sm_90, when its grid fits the SMs (one request at R = 1: `DecodePlan.pairs`), it is
+     launched as the prep's PDL dependent (device.pair_launch): its programs load their state
+     slice while the prep runs and wait for the prep's scratch after.
   3. norm (only when BV < K): the gated RMSNorm over raw o, [N*H, K] rows.
 A two-launch form with the prep inside the state pass (each V-tile program making its head's q, k,
 gates in registers; norm + window update after) measured slower at every tile on the H200 (R = 1:
 86.3-101.0 vs 65.5-68.3 us; R = 4: 229-499 vs 85.1 us) and was removed; git history has it.
+So was a one-launch form at BV = K (the prep, in registers, while the program's whole-head state
+loads; commit 2698e65): 98.2-108.0 us at B = 16, R = 1 vs 66.4, 33.7 vs 23.4 at B = 4.
 A padding request (slot -1) reads and writes no state; its raw o is forced to 0, so its output
 rows come out 0 from the norm.
 """
