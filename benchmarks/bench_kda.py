@@ -144,9 +144,9 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         snap = (torch.empty(B, R, W - 1, 3 * P, device="cuda", dtype=ACT),
                 torch.empty(B, R, H, K, K, device="cuda"))
 
-        def run(cfg=(None, None), sn=(None, None), state_first=None):
+        def run(cfg=(None, None), sn=(None, None), state_first=None, **knobs):
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
-                                     num_warps=cfg[1], state_first=state_first)
+                                     num_warps=cfg[1], state_first=state_first, **knobs)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
@@ -157,6 +157,11 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         paired = graph_ms(lambda: run(state_first=True))
         plain = graph_ms(lambda: run(state_first=False))
         notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
+        # the launches alone (outputs unfinished) and the prep's warps, at the default tile
+        parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False)) for st in ("p", "s")}
+        preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2)}
+        notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us; "
+                     "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
