@@ -159,7 +159,7 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
         # the launches alone (outputs unfinished) and the prep's warps, at the default tile
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False)) for st in ("p", "s")}
-        preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2)}
+        preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us; "
                      "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
         try:

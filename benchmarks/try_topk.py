@@ -20,7 +20,9 @@
 4. (`stages`) the filter with its loads software-pipelined through shared memory
    (`_filter_staged`) over programs, tiles and pipeline depth.
 
-    PYTHONPATH=. python benchmarks/try_topk.py [steps | stages]     (the check and part 3 or 4 alone)
+5. (`regs`) the registered filter under register caps (`maxnreg`), over tiles and warps.
+
+    PYTHONPATH=. python benchmarks/try_topk.py [steps | stages | regs]   (the check and part 3, 4 or 5)
 """
 from __future__ import annotations
 
@@ -340,11 +342,42 @@ def filter_stages() -> None:
                           f"{warps} warps, {stages} stages: {us:.1f} us")
 
 
+def filter_regs() -> None:
+    """The registered filter under register caps (its 110 registers a thread at tile 1024 / 4
+    warps allow 4 programs an SM: 25% occupancy), over tiles and warps; the counter is reset
+    before every launch."""
+    for ctx in (128 << 10, 1 << 20):
+        scores = torch.randn(64, ctx, device="cuda")
+        row_len, p, ws = _planned(scores)
+        cnt = ws["state"].view(64, topk.ROW_STATE)[:, 0]
+        for tile, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
+            q = topk.plan(64, ctx, 2048, tile=tile)
+            for cap in (None, 96, 72, 64, 48, 40):
+                extra = {} if cap is None else {"maxnreg": cap}
+
+                def launch():
+                    cnt.zero_()
+                    return topk._filter_kernel[(64, q.n_chunks)](
+                        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
+                        p.cap, q.chunk, TILE=tile, num_warps=warps, **extra)
+                try:
+                    ck = launch()
+                    us = graph_us(launch, launches=10)
+                except Exception as e:  # noqa: BLE001  (a cap that does not compile is reported)
+                    print(f"filter 64x{ctx >> 10}K tile {tile} warps {warps} maxnreg {cap}: {type(e).__name__}")
+                    continue
+                print(f"filter 64x{ctx >> 10}K tile {tile}, {warps} warps, maxnreg {cap}: {us:.1f} us "
+                      f"({ck.n_regs} registers, {ck.n_spills} spilled)")
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
         check_filter_variants("cpu")
         sys.exit(0)
     check_filter_variants()
+    if sys.argv[1:] == ["regs"]:
+        filter_regs()
+        sys.exit(0)
     if sys.argv[1:] == ["stages"]:
         filter_stages()
         sys.exit(0)

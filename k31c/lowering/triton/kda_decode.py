@@ -20,7 +20,8 @@ from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
-PREP_WARPS = 4            # prep and norm launches: not tuned (small next to the state pass)
+PREP_WARPS = 4            # prep launch at R > 1 (1, 2, 4 measured within noise)
+PREP_WARPS_ONE_ROW = 2    # at R = 1: 63.7 us for the decode at B = 16 vs 66.1 at 4 warps
 NORM_WARPS = 4
 NORM_ROWS = 16            # [N*H, K] rows per norm program
 
@@ -41,7 +42,7 @@ class DecodePlan:
     W: int               # conv kernel width
     block_v: int         # value channels per state program (K: the norm fused)
     num_warps: int       # state pass
-    prep_warps: int = PREP_WARPS
+    prep_warps: int = PREP_WARPS        # (`plan`: PREP_WARPS_ONE_ROW at R = 1)
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
@@ -90,11 +91,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
-         prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
+         prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
          unroll_rows: bool = True, state_first: bool = False) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
     as given (state_first only where the hardware has PDL)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
+    prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
     return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, state_first)
 
 
@@ -128,7 +130,7 @@ def check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
 def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                       conv_state, recurrent, slots, rows, lower_bound, eps, snap_conv, snap_state,
                       block_v: int | None = None, num_warps: int | None = None,
-                      prep_warps: int = PREP_WARPS, norm_rows: int = NORM_ROWS,
+                      prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
                       state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
