@@ -20,8 +20,8 @@ from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
-PREP_WARPS = 4            # prep launch at R > 1 (1, 2, 4 measured within noise)
-PREP_WARPS_ONE_ROW = 2    # at R = 1: 63.7 us for the decode at B = 16 vs 66.1 at 4 warps
+PREP_WARPS = 1            # prep launch at R > 1: 84.0-84.7 us for the decode at B = 16 vs 85.9 at 4
+PREP_WARPS_ONE_ROW = 2    # at R = 1: 63.6-63.7 us for the decode at B = 16 vs 66.0-66.1 at 4 warps
 NORM_WARPS = 4
 NORM_ROWS = 16            # [N*H, K] rows per norm program
 

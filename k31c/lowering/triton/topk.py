@@ -175,8 +175,8 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
 
 # ---- launch plan ------------------------------------------------------------------------------
 
-SCORE_TILE, REFINE_TILE = 1024, 2048      # positions per filter tile; per refine / row-select tile
-FILTER_WARPS = 4
+SCORE_TILE, REFINE_TILE = 512, 2048       # positions per filter tile; per refine / row-select tile
+FILTER_WARPS = 2          # 512-key tiles on 2 warps: 96 registers, no spill (try_topk.py regs)
 FILTER_PROGRAMS = 4096                    # filter programs in all (about)
 
 
