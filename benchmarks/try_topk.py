@@ -21,11 +21,8 @@
    (`_filter_staged`) over programs, tiles and pipeline depth.
 
 5. (`regs`) the registered filter under register caps (`maxnreg`), over tiles and warps.
-6. (`float`) a filter that compares the scores as floats and appends their raw bits
-   (`_filter_float`: the order-key transform moves to the refine), checked against the
-   registered one, then timed beside it.
 
-    PYTHONPATH=. python benchmarks/try_topk.py [steps | stages | regs | float]   (the check, then part 3-6)
+    PYTHONPATH=. python benchmarks/try_topk.py [steps | stages | regs]   (the check and part 3, 4 or 5)
 """
 from __future__ import annotations
 
@@ -210,88 +207,6 @@ def _filter_staged(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
     tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
 
 
-@triton.jit
-def _key_float(key):
-    """The float whose order_key is `key` (+0.0 for the key of both zeros, a NaN for 0xFFFFFFFF)."""
-    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _filter_float(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                  chunk, TILE: tl.constexpr):
-    """topk._filter_kernel comparing the scores as floats with the threshold's float (NaN handled
-    by one flag: a NaN is above every key but the NaN key) and appending the raw float bits, so
-    the order-key transform (~7 instructions a key) runs only in the refine, on the candidates:
-    the filter is instruction-issue bound (ncu: 0.59 warps issued a scheduler cycle)."""
-    row = tl.program_id(0)
-    rows = row + tl.zeros([1], tl.int32)
-    st_rows = state_ptr + rows * topk.ROW_STATE
-    if tl.load(state_ptr + row * topk.ROW_STATE + topk.ST_MODE) == 0:
-        n = tl.load(row_len_ptr + row)
-        thresh = tl.load(st_rows + topk.ST_THRESH).to(tl.uint32, bitcast=True)
-        t_f = _key_float(thresh)[:, None]
-        t_nan = (thresh == 0xFFFFFFFF)[:, None]
-        lo = tl.program_id(1) * chunk
-        hi = tl.minimum(lo + chunk, n)
-        src_row = src_ptr + row.to(tl.int64) * src_stride
-        ties = tl.zeros([1, TILE], tl.int32)
-        nxt = tl.load(src_row + lo + tl.arange(0, TILE), mask=lo + tl.arange(0, TILE) < hi, other=0.0)
-        for start in range(lo, hi, TILE):
-            pos = start + tl.arange(0, TILE)
-            x = nxt[None, :]
-            nxt = tl.load(src_row + pos + TILE, mask=pos + TILE < hi, other=0.0)
-            live = (pos < hi)[None, :]
-            nan = x != x
-            ties += (live & ((x == t_f) | (nan & t_nan))).to(tl.int32)
-            topk.append_candidates(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
-                                   x.to(tl.uint32, bitcast=True), pos[None, :],
-                                   live & ((x > t_f) | (nan & ~t_nan)), cap)
-        tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
-
-
-def _torch_order_key(bits: torch.Tensor) -> torch.Tensor:
-    """radix_select.order_key of float bits (int32 tensor) as int64 keys, in torch."""
-    b = bits.long() & 0xFFFFFFFF
-    b = torch.where(b == 0x80000000, torch.zeros_like(b), b)
-    key = torch.where(b >= 0x80000000, b ^ 0xFFFFFFFF, b | 0x80000000)
-    return torch.where(bits.view(torch.float32).isnan(), torch.full_like(b, 0xFFFFFFFF), key)
-
-
-def check_float_filter(device: str = "cuda") -> None:
-    """_filter_float appends the same (key, position) pairs (its raw bits mapped to keys), counts
-    and ties as the registered filter, at thresholds 0.5, +-0.0 and the NaN key, over rows with
-    planted ties, both zeros, infinities and NaNs."""
-    rows, width = 3, 5000
-    scores = torch.randn(rows, width, device=device)
-    scores[:, ::7] = 0.5
-    scores[:, 3::11] = -0.0
-    scores[:, 5::13] = 0.0
-    scores[:, 1::17] = float("nan")
-    scores[:, 2::19] = float("inf")
-    scores[:, 4::23] = -float("inf")
-    p = topk.plan(rows, width, 64, programs=8)
-    row_len = torch.full((rows,), width, dtype=torch.int32, device=device)
-    for thresh in (0x3F000000 | 0x80000000, 0x80000000, 0xFFFFFFFF):    # 0.5, both zeros, NaN
-        got = []
-        for kernel in (topk._filter_kernel, _filter_float):
-            ws = p.workspace(device)
-            ws["state"].zero_()
-            ws["state"].view(rows, topk.ROW_STATE)[:, 1] = thresh - (1 << 32)
-            kernel[(rows, p.n_chunks)](scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                       ws["ties"], p.cap, p.chunk, TILE=topk.SCORE_TILE)
-            count = ws["state"].view(rows, topk.ROW_STATE)[:, 0].tolist()
-            keys = ws["ckey"].view(rows, -1)
-            if kernel is _filter_float:
-                keys = _torch_order_key(keys)
-            else:
-                keys = keys.long() & 0xFFFFFFFF
-            got.append((count, [sorted(zip(keys[r, :count[r]].tolist(), ws["cpos"].view(rows, -1)[r, :count[r]].tolist()))
-                                for r in range(rows)], ws["ties"].view(rows, -1).sum(1).tolist()))
-        assert got[0] == got[1], f"threshold {thresh:#x}: the float filter differs from the registered one"
-    print("float filter == the registered filter (thresholds 0.5, 0.0, NaN)")
-
-
 def check_filter_variants(device: str = "cuda") -> None:
     """Both variants append the same candidates (as a set), count and ties as the registered
     filter, at a set threshold (scores > 0.5 and == 0.5) over rows with planted ties."""
@@ -427,26 +342,6 @@ def filter_stages() -> None:
                           f"{warps} warps, {stages} stages: {us:.1f} us")
 
 
-def filter_float() -> None:
-    """The float-compare filter beside the registered one, at the registered launch shape and at
-    1024-key tiles on 4 warps (counter reset before every launch)."""
-    for ctx in (128 << 10, 1 << 20):
-        scores = torch.randn(64, ctx, device="cuda")
-        row_len, p, ws = _planned(scores)
-        cnt = ws["state"].view(64, topk.ROW_STATE)[:, 0]
-        for tile, warps in ((topk.SCORE_TILE, topk.FILTER_WARPS), (1024, 4)):
-            q = topk.plan(64, ctx, 2048, tile=tile)
-            for name, kernel in (("registered", topk._filter_kernel), ("float", _filter_float)):
-                def launch():
-                    cnt.zero_()
-                    return kernel[(64, q.n_chunks)](scores, scores.stride(0), row_len, ws["state"], ws["ckey"],
-                                                    ws["cpos"], ws["ties"], p.cap, q.chunk, TILE=tile,
-                                                    num_warps=warps)
-                ck = launch()
-                us = graph_us(launch, launches=10)
-                print(f"filter 64x{ctx >> 10}K {name}, tile {tile}, {warps} warps: {us:.1f} us ({ck.n_regs} registers)")
-
-
 def filter_regs() -> None:
     """The registered filter under register caps (its 110 registers a thread at tile 1024 / 4
     warps allow 4 programs an SM: 25% occupancy), over tiles and warps; the counter is reset
@@ -478,13 +373,8 @@ def filter_regs() -> None:
 if __name__ == "__main__":
     if not torch.cuda.is_available():       # the CPU (TRITON_INTERPRET=1): the variants' check only
         check_filter_variants("cpu")
-        check_float_filter("cpu")
         sys.exit(0)
     check_filter_variants()
-    if sys.argv[1:] == ["float"]:
-        check_float_filter()
-        filter_float()
-        sys.exit(0)
     if sys.argv[1:] == ["regs"]:
         filter_regs()
         sys.exit(0)
