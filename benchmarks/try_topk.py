@@ -84,7 +84,8 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
     """topk._filter_kernel's loop with its work cut at STEP: 0 stream + reduce, 1 + compares and
     tie counts, 2 + one atomic per tile, 3 + cumsum compaction and stores (the whole filter); 4: 1
     + the cumsum alone; 5: 1 + one atomic per selected key and its stores (no cumsum); 6: 3 with
-    a relaxed atomic."""
+    a relaxed atomic; 7: 3 without the atomic (each program stores from a base of its own, as
+    per-program candidate segments would)."""
     row = tl.program_id(0)
     st, thresh, lo, hi, src_row = _chunk_of(state_ptr, src_ptr, src_stride, chunk, n)
     acc = tl.zeros([TILE], tl.int32)
@@ -108,7 +109,9 @@ def _filter_probe(src_ptr, src_stride, state_ptr, ckey_ptr, cpos_ptr, sink_ptr, 
             elif STEP == 4:      # the cumsum alone
                 acc += tl.cumsum(seli, 0)
             else:
-                if STEP == 6:    # the filter with a relaxed atomic (no fence on the stores before it)
+                if STEP == 7:    # no atomic: a base of this program's own for each tile
+                    base = tl.program_id(1) * 64 + start
+                elif STEP == 6:  # the filter with a relaxed atomic (no fence on the stores before it)
                     base = tl.atomic_add(st + topk.ST_CNT, nsel, sem="relaxed")
                 else:
                     base = tl.atomic_add(st + topk.ST_CNT, nsel)
@@ -301,7 +304,8 @@ def filter_steps() -> None:
         floor_us = 64 * ctx * 4 / 4.1e6     # bytes over ~4.1 TB/s
         for step, what in enumerate(("stream + reduce", "+ compares, tie counts", "+ atomic per tile",
                                      "+ cumsum, stores (the filter)", "1 + cumsum alone",
-                                     "1 + atomic per key, stores", "3 with a relaxed atomic")):
+                                     "1 + atomic per key, stores", "3 with a relaxed atomic",
+                                     "3 without the atomic (a base of its own)")):
             us = graph_us(lambda: _filter_probe[(64, p.n_chunks)](
                 scores, scores.stride(0), ws["state"], ws["ckey"], ws["cpos"], sink, p.cap, p.chunk, ctx,
                 TILE=topk.SCORE_TILE, STEP=step, num_warps=topk.FILTER_WARPS), launches=10)
