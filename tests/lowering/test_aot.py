@@ -241,5 +241,3 @@ def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["False False False False False", "True True True True True"]
-
-

@@ -58,8 +58,8 @@ class DecodePlan:
     def pairs(self, requests: int, H: int, sms: int) -> bool:
         """Whether the state pass should be the prep's PDL dependent: only when every state
         program can be resident beside the prep (one per SM at most). Measured on the H200: B = 1,
-        R = 1 (96 programs) 10.0-10.1 us paired vs 11.1-11.2 plain; B = 4 (384) and B = 16
-        paired are 1-4% slower (early programs wait on SMs the prep needs)."""
+        R = 1 (96 programs) 10.0-10.2 us paired vs 11.1-11.6 plain; B = 4 (384) and B = 16
+        paired are 0-4% slower (early programs wait on SMs the prep needs)."""
         return self.state_programs(requests, H) <= sms
 
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
@@ -221,10 +221,9 @@ def aot_specs(shapes) -> list:
                 specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
                                          p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                          ints=dict(H=H)))
-        p = base
-        if not p.fuse_norm:
+        if not base.fuse_norm:
             specs.append(kernel_spec(
-                kda_decode_norm_kernel, op, f"R={rows},BR={p.norm_rows}", p.norm_constexprs(),
+                kda_decode_norm_kernel, op, f"R={rows},BR={base.norm_rows}", base.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=i64, out_ptr=dt,
                      eps="fp32"),
                 num_warps=NORM_WARPS, ints=dict(n_rows=shapes.batch * rows * H, H=H)))
