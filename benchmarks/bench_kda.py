@@ -157,9 +157,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         paired = graph_ms(lambda: run(state_first=True))
         plain = graph_ms(lambda: run(state_first=False))
         notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
-        # a prep of fewer programs (each several items), so the paired state pass finds SM room
-        few = {n: graph_ms(lambda n=n: run(state_first=True, prep_programs=n)) for n in (132, 264)}
-        notes.append("paired, prep on " + " ".join(f"{n} programs:{t * 1e3:.1f}us" for n, t in few.items()))
         # the launches alone (outputs unfinished) and the prep's warps, at the default tile
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False)) for st in ("p", "s")}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}

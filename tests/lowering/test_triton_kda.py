@@ -163,14 +163,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-@pytest.mark.parametrize("prep_programs", [1, 4])
-def test_decode_prep_programs_take_several_items(prep_programs):
-    """Fewer prep programs than (request, head) items: each takes every n-th item."""
-    check_decode(H=3, K=16, B=3, rows=2, lb=-5.0, snaps=True, dtype=torch.float32, device=DEV,
-                 seed=60 + prep_programs, num_slots=5,
-                 fn=partial(launch_kda_decode, block_v=8, prep_programs=prep_programs))
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
@@ -214,18 +206,16 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")
 @pytest.mark.parametrize("rows,snaps", [(1, False), (4, True)])
 def test_decode_state_first_is_the_plain_launch_cuda(rows, snaps):
-    """The state pass launched as the prep's PDL dependent (its state loaded before the wait),
-    after a prep of 132 programs taking several items each, gives bit for bit what the plain
-    launch order gives, and both match the reference."""
+    """The state pass launched as the prep's PDL dependent (its state loaded before the wait)
+    gives bit for bit what the plain launch order gives, and both match the reference."""
     gen = torch.Generator().manual_seed(40 + rows)
     params, conv, state = make_layer(96, 128, 20, torch.bfloat16, "cuda", gen)
     tok = make_tokens(16 * rows, 96, 128, torch.bfloat16, "cuda", gen)
     ids = torch.randperm(20, generator=gen)[:16]
     ids[3] = -1
     slots = ids.cuda()
-    paired, plain = (run_decode(partial(launch_kda_decode, state_first=f, prep_programs=n), tok,
-                                params, conv, state, slots, rows, -5.0, snaps)
-                     for f, n in ((True, 132), (False, 0)))
+    paired, plain = (run_decode(partial(launch_kda_decode, state_first=f), tok, params, conv, state,
+                                slots, rows, -5.0, snaps) for f in (True, False))
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, snaps)
     for name, a, b, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), paired,
                              plain, want):

@@ -46,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    prep_programs: int = 0      # prep programs at most (0: one per (request, head))
 
     @property
     def fuse_norm(self) -> bool:
@@ -133,15 +132,14 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, prep_programs: int = 0) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). prep_programs: at most this many prep
-    programs, each taking several (request, head) items (0: one per item)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
@@ -151,9 +149,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
-    if prep_programs < 0:
-        raise ValueError(f"prep_programs: expected >= 0, got {prep_programs}")
-    p = dataclasses.replace(p, state_first=state_first and paired, prep_programs=prep_programs)
+    p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -172,10 +168,10 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
-        kda_decode_prep_kernel[(min(B * H, p.prep_programs or B * H),)](
+        kda_decode_prep_kernel[(B, H)](
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
-            H, B * H, lb, K ** -0.5,
+            H, lb, K ** -0.5,
             **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps, **pdl)
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
@@ -221,8 +217,7 @@ def aot_specs(shapes) -> list:
                 tag = f"R={rows}{',snap' if snap else ''}"
                 specs.append(kernel_spec(kda_decode_prep_kernel, op, tag + pair,
                                          p.prep_constexprs(lb, snap), prep_types,
-                                         num_warps=p.prep_warps,
-                                         ints=dict(H=H, n_items=shapes.batch * H)))
+                                         num_warps=p.prep_warps, ints=dict(H=H)))
                 specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
                                          p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                          ints=dict(H=H)))

@@ -12,8 +12,7 @@ program per (request, head) walking its V slices in turn (86.6-93.1 us at R = 1:
 the programs, each holding one slice in flight; commit 3d6b654).
 
 Three launches, all with grids from static shapes (CUDA-graph safe; slots read on device):
-  1. prep, one program per (request, head) (or fewer, each taking several): conv + SiLU over the
-     cached window for the R rows,
+  1. prep, one program per (request, head): conv + SiLU over the cached window for the R rows,
      q/k L2 norms (q pre-scaled), decay exp(g), sigmoid(beta) -> fp32 scratch [N, P] / [N, H];
      then the per-row window snapshots and the new window (it is the window's only reader, so
      no cross-program hazard).
@@ -68,42 +67,37 @@ def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_b
 @triton.jit
 def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
                            dt_bias_ptr, conv_ptr, slots_ptr, snap_conv_ptr, qs_ptr, ks_ptr, vs_ptr,
-                           ds_ptr, bs_ptr, H, n_items, lower_bound, scale,
+                           ds_ptr, bs_ptr, H, lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                            WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
                            HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False,
                            DEPENDENT: tl.constexpr = False):
-    """Items (request, head), n_items = B * H, the head fastest; a flat grid of one program per
-    item, or fewer programs each taking every num_programs-th item (fewer SM slots held, so a
-    paired state pass can be resident beside it)."""
     wait_for_producers(PDL)
     let_dependent_start(PDL, DEPENDENT)      # the state pass may load its state meanwhile
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     P = H * K
+    slot = tl.load(slots_ptr + b)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+    ch = h * K + tl.arange(0, K)
+    conv_row = conv_ptr + slot * (W - 1) * 3 * P
     rr = tl.arange(0, RB)
     rv = rr < ROWS
+    row0_64 = (b * ROWS).to(tl.int64)
+    tok0 = b * ROWS - (W - 1)                                          # token of position 0
+    q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
+                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
+                                      lower_bound, scale, K, W, HAS_LOWER_BOUND)
+    base = row0_64 * P + (rr[:, None] * P + ch[None, :])
     m2 = rv[:, None]
-    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-        b = item // H
-        h = item % H
-        slot = tl.load(slots_ptr + b)
-        live = slot >= 0
-        slot = tl.maximum(slot, 0)
-        ch = h * K + tl.arange(0, K)
-        conv_row = conv_ptr + slot * (W - 1) * 3 * P
-        row0_64 = (b * ROWS).to(tl.int64)
-        tok0 = b * ROWS - (W - 1)                                      # token of position 0
-        q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr,
-                                          a_log_ptr, dt_bias_ptr, conv_row, h, H, row0_64, tok0,
-                                          rr, rv, ch, live, lower_bound, scale, K, W,
-                                          HAS_LOWER_BOUND)
-        base = row0_64 * P + (rr[:, None] * P + ch[None, :])
-        tl.store(qs_ptr + base, q, mask=m2)
-        tl.store(ks_ptr + base, k, mask=m2)
-        tl.store(vs_ptr + base, v, mask=m2)
-        tl.store(ds_ptr + base, decay, mask=m2)
-        tl.store(bs_ptr + row0_64 * H + (rr * H + h), beta, mask=rv)
-        update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch,
-                       live, P, HAS_SNAP, ROWS, W, WB)
+    tl.store(qs_ptr + base, q, mask=m2)
+    tl.store(ks_ptr + base, k, mask=m2)
+    tl.store(vs_ptr + base, v, mask=m2)
+    tl.store(ds_ptr + base, decay, mask=m2)
+    tl.store(bs_ptr + row0_64 * H + (rr * H + h), beta, mask=rv)
+    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
+                   P, HAS_SNAP, ROWS, W, WB)
 
 
 @triton.jit
