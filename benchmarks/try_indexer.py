@@ -8,7 +8,9 @@ B = 16 requests x R = 4 rows, 32 heads x 128, FP8 cache (132 B/token), block 64,
      FP8 tensor cores' accumulation order differs); at 16K also the TMA kernel against the
      reference op on the dequantised q (an independent oracle);
   2. each variant timed as CUDA-graph replay: us, floor us, ratio.
-The tma rows run with q_rcp=False (the launcher's default) unless named "q_rcp".
+The tma rows run with q_rcp=False (the launcher's default) unless named "q_rcp". The last row,
+"tma prequantised q", runs the registered TMA launch on q quantised beforehand (its scale folded
+into the weights), pricing the kernel's q-quantisation prologue.
 A variant that fails prints its exception and the run goes on; each new compile prints its
 registers and spills.
 
@@ -47,6 +49,34 @@ def variants(sms: int) -> dict[str, dict]:
         "tma stages=7": dict(variant="tma", num_stages=7),
         "tma 8 warps": dict(variant="tma", num_warps=8, splits=per_round(2)),
     }
+
+
+def prequantised(args):
+    """The registered TMA launch with q quantised beforehand (per (row, head) e4m3 with its scale
+    folded into the head weights, as the kernel's prologue does it), so the kernel runs with
+    QUANT_Q off: what a prologue-free scan would cost (the prologue's per-element divisions are
+    the suspected fixed per-program cost). Returns the launch as a function of nothing."""
+    from k31c.lowering.triton import indexer as tix
+    from k31c.lowering.triton import indexer_tma
+    from k31c.lowering.triton.device import target_of
+
+    q, w, cache, table, row_req, row_len = args
+    n, heads, d = q.shape
+    block_size = cache.shape[1] // (d + 4)              # the FP8 layout: d value bytes + a scale
+    scale = q.float().abs().amax(-1).clamp_min(1e-4) / 448.0
+    q8 = (q.float() / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    w8 = (w.float() * scale).to(w.dtype)
+    capacity = table.shape[1] * block_size
+    p = tix.plan(target_of(q.device), n, heads, d, table.shape[0], capacity, block_size, cache.dtype,
+                 tma_ok=True, variant="tma", quant_q=True)
+    scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
+
+    def launch():
+        return indexer_tma.launch_indexer_tma(
+            q8, w8, cache, table, row_req, row_len, scores, block_size=block_size, rows=p.rows,
+            rows_pad=p.rows_pad, splits=p.splits, quant_q=False, dot_dtype=p.dot_dtype,
+            head_dot=p.head_dot, num_warps=p.num_warps, num_stages=p.num_stages)
+    return launch
 
 
 def _compiled() -> dict:
@@ -135,6 +165,16 @@ def main() -> None:
                 print(f"  {name:22s} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=2)
                 torch.cuda.synchronize()
+        try:
+            launch = prequantised(args)
+            check = _compare("tma prequantised q", launch(), base)
+            us = graph_ms(launch) * 1e3
+            print(f"  {'tma prequantised q':22s} {us:8.1f} us  floor {floor_us:7.1f}  "
+                  f"ratio {us / floor_us:5.2f}  ({check}; q quantised outside the timed launch)")
+        except Exception as e:  # noqa: BLE001
+            print(f"  tma prequantised q     FAILED: {type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc(limit=2)
+            torch.cuda.synchronize()
         del base
         torch.cuda.empty_cache()
     print(f"# total {time.time() - start:.0f} s")
