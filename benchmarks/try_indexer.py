@@ -144,13 +144,18 @@ def main() -> None:
                 _oracle_check(pool, args)
             except Exception as e:  # noqa: BLE001
                 print(f"  oracle check FAILED: {type(e).__name__}: {str(e)[:300]}")
-        for name, cfg in configs.items():
+        # name -> a function making the variant's launch (the prequantised one builds its q first)
+        makers = {name: (lambda cfg=cfg: lambda: tix.launch_indexer(*args, **cfg))
+                  for name, cfg in configs.items()}
+        makers["tma prequantised q"] = lambda: prequantised(args)
+        for name, make in makers.items():
             try:
                 try:
                     before = _compiled()
                 except Exception:  # noqa: BLE001  (another Triton cache layout: no register report)
                     before = None
-                got = tix.launch_indexer(*args, **cfg)
+                launch = make()
+                got = launch()
                 torch.cuda.synchronize()
                 if before is not None:
                     for key, (label, k) in _compiled().items():
@@ -158,23 +163,13 @@ def main() -> None:
                             print(f"  {name:22s} compiled {label}: {_describe(k)}")
                 check = _compare(name, got, base) if name != "gather" else "baseline"
                 del got
-                us = graph_ms(lambda: tix.launch_indexer(*args, **cfg)) * 1e3
+                us = graph_ms(launch) * 1e3
                 print(f"  {name:22s} {us:8.1f} us  floor {floor_us:7.1f}  "
                       f"ratio {us / floor_us:5.2f}  ({check})")
             except Exception as e:  # noqa: BLE001
                 print(f"  {name:22s} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc(limit=2)
                 torch.cuda.synchronize()
-        try:
-            launch = prequantised(args)
-            check = _compare("tma prequantised q", launch(), base)
-            us = graph_ms(launch) * 1e3
-            print(f"  {'tma prequantised q':22s} {us:8.1f} us  floor {floor_us:7.1f}  "
-                  f"ratio {us / floor_us:5.2f}  ({check}; q quantised outside the timed launch)")
-        except Exception as e:  # noqa: BLE001
-            print(f"  tma prequantised q     FAILED: {type(e).__name__}: {str(e)[:300]}")
-            traceback.print_exc(limit=2)
-            torch.cuda.synchronize()
         del base
         torch.cuda.empty_cache()
     print(f"# total {time.time() - start:.0f} s")
