@@ -1,14 +1,16 @@
-"""The intra-chunk pass of `k31c::kda_prefill` (kda_prefill.py: the pipeline, the state and
-output passes, the launcher): `kda_chunk_kernel`, one program per (chunk, head), all chunks in
-parallel; and the per-request chunk bookkeeping every pass of the prefill shares
-(`request_chunks`, `chunk_request`, `pick`). The math is in kda_prefill.py's docstring, step 1."""
+"""The per-chunk passes of `k31c::kda_prefill` (kda_prefill.py: the pipeline, the state and
+output passes, the launcher): `kda_conv_kernel`, the conv + norms of each 16-row block, and
+`kda_chunk_kernel`, the intra-chunk solve, one program per (chunk, head), all chunks in parallel;
+and the per-request chunk bookkeeping every pass of the prefill shares (`request_chunks`,
+`chunk_request`, `pick`). The math is in kda_prefill.py's docstring, steps 0 and 1."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from k31c.lowering.triton.device import wait_for_producers
-from k31c.lowering.triton.kda_common import L2_EPS, conv_silu_rows, kda_gate_math, row_of
+from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, conv_silu_shift, kda_gate_math,
+                                             row_of)
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 SAFE_EXPONENT = 60.0                      # exp(±60) stays well inside fp32/bf16 range
@@ -59,11 +61,62 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
 
 
 @triton.jit
-def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr,
-                      conv_ptr, slots_ptr, cu_ptr,
+def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
+                    qn_ptr, kn_ptr, vc_ptr, B, H, scale,
+                    C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                    BP: tl.constexpr, SHIFT_DOT: tl.constexpr, XR: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """One program per (16-row block of a chunk, head): causal conv + SiLU over the request's
+    window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
+    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U. SHIFT_DOT: the
+    block's rows and the W - 1 before it loaded once, the taps as shift-matrix products
+    (`conv_silu_shift`; XR ≥ BC + W - 1 rows); else one masked load per tap (`conv_silu_rows`)."""
+    wait_for_producers(PDL)
+    NB: tl.constexpr = C // BC
+    cid = tl.program_id(0) // NB
+    blk = tl.program_id(0) % NB
+    h = tl.program_id(1)
+    P = H * K
+    DT = qn_ptr.dtype.element_ty
+    j, start, length, n_chunks, first = request_chunks(cu_ptr, B, C, BP)
+    req, in_range = chunk_request(cid, first, n_chunks, B)
+    slot = tl.load(slots_ptr + req)
+    s = pick(j, req, start)
+    L = pick(j, req, length)
+    pb = (cid - pick(j, req, first)) * C + blk * BC     # position of the block's first row
+    if in_range & (slot >= 0) & (pb < L):
+        conv_row = conv_ptr + slot * (W - 1) * 3 * P
+        offs = tl.arange(0, K)
+        ch = h * K + offs
+        rows = tl.arange(0, BC)
+        rv = pb + rows < L
+        tb = (s + pb).to(tl.int64)                      # token of the block's first row
+        tok0 = tb - (W - 1)
+        if SHIFT_DOT:
+            n_ext = L + W - 1                           # window rows, then the request's rows
+            q = conv_silu_shift(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, 0, P, W, XR)
+            k = conv_silu_shift(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, P, P, W, XR)
+            v = conv_silu_shift(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, 2 * P, P, W,
+                                XR)
+        else:
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
+                               P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
+                               True, P, W)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
+        rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])
+        tl.store(qn_ptr + rk, q.to(DT), mask=rv[:, None])
+        tl.store(kn_ptr + rk, k.to(DT), mask=rv[:, None])
+        tl.store(vc_ptr + rk, v.to(DT), mask=rv[:, None])
+
+
+@triton.jit
+def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
                       qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      B, H, lower_bound, scale,
-                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                      B, H, lower_bound,
+                      C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
                       PREC: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
@@ -79,7 +132,6 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
         s = pick(j, req, start)
         L = pick(j, req, length)
         c0 = (cid - pick(j, req, first)) * C          # first position of this chunk
-        conv_row = conv_ptr + slot * (W - 1) * 3 * P
         offs = tl.arange(0, K)
         ch = h * K + offs
         rows = tl.arange(0, BC)
@@ -97,14 +149,12 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
             pb = c0 + I * BC                             # position of the block's first row
             rv = pb + rows < L
             tb = t_chunk + I * BC                        # its token
-            tok0 = tb - (W - 1)
-            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
-            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
-                               P, W)
-            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
-                               True, P, W)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
+            blk_k = (tb * H + h) * K                     # block base in [T, H, K] scratch
+            blk_c = (tb * H + h) * C                     # ... and in [T, H, C]
+            # the conv pass's q̂, k̂, v̂, read before this block's outputs overwrite them
+            q = tl.load(qg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
+            k = tl.load(kg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
+            v = tl.load(u_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
             f = tl.load(f_ptr + tb * P + (rows[:, None] * P + ch[None, :]), mask=rv[:, None],
                         other=0.0)
             g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,
@@ -115,8 +165,7 @@ def kda_chunk_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr
             G = g_b[None, :] + tl.cumsum(g, axis=0)      # Γ (from the chunk start) [BC, K]
             g_e = g_b + tl.sum(g, axis=0)                # Γ at the end of this block
 
-            blk_k = (tb * H + h) * K                     # block base in [T, H, K] scratch
-            blk_c = (tb * H + h) * C                     # ... and in [T, H, C]
+            tl.debug_barrier()                           # every thread has read q̂, k̂, v̂
             tl.store(qg_ptr + blk_k + rk, (q * tl.exp(G)).to(DT), mask=rv[:, None])
             tl.store(kg_ptr + blk_k + rk, (k * tl.exp(g_e[None, :] - G)).to(DT), mask=rv[:, None])
             tl.store(ge_ptr + ((cid * NB + I) * H + h) * K + offs, g_e)

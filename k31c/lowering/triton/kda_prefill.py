@@ -1,10 +1,13 @@
 """Triton kernels for `k31c::kda_prefill` (spec/model.md §4.2-4.5): the chunked WY form for varlen
 requests that continue from their slot's conv window and recurrent state.
 
-Two launches (three when the state pass splits V):
+Three launches (four when the state pass splits V):
+0. `kda_conv_kernel` (kda_chunk.py), one program per (16-row block, head): causal conv + SiLU over
+   the window and the new rows, q / k L2 norms; q̂, k̂, v̂ go into the scratch buffers that step 1
+   overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ), v̂ → U). Out of the chunk pass because
+   there the conv's loads and registers sat in every block of a serial chain (BENCHMARKS.md, KDA).
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
-   causal conv + SiLU over the window, q/k L2 norms, gates and betas, then the intra-chunk WY
-   solve. The chunk is
+   gates and betas, then the intra-chunk WY solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
        X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
    with the earlier blocks' X_J and keys read back from the scratch the program just wrote;
@@ -40,8 +43,8 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kda_chunk_kernel, pick,
-                                            request_chunks)
+from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kda_chunk_kernel,
+                                            kda_conv_kernel, pick, request_chunks)
 from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
@@ -161,13 +164,19 @@ class PrefillPlan:
     scratch: torch.dtype     # bf16 inputs: bf16 scratch and MMAs (as fla); else fp32, exact products
     precision: str           # tl.dot input_precision
     block_v: int             # value channels per state program (< K: a norm launch follows)
-    chunk_warps: int = 4
+    chunk_warps: int = 2     # 2 warps: 4.37 ms at T = 8192 vs 4.72 on 4 (BENCHMARKS.md, KDA)
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
+    conv_warps: int = 4
+    conv_shift: bool = False # the conv taps as shift-matrix products (kda_conv_kernel's SHIFT_DOT)
+
+    def conv_constexprs(self) -> dict:
+        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
+                    SHIFT_DOT=self.conv_shift, XR=triton.next_power_of_2(BC + self.W - 1))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
-        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
+        return dict(C=self.C, BC=BC, K=self.K, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision)
@@ -179,8 +188,9 @@ class PrefillPlan:
 
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
-         lower_bound: float | None, chunk_warps: int = 4, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1) -> PrefillPlan:
+         lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
+         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
+         conv_shift: bool = False) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -190,7 +200,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages)
+                       state_warps, state_stages, conv_warps, conv_shift)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -207,21 +217,23 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
-                       chunk_warps: int = 4, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, stages: str = "csn") -> torch.Tensor:
+                       chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
+                       state_stages: int = 1, conv_warps: int = 4, conv_shift: bool = False,
+                       stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
-    stages: which of the chunk pass, the state pass and the norm launch to run (benchmarks time
-    them alone; anything but "csn" leaves the output unfinished)."""
-    if not stages or set(stages) - set("csn"):
-        raise ValueError(f"stages: expected letters of 'csn' (chunk, state, norm), got {stages!r}")
+    stages: which of the conv pass, the chunk pass, the state pass and the norm launch to run
+    (benchmarks time them alone; anything but "vcsn" leaves the output unfinished)."""
+    if not stages or set(stages) - set("vcsn"):
+        raise ValueError("stages: expected letters of 'vcsn' (conv, chunk, state, norm), "
+                         f"got {stages!r}")
     T, H, K, W = check_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                                conv_state, recurrent, slots, cu_seqlens, chunk_size)
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages)
+             state_warps, block_v, state_stages, conv_warps, conv_shift)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -234,11 +246,14 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     out = torch.empty_like(q)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
+    if n_chunks_max > 0 and "v" in stages:      # q̂, k̂, v̂ into the qg, kg, u buffers
+        kda_conv_kernel[(n_chunks_max * NB, H)](
+            q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
+            **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
-            q, k, v, f, beta, conv_weight, A_log, dt_bias, conv_state, slots, cu_seqlens,
-            qg, kg, w, u, aqk, ge, B, H, lb, K ** -0.5, **p.chunk_constexprs(),
-            num_warps=p.chunk_warps, **pdl)
+            f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
+            **p.chunk_constexprs(), num_warps=p.chunk_warps, **pdl)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
@@ -260,12 +275,16 @@ def aot_specs(shapes) -> list:
     p = plan(shapes.target, B, cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size,
              dt, cfg.gate_lower_bound)
     scratch = p.scratch
+    conv = kernel_spec(
+        kda_conv_kernel, "k31c::kda_prefill", f"B={B}", p.conv_constexprs(),
+        dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, conv_w_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64,
+             cu_ptr=torch.int32, qn_ptr=scratch, kn_ptr=scratch, vc_ptr=scratch, scale="fp32"),
+        num_warps=p.conv_warps, ints=dict(B=B, H=cfg.kda_num_heads))
     chunk = kernel_spec(
         kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
-        dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32, a_log_ptr=f32,
-             dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64, cu_ptr=torch.int32, qg_ptr=scratch,
-             kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
-             lower_bound="fp32", scale="fp32"),
+        dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
+             cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
+             aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
         num_warps=p.chunk_warps, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
@@ -273,4 +292,4 @@ def aot_specs(shapes) -> list:
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
              conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
-    return [chunk, state]
+    return [conv, chunk, state]
