@@ -270,18 +270,15 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     alone = [time_ms(lambda: launch(configs[best], stages=stage), reps=10) for stage in "vcsn"]
     notes.append(f"passes alone at {_label(configs[best])} (conv / chunk / state / norm) ms: "
                  + " / ".join(f"{t:.3f}" for t in alone))
-    # where the passes' time goes: the conv pass on 8 warps, with its taps as shift-matrix
-    # products, and with 2 taps (the taps' price);
+    # where the passes' time goes: the conv pass on 8 warps and with 2 taps (the taps' price);
     # the chunk pass with 32- and 16-row chunks (fewer 16-row blocks a program in sequence)
     lay2 = dict(lay, conv_weight=lay["conv_weight"][:, :2].contiguous(),
                 conv_state=lay["conv_state"][:, :1].contiguous())
     w2 = time_ms(lambda: launch(configs[best], layer=lay2, stages="v"), reps=10)
     v8 = time_ms(lambda: launch(dict(configs[best], conv_warps=8), stages="v"), reps=10)
-    vs = time_ms(lambda: launch(dict(configs[best], conv_shift=True), stages="v"), reps=10)
     by_chunk = {c: time_ms(lambda c=c: launch(configs[best], chunk=c, stages="c"), reps=10)
                 for c in (32, 16)}
-    notes.append(f"conv pass alone: 8 warps {v8:.3f} ms, taps as shift products {vs:.3f} ms, "
-                 f"2 taps {w2:.3f} ms; chunk pass alone: "
+    notes.append(f"conv pass alone: 8 warps {v8:.3f} ms, 2 taps {w2:.3f} ms; chunk pass alone: "
                  f"chunk 32 {by_chunk[32]:.3f}, chunk 16 {by_chunk[16]:.3f} ms")
     try:
         from fla.modules import FusedRMSNormGated

@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton.device import wait_for_producers
-from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, conv_silu_shift, kda_gate_math,
-                                             row_of)
+from k31c.lowering.triton.kda_common import L2_EPS, conv_silu_rows, kda_gate_math, row_of
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 SAFE_EXPONENT = 60.0                      # exp(±60) stays well inside fp32/bf16 range
@@ -64,13 +63,10 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
 def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
                     qn_ptr, kn_ptr, vc_ptr, B, H, scale,
                     C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                    BP: tl.constexpr, SHIFT_DOT: tl.constexpr, XR: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    BP: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (16-row block of a chunk, head): causal conv + SiLU over the request's
     window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
-    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U. SHIFT_DOT: the
-    block's rows and the W - 1 before it loaded once, the taps as shift-matrix products
-    (`conv_silu_shift`; XR ≥ BC + W - 1 rows); else one masked load per tap (`conv_silu_rows`)."""
+    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U."""
     wait_for_producers(PDL)
     NB: tl.constexpr = C // BC
     cid = tl.program_id(0) // NB
@@ -92,18 +88,10 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
         rv = pb + rows < L
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
         tok0 = tb - (W - 1)
-        if SHIFT_DOT:
-            n_ext = L + W - 1                           # window rows, then the request's rows
-            q = conv_silu_shift(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, 0, P, W, XR)
-            k = conv_silu_shift(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, P, P, W, XR)
-            v = conv_silu_shift(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, n_ext, ch, 2 * P, P, W,
-                                XR)
-        else:
-            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
-            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
-                               P, W)
-            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
-                               True, P, W)
+        q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+        k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True, P, W)
+        v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch, True,
+                           P, W)
         q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
         rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])

@@ -64,35 +64,6 @@ def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv,
 
 
 @triton.jit
-def conv_silu_shift(in_ptr, conv_row, w_ptr, pos0, tok0, rows, n_ext, ch, conv_off, P,
-                    W: tl.constexpr, XR: tl.constexpr):
-    """conv_silu_rows with the rows loaded once: ext[pos0 + e] for e < XR (positions below n_ext)
-    as one tile, each tap's rows picked from it by a 0/1 shift matrix on the tensor cores (exact:
-    one nonzero product per output, accumulated in fp32). ch: the channels in in_ptr's rows;
-    conv_off + ch: the same channels in the window's 3P-wide rows."""
-    e = tl.arange(0, XR)
-    ext = pos0 + e
-    if conv_row.dtype.element_ty == in_ptr.dtype.element_ty:
-        # the window's rows and the tokens' rows, kept in their dtype (no fp32 copy)
-        from_hist = ext < W - 1
-        hist = tl.load(conv_row + conv_off + (tl.where(from_hist, ext, 0)[:, None] * (3 * P)
-                                             + ch[None, :]),
-                       mask=(from_hist & (ext < n_ext))[:, None], other=0.0)
-        new = tl.load(in_ptr + tok0.to(tl.int64) * P + (e[:, None] * P + ch[None, :]),
-                      mask=(~from_hist & (ext < n_ext))[:, None], other=0.0)
-        x = tl.where(from_hist[:, None], hist, new)
-    else:       # a window of another dtype: both loads, the products in fp32
-        x = window_rows(in_ptr, conv_row, pos0, tok0, e, ch, conv_off + ch, True, ext < n_ext, P,
-                        W)
-    acc = tl.zeros([rows.shape[0], ch.shape[0]], dtype=tl.float32)
-    for j in tl.static_range(W):
-        shift = (e[None, :] == rows[:, None] + j).to(x.dtype)
-        acc += tl.dot(shift, x, input_precision="ieee") \
-            * tl.load(w_ptr + (conv_off + ch) * W + j).to(tl.float32)[None, :]
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
 def copy_window(in_ptr, conv_row_ptr, dst_ptr, pos0, tok0, ch_in, ch_conv, live, P,
                  W: tl.constexpr, WB: tl.constexpr):
     """dst[i, c] = ext[pos0 + i, c] for the W-1 window rows (dst is [W-1, 3P])."""

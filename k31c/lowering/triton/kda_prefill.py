@@ -168,11 +168,9 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     conv_warps: int = 4
-    conv_shift: bool = False # the conv taps as shift-matrix products (kda_conv_kernel's SHIFT_DOT)
 
     def conv_constexprs(self) -> dict:
-        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1),
-                    SHIFT_DOT=self.conv_shift, XR=triton.next_power_of_2(BC + self.W - 1))
+        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -189,8 +187,7 @@ class PrefillPlan:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
-         conv_shift: bool = False) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -200,7 +197,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps, conv_shift)
+                       state_warps, state_stages, conv_warps)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -218,8 +215,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, conv_warps: int = 4, conv_shift: bool = False,
-                       stages: str = "vcsn") -> torch.Tensor:
+                       state_stages: int = 1, conv_warps: int = 4, stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
     stages: which of the conv pass, the chunk pass, the state pass and the norm launch to run
@@ -233,7 +229,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, conv_warps, conv_shift)
+             state_warps, block_v, state_stages, conv_warps)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
