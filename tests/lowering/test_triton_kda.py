@@ -288,6 +288,15 @@ def test_prefill_fp16_rounding_step():
                   dtype=torch.float16, device=DEV, seed=74)
 
 
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_prefill_four_block_chunks(lb):
+    """Chunks of 64 rows (four 16-row blocks: the blocked (I + M)^-1 with every off-diagonal
+    block and the solutions written back in descending order), ragged tails, a padding
+    request."""
+    check_prefill(H=2, K=16, lens=[150, 3, 64, 70], slot_ids=[2, 5, -1, 0], lb=lb, chunk=64,
+                  dtype=torch.float32, device=DEV, seed=80 + (lb is None))
+
+
 def test_prefill_doubling_inverse_blocks():
     """The chunk pass's diagonal blocks inverted by doubling: chunk 32 (two blocks), several chunks
     with a ragged tail, a padding request and an empty one, the unbounded gate (a truncated
