@@ -167,7 +167,7 @@ class PrefillPlan:
     chunk_warps: int = 2     # 2 warps: 4.37 ms at T = 8192 vs 4.72 on 4 (BENCHMARKS.md, KDA)
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
-    conv_warps: int = 4
+    conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1))
@@ -215,7 +215,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, conv_warps: int = 4, stages: str = "vcsn") -> torch.Tensor:
+                       state_stages: int = 1, conv_warps: int = 4,
+                       stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
     stages: which of the conv pass, the chunk pass, the state pass and the norm launch to run
