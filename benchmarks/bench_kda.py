@@ -280,13 +280,6 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
                 for c in (32, 16)}
     notes.append(f"conv pass alone: 8 warps {v8:.3f} ms, 2 taps {w2:.3f} ms; chunk pass alone: "
                  f"chunk 32 {by_chunk[32]:.3f}, chunk 16 {by_chunk[16]:.3f} ms")
-    # W, U as whole-chunk products (solve_m64), the whole prefill and the chunk pass alone
-    m64 = {w: (time_ms(lambda w=w: launch(dict(configs[best], chunk_warps=w, solve_m64=True)),
-                       reps=10),
-               time_ms(lambda w=w: launch(dict(configs[best], chunk_warps=w, solve_m64=True),
-                                          stages="c"), reps=10)) for w in (2, 4)}
-    notes.append("W, U as whole-chunk products (chunk warps: prefill / chunk pass ms) "
-                 + " ".join(f"{w}: {a:.3f} / {c:.3f}" for w, (a, c) in m64.items()))
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d

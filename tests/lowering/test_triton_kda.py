@@ -288,22 +288,13 @@ def test_prefill_fp16_rounding_step():
                   dtype=torch.float16, device=DEV, seed=74)
 
 
-@pytest.mark.parametrize("lb,m64", [(-5.0, False), (None, False), (-5.0, True), (None, True)])
-def test_prefill_four_block_chunks(lb, m64):
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_prefill_four_block_chunks(lb):
     """Chunks of 64 rows (four 16-row blocks: the blocked (I + M)^-1 with every off-diagonal
-    block, then W, U block by block or as whole-chunk products), ragged tails, a padding
+    block and the solutions written back in descending order), ragged tails, a padding
     request."""
     check_prefill(H=2, K=16, lens=[150, 3, 64, 70], slot_ids=[2, 5, -1, 0], lb=lb, chunk=64,
-                  dtype=torch.float32, device=DEV, seed=80 + (lb is None),
-                  fn=partial(launch_kda_prefill, solve_m64=m64))
-
-
-def test_prefill_whole_chunk_solve_short_chunks():
-    """W, U as whole-chunk products at 16- and 32-row chunks (one and two blocks)."""
-    for chunk, seed in ((16, 90), (32, 91)):
-        check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=-5.0,
-                      chunk=chunk, dtype=torch.float32, device=DEV, seed=seed,
-                      fn=partial(launch_kda_prefill, solve_m64=True))
+                  dtype=torch.float32, device=DEV, seed=80 + (lb is None))
 
 
 def test_prefill_doubling_inverse_blocks():
@@ -327,11 +318,10 @@ def test_prefill_stages():
 
 
 @pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("lb,m64", [(-5.0, False), (None, False), (-5.0, True)])
-def test_prefill_k3_shapes_cuda(lb, m64):
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_prefill_k3_shapes_cuda(lb):
     check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=lb, chunk=64,
-                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8,
-                  fn=partial(launch_kda_prefill, solve_m64=m64))
+                  dtype=torch.bfloat16, device="cuda", seed=7, num_slots=8, fn=launch_kda_prefill)
 
 
 @pytest.mark.parametrize("w", [2, 3])

@@ -102,12 +102,11 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
 
 @triton.jit
 def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
-                      qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr, mi_ptr,
+                      qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
                       B, H, lower_bound,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, SOLVE_M64: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      PREC: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     cid = tl.program_id(0)
     h = tl.program_id(1)
@@ -131,9 +130,7 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
         # scalar int64 bases per block + these small int32 tile offsets (few address registers)
         rk = rows[:, None] * (H * K) + offs[None, :]        # [BC, K] tile of a [T, H, K] buffer
         rc = rows[:, None] * (H * C) + rows[None, :]        # [BC, BC] tile of [T, H, C] (aqk)
-        rm = rows[:, None] * C + rows[None, :]               # [BC, BC] tile of a [C, C] matrix
         t_chunk = (s + c0).to(tl.int64)                      # token of the chunk's first row
-        mi = mi_ptr + (cid * H + h).to(tl.int64) * C * C     # this chunk's M / (I + M)^-1 blocks
 
         g_b = tl.zeros([K], dtype=tl.float32)          # Γ at the end of the previous block
         for I in range(NB):
@@ -165,10 +162,8 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             to_b = tl.exp(G - g_b[None, :])
             qb = (q * to_b).to(DT)
             kb = (k * to_b).to(DT)
-            # the right-hand sides X = (I + M)^-1 R solves, R = [β exp(Γ)⊙K | β V], in W and U
-            # (v̂ was read above, before the barrier)
-            tl.store(w_ptr + blk_k + rk, (beta[:, None] * tl.exp(G) * k).to(DT), mask=rv[:, None])
-            tl.store(u_ptr + blk_k + rk, (beta[:, None] * v).to(DT), mask=rv[:, None])
+            rhs_w = beta[:, None] * tl.exp(G) * k
+            rhs_u = beta[:, None] * v
             for J in range(I):
                 rvj = c0 + J * BC + rows < L
                 blk_kj = ((t_chunk + J * BC) * H + h) * K
@@ -178,7 +173,10 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
                 m_ij = tl.dot(kb, tl.trans(kj), input_precision=PREC) * beta[:, None]
                 a_ij = tl.dot(qb, tl.trans(kj), input_precision=PREC)
                 tl.store(aqk_ptr + blk_c + J * BC + rc, a_ij.to(DT), mask=rv[:, None])
-                tl.store(mi + (I * BC * C + J * BC) + rm, m_ij)
+                w_j = tl.load(w_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
+                u_j = tl.load(u_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
+                rhs_w -= tl.dot(m_ij, w_j.to(tl.float32), input_precision=PREC)
+                rhs_u -= tl.dot(m_ij, u_j.to(tl.float32), input_precision=PREC)
 
             # the diagonal block
             if SAFE_DIAG:
@@ -201,62 +199,13 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             a_ii = tl.where(causal, a_ii, 0.0)
             tl.store(aqk_ptr + blk_c + I * BC + rc, a_ii.to(DT), mask=rv[:, None])
 
-            tl.store(mi + (I * BC * C + I * BC) + rm, unit_lower_inverse_doubling(m_ii, rows, BC))
+            inv = unit_lower_inverse_doubling(m_ii, rows, BC)
+            w_i = tl.dot(inv, rhs_w, input_precision=PREC)
+            u_i = tl.dot(inv, rhs_u, input_precision=PREC)
+            tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])
+            tl.store(u_ptr + blk_k + rk, u_i.to(DT), mask=rv[:, None])
             tl.debug_barrier()                           # block I's scratch is read by block I+1
             g_b = g_e
-
-        # (I + M)^-1 by blocks, in place of M: X_IJ = -X_II Σ_{J<=K<I} M_IK X_KJ, J ascending (the
-        # M_IK it reads, K >= J, are not yet replaced); X_II is already there
-        for I in range(1, NB):
-            x_ii = tl.load(mi + (I * BC * C + I * BC) + rm)
-            for J in range(I):
-                acc = tl.zeros([BC, BC], dtype=tl.float32)
-                for Kb in range(J, I):
-                    m_ik = tl.load(mi + (I * BC * C + Kb * BC) + rm)
-                    x_kj = tl.load(mi + (Kb * BC * C + J * BC) + rm)
-                    acc += tl.dot(m_ik, x_kj, input_precision="ieee")
-                x_ij = -tl.dot(x_ii, acc, input_precision="ieee")
-                tl.debug_barrier()                       # every thread has read M_IJ
-                tl.store(mi + (I * BC * C + J * BC) + rm, x_ij)
-            tl.debug_barrier()                           # row I is read by the rows below
-
-        if SOLVE_M64:
-            # W, U = X R as two [C, C] x [C, K] products over the whole chunk (the blocks above
-            # X's diagonal blocks were never written: masked to zero)
-            rows_c = tl.arange(0, C)
-            rk_c = rows_c[:, None] * (H * K) + offs[None, :]
-            rv_c = (c0 + rows_c < L)[:, None]
-            blk0 = (t_chunk * H + h) * K
-            x = tl.load(mi + (rows_c[:, None] * C + rows_c[None, :]),
-                        mask=rows_c[:, None] // BC >= rows_c[None, :] // BC, other=0.0)
-            w_all = tl.dot(x, tl.load(w_ptr + blk0 + rk_c, mask=rv_c, other=0.0).to(tl.float32),
-                           input_precision=PREC)
-            tl.debug_barrier()                           # every thread has read R's W half
-            tl.store(w_ptr + blk0 + rk_c, w_all.to(DT), mask=rv_c)
-            u_all = tl.dot(x, tl.load(u_ptr + blk0 + rk_c, mask=rv_c, other=0.0).to(tl.float32),
-                           input_precision=PREC)
-            tl.debug_barrier()
-            tl.store(u_ptr + blk0 + rk_c, u_all.to(DT), mask=rv_c)
-        else:
-            # W_I, U_I = Σ_{J<=I} X_IJ R_J, I descending: R_I is read by rows >= I only, so each
-            # block of R is replaced by its solution once no later row needs it
-            for Ir in range(NB):
-                I = NB - 1 - Ir
-                rv = c0 + I * BC + rows < L
-                blk_k = ((t_chunk + I * BC) * H + h) * K
-                w_i = tl.zeros([BC, K], dtype=tl.float32)
-                u_i = tl.zeros([BC, K], dtype=tl.float32)
-                for J in range(I + 1):
-                    x_ij = tl.load(mi + (I * BC * C + J * BC) + rm)
-                    rvj = c0 + J * BC + rows < L
-                    blk_kj = ((t_chunk + J * BC) * H + h) * K
-                    r_w = tl.load(w_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
-                    r_u = tl.load(u_ptr + blk_kj + rk, mask=rvj[:, None], other=0.0)
-                    w_i += tl.dot(x_ij, r_w.to(tl.float32), input_precision=PREC)
-                    u_i += tl.dot(x_ij, r_u.to(tl.float32), input_precision=PREC)
-                tl.debug_barrier()                       # every thread has read R_I
-                tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])
-                tl.store(u_ptr + blk_k + rk, u_i.to(DT), mask=rv[:, None])
 
         # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
         for J in range(NB):

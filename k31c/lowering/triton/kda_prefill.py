@@ -7,20 +7,16 @@ Three launches (four when the state pass splits V):
    overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ), v̂ → U). Out of the chunk pass because
    there the conv's loads and registers sat in every block of a serial chain (BENCHMARKS.md, KDA).
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
-   gates and betas, then the intra-chunk WY solve X = (I + M)^-1 R, X = [W | U],
-   R = [β exp(Γ)⊙K | β V], M the strictly lower β-scaled decayed key products. The chunk is
-   walked in blocks of BC = 16 rows: each block writes its R rows (into the W and U buffers) and
-   its [16, 16] blocks M_IJ (J < I) and (I + M_II)^-1 (doubling inverted sub-blocks, fp32
-   products) into a [C, C] fp32 scratch of the (chunk, head); the off-diagonal blocks of the
-   inverse follow in place, X_IJ = -X_II Σ_{J<=K<I} M_IK X_KJ (fp32 [16, 16] products); then
-   W_I, U_I = Σ_{J<=I} X_IJ R_J, which no longer wait on one another's results (`solve_m64`: W,
-   U = X R as two [C, C] x [C, K] products over the whole chunk).
+   gates and betas, then the intra-chunk WY solve. The chunk is
+   walked in blocks of BC = 16 rows; block I is solved by block forward substitution
+       X_I = (I + M_II)^-1 (β_I B_I - Σ_{J<I} M_IJ X_J),   X = [W | U],  B = [exp(Γ)⊙K | V]
+   with the earlier blocks' X_J and keys read back from the scratch the program just wrote;
+   (I + M_II)^-1 by doubling inverted sub-blocks with fp32 products.
    Decay factors exp(Γ_r - Γ_i) are never formed as exp(Γ_r)/exp(Γ_i): across blocks both factors
    are taken relative to the boundary Γ_b between them (each ≤ 1); inside a diagonal block either
    relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
    unbounded softplus gate, exactly column by column.
-   Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its
-   end.
+   Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its end.
 2. `_kda_state_kernel`, one program per (request, head[, V tile]), walks the request's chunks in
    order with the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
@@ -172,7 +168,6 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
-    solve_m64: bool = False  # W, U as [C, C] x [C, K] products (kda_chunk_kernel's SOLVE_M64)
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1))
@@ -182,7 +177,7 @@ class PrefillPlan:
         return dict(C=self.C, BC=BC, K=self.K, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
-                    PREC=self.precision, SOLVE_M64=self.solve_m64)
+                    PREC=self.precision)
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -192,8 +187,7 @@ class PrefillPlan:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
-         solve_m64: bool = False) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -203,7 +197,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps, solve_m64)
+                       state_warps, state_stages, conv_warps)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -221,7 +215,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, conv_warps: int = 4, solve_m64: bool = False,
+                       state_stages: int = 1, conv_warps: int = 4,
                        stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
@@ -236,7 +230,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, conv_warps, solve_m64)
+             state_warps, block_v, state_stages, conv_warps)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -246,7 +240,6 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     qg, kg, w, u = (torch.empty(T, H, K, device=q.device, dtype=dt) for _ in range(4))
     aqk = torch.empty(T, H, C, device=q.device, dtype=dt)
     ge = torch.empty(n_chunks_max, NB, H, K, device=q.device, dtype=torch.float32)
-    mi = torch.empty(n_chunks_max, H, C, C, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
@@ -256,7 +249,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
             **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
-            f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, mi, B, H, lb,
+            f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
             **p.chunk_constexprs(), num_warps=p.chunk_warps, **pdl)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
@@ -288,7 +281,7 @@ def aot_specs(shapes) -> list:
         kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
         dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
              cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
-             aqk_ptr=scratch, ge_ptr=f32, mi_ptr=f32, lower_bound="fp32"),
+             aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
         num_warps=p.chunk_warps, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
