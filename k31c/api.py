@@ -283,7 +283,8 @@ class CompiledModel:
         if getattr(input_ids, "device", None) is not None and input_ids.device.type == "cpu":
             device = caches_device(caches)
             graphs = program.graphs if program is not None and program.fn is not None else None
-            if device.type != "cpu" and (graphs is None or graphs.bucket(meta.block_table.shape[0]) is None):
+            staged = graphs is not None and graphs.bucket(meta.block_table.shape[0]) is not None
+            if device.type != "cpu" and not staged:     # no device graph to stage them
                 input_ids, meta = step_to_device(input_ids, meta, device)
         if program is None or program.fn is None:
             program = self.build(step, meta, caches)

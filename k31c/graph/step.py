@@ -74,7 +74,8 @@ def step_to_device(input_ids: torch.Tensor, meta: StepMeta, device) -> tuple[tor
                                                        torch.int64, device)
     row_req, row_len, cu, table = host_ints_to_device([meta.row_req, meta.row_len, meta.cu_seqlens,
                                                        meta.block_table], torch.int32, device)
-    return ids, StepMeta(slot_mapping, table, row_req, row_len, kda_slots, cu)
+    return ids, StepMeta(slot_mapping=slot_mapping, block_table=table, row_req=row_req,
+                         row_len=row_len, kda_slots=kda_slots, cu_seqlens=cu)
 
 
 @dataclass
