@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton.device import wait_for_producers
-from k31c.lowering.triton.kda_common import L2_EPS, conv_silu_rows, kda_gate_math, row_of
+from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, conv_silu_tokens, kda_gate_math,
+                                             row_of)
 
 BC = 16                                   # rows per block inside a chunk (MMA M granularity)
 SAFE_EXPONENT = 60.0                      # exp(±60) stays well inside fp32/bf16 range
@@ -88,10 +89,16 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
         rv = pb + rows < L
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
         tok0 = tb - (W - 1)
-        q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
-        k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True, P, W)
-        v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch, True,
-                           P, W)
+        if pb >= W - 1:         # every tap is a token of the request: one load a tap, no window
+            q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
+            k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
+            v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
+        else:
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
+                               P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
+                               True, P, W)
         q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
         rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])

@@ -64,6 +64,18 @@ def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv,
 
 
 @triton.jit
+def conv_silu_tokens(in_ptr, w_ptr, tok0, rel, rv, ch_in, ch_conv, P, W: tl.constexpr):
+    """conv_silu_rows where no tap reaches the cached window (pos0 >= W - 1): each tap one
+    masked load of the request's own rows, tok0 + rel + j."""
+    acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
+    base = in_ptr + tok0.to(tl.int64) * P
+    for j in tl.static_range(W):
+        x = tl.load(base + ((rel + j)[:, None] * P + ch_in[None, :]), mask=rv[:, None], other=0.0)
+        acc += x.to(tl.float32) * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
 def copy_window(in_ptr, conv_row_ptr, dst_ptr, pos0, tok0, ch_in, ch_conv, live, P,
                  W: tl.constexpr, WB: tl.constexpr):
     """dst[i, c] = ext[pos0 + i, c] for the W-1 window rows (dst is [W-1, 3P])."""
