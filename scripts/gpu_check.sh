@@ -18,6 +18,7 @@
 # then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
+# A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log.
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
 set -uo pipefail
@@ -25,6 +26,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
+# a test still running after STALL seconds has every thread's stack printed into the log (it goes on
+# running): a stalled shard then says where it stalls
+STALL=${STALL:-300}
 kernels=1 bench=0 program=1 rest=() shard=() parallel=0 args=("$@")
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -72,10 +76,12 @@ if [ "$parallel" -gt 0 ]; then
 fi
 status=0
 if [ "$program" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -s tests/runtime "${shard[@]}" "${rest[@]}" || status=1
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL -s tests/runtime \
+        "${shard[@]}" "${rest[@]}" || status=1
 fi
 if [ "$kernels" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging tests/lowering --ignore=tests/lowering/test_aot.py "${shard[@]}" || status=1
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL tests/lowering \
+        --ignore=tests/lowering/test_aot.py "${shard[@]}" || status=1
 fi
 if [ "$bench" = 1 ]; then
     "$PY" -m k31c bench e2e --out "${OUT:-.}/bench-e2e.md" || status=1

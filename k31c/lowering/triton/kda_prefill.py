@@ -168,6 +168,7 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # pipelining 5 chunk tiles at BV = K overflows shared memory
     conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
+    chunk_stages: int | None = None   # None: the backend's default software pipelining
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1))
@@ -179,6 +180,9 @@ class PrefillPlan:
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision)
 
+    def chunk_stage_option(self) -> dict:
+        return {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
+
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)),
@@ -187,7 +191,8 @@ class PrefillPlan:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4) -> PrefillPlan:
+         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
+         chunk_stages: int | None = None) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -197,7 +202,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps)
+                       state_warps, state_stages, conv_warps, chunk_stages)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -215,7 +220,7 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, conv_warps: int = 4,
+                       state_stages: int = 1, conv_warps: int = 4, chunk_stages: int | None = None,
                        stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
@@ -230,7 +235,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, conv_warps)
+             state_warps, block_v, state_stages, conv_warps, chunk_stages)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -250,7 +255,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
             f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
-            **p.chunk_constexprs(), num_warps=p.chunk_warps, **pdl)
+            **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
@@ -282,7 +287,7 @@ def aot_specs(shapes) -> list:
         dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
              cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
              aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
-        num_warps=p.chunk_warps, ints=dict(B=B, H=cfg.kda_num_heads))
+        num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
