@@ -176,6 +176,15 @@ def _compile(spec: AotSpec, target_name: str):
     return triton.compile(src, target=gpu, options=options)
 
 
+def build_spec(spec: AotSpec, target_name: str) -> BuiltKernel:
+    """One spec compiled for the target, with its size, registers, spill and shared memory
+    (benchmarks' probes build launch options this way; raises KernelCompileError)."""
+    start = time.perf_counter()
+    ck = compile_spec(spec, target_name)
+    return _describe(ck, spec, spec_name(spec), target_name, get_target(target_name).triton_backend,
+                     time.perf_counter() - start)
+
+
 def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] = None,
                   shapes: Optional[AotShapes] = None,
                   families: Optional[Iterable[str]] = None) -> list[BuiltKernel]:
@@ -188,15 +197,13 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
     built, failures = [], []
     for spec in specs:
         name = spec_name(spec)
-        start = time.perf_counter()
         try:
-            ck = compile_spec(spec, target_name)
+            b = build_spec(spec, target_name)
         except KernelCompileError as e:   # report every kernel, then fail once
             failures.append(f"{name}: {e}")
             if progress:
                 progress(f"{name:<58} FAILED: {e}")
             continue
-        b = _describe(ck, spec, name, target_name, target.triton_backend, time.perf_counter() - start)
         built.append(b)
         if progress:
             progress(b.line())

@@ -1,0 +1,138 @@
+"""Probes of the KDA prefill (goal G9) at bench_kda's inputs: T = 8192 tokens, one request, 96
+heads x 128, chunk 64, bf16. Modes:
+
+  passes [LABEL]   the default launch and each pass alone (conv / chunk / state / norm), for the
+                   default and a few launch options; LABEL names the tree in the printout (an A/B
+                   of two trees runs this in each, alternating)
+  state            the state pass over (warps, V tile, software-pipeline stages), alone and in
+                   the whole prefill (V tiles < 128 add the norm launch)
+  chunk            the chunk pass over (warps, stages)
+  profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
+                   must be importable)
+  builds           the sm_90a builds of the state and chunk configurations above: registers,
+                   spill, shared memory (no GPU needed)
+
+Every option run on the GPU is checked against the default launch's output (max difference over
+the output's largest magnitude, printed). Times are medians of 10 calls (CUDA events).
+
+    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|state|chunk|profile|builds
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
+                 (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
+CHUNK_CONFIGS = ((2, None), (2, 1), (2, 2), (4, 1), (4, 2))     # (warps, stages; None: default)
+PASS_OPTIONS = (dict(), dict(conv_warps=2), dict(chunk_warps=4))
+
+
+def _inputs():
+    try:
+        from benchmarks import bench_kda as bk
+    except ImportError:  # run as a script from benchmarks/
+        import bench_kda as bk
+    from k31c.lowering.triton.kda_prefill import launch_kda_prefill
+    gen = torch.Generator().manual_seed(1)
+    lay, tok = bk.layer(1, gen), bk.tokens(bk.T_PREFILL, gen)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cu = torch.tensor([0, bk.T_PREFILL], dtype=torch.int32, device="cuda")
+    run = lambda **kw: launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, bk.CHUNK, **kw)  # noqa: E731
+    return bk, lay, tok, run
+
+
+def _time(fn) -> float:
+    try:
+        from benchmarks.harness import time_ms
+    except ImportError:
+        from harness import time_ms
+    return time_ms(fn, reps=10)
+
+
+def _try(label: str, run, ref, stages: str, **kw) -> None:
+    """One option: its difference from the default output, the whole prefill, `stages` alone."""
+    try:
+        err = ((run(**kw).float() - ref).abs().max() / ref.abs().max()).item()
+        whole = _time(lambda: run(**kw))
+        alone = " ".join(f"{s}:{_time(lambda s=s: run(stages=s, **kw)):.3f}" for s in stages)
+        print(f"{label}: prefill {whole:.3f} ms; alone {alone}; max diff vs default {err:.1e}", flush=True)
+    except Exception as e:  # noqa: BLE001  (out of shared memory / registers: report and go on)
+        print(f"{label}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
+def passes(name: str) -> None:
+    _, _, _, run = _inputs()
+    ref = run().float()
+    for kw in PASS_OPTIONS:
+        _try(f"{name} {kw}", run, ref, "vcsn", **kw)
+
+
+def state() -> None:
+    _, _, _, run = _inputs()
+    ref = run().float()
+    for w, bv, st in STATE_CONFIGS:
+        _try(f"state warps {w} BV {bv} stages {st}", run, ref, "sn" if bv < 128 else "s",
+             state_warps=w, block_v=bv, state_stages=st)
+
+
+def chunk() -> None:
+    _, _, _, run = _inputs()
+    ref = run().float()
+    for w, st in CHUNK_CONFIGS:
+        _try(f"chunk warps {w} stages {st}", run, ref, "c", chunk_warps=w, chunk_stages=st)
+
+
+def profile() -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from fla.ops.kda import chunk_kda
+    bk, lay, tok, run = _inputs()
+    T, view = bk.T_PREFILL, lambda x: x.view(1, bk.T_PREFILL, bk.H, bk.K)  # noqa: E731
+
+    def fla():
+        return chunk_kda(view(tok["q"]), view(tok["k"]), view(tok["v"]), view(tok["f"]),
+                         tok["beta"].view(1, T, bk.H), A_log=lay["A_log"], dt_bias=lay["dt_bias"],
+                         initial_state=lay["recurrent"][:1], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=bk.LB)
+    for name, fn in (("fla chunk_kda", fla), ("k31c kda_prefill", run)):
+        with torch.inference_mode():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+        print(f"== {name} (5 calls)")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14,
+                                        max_name_column_width=60), flush=True)
+
+
+def builds() -> None:
+    from k31c.lowering import aot
+    from k31c.lowering.triton import kda_prefill as kp
+    _, chunk_spec, state_spec = kp.aot_specs(aot.default_shapes("h200"))
+
+    def build(label, spec):
+        try:
+            b = aot.build_spec(spec, "h200")
+            print(f"{label}: regs {b.n_regs} spill {b.scratch_bytes or 0} smem {b.shared}", flush=True)
+        except aot.KernelCompileError as e:
+            print(f"{label}: FAILED {str(e)[:160]}", flush=True)
+    for w, bv, st in STATE_CONFIGS:
+        sig = dict(state_spec.signature, **({"o_raw_ptr": "*fp32"} if bv < 128 else {}))
+        build(f"state warps {w} BV {bv} stages {st}", state_spec._replace(
+            constexprs=dict(state_spec.constexprs, BV=bv), signature=sig, num_warps=w, num_stages=st))
+    for w, st in CHUNK_CONFIGS:
+        build(f"chunk warps {w} stages {st}", chunk_spec._replace(num_warps=w, num_stages=st))
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else ""
+    modes = {"passes": lambda: passes(sys.argv[2] if len(sys.argv) > 2 else "tree"), "state": state,
+             "chunk": chunk, "profile": profile, "builds": builds}
+    if mode not in modes:
+        sys.exit(f"usage: try_kda_prefill.py {'|'.join(modes)}")
+    modes[mode]()
