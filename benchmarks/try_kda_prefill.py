@@ -11,11 +11,13 @@ heads x 128, chunk 64, bf16. Modes:
                    must be importable)
   builds           the sm_90a builds of the state and chunk configurations above: registers,
                    spill, shared memory (no GPU needed)
+  once [STAGES]    two default launches running STAGES (default vcsn) and nothing else, for a
+                   profiler: ncu -k regex:_kda_state_kernel -c 1 -s 1 ... try_kda_prefill.py once vcs
 
 Every option run on the GPU is checked against the default launch's output (max difference over
 the output's largest magnitude, printed). Times are medians of 10 calls (CUDA events).
 
-    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|state|chunk|profile|builds
+    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|state|chunk|profile|builds|once
 """
 from __future__ import annotations
 
@@ -129,10 +131,18 @@ def builds() -> None:
         build(f"chunk warps {w} stages {st}", chunk_spec._replace(num_warps=w, num_stages=st))
 
 
+def once(stages: str) -> None:
+    _, _, _, run = _inputs()
+    for _ in range(2):
+        run(stages=stages)
+    torch.cuda.synchronize()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     modes = {"passes": lambda: passes(sys.argv[2] if len(sys.argv) > 2 else "tree"), "state": state,
-             "chunk": chunk, "profile": profile, "builds": builds}
+             "chunk": chunk, "profile": profile, "builds": builds,
+             "once": lambda: once(sys.argv[2] if len(sys.argv) > 2 else "vcsn")}
     if mode not in modes:
         sys.exit(f"usage: try_kda_prefill.py {'|'.join(modes)}")
     modes[mode]()
