@@ -13,8 +13,8 @@ spec Appendix B's contiguous one (peers.contiguous_dense_mla over per-request co
 each eager and under torch.compile (paged: dynamic=True, one compile; contiguous:
 dynamic=False, as Appendix B measured it). G7 (§8): >= 600 TFLOP/s at R = 4, >= 3.5 TB/s
 effective (B·L·1152 bytes / time) at R = 1, never slower than the faster torch.compile peer.
-Sparse: the registered two-pass kernel, the one-pass kernel, the eager reference op and
-torch.compile of the paged plain-torch gather + softmax.
+Sparse: the registered two-pass kernel, the eager reference op and torch.compile of the paged
+plain-torch gather + softmax.
 Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; the bytes floor
 (latent rows read once; for sparse each row's 2048 rows, no overlap assumed) is in the note.
 
@@ -132,20 +132,18 @@ def run(machine: Machine, contexts=CONTEXTS, dense_rows=DENSE_ROWS, sparse: bool
 
 def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
     from k31c.lowering.triton import mla_two_pass as two_pass
-    one_pass = _one_pass()
     rows = []
     q, cache, rr = pool.q, pool.cache, pool.row_req
     compiled_sparse = torch.compile(plain_sparse_mla, dynamic=False)
     for ctx in contexts:
         table, row_len, idx = pool.context(ctx)
         tag = f"B{B}xR{R} H{HEADS} L={ctx >> 10}K"
-        # sparse over 2048 selected rows: the registered (two-pass) kernel, the one-pass as a peer
+        # sparse over 2048 selected rows: the registered (two-pass) kernel
         args = (q, cache, table, rr, idx, SM_SCALE, DV)
         ms = time_ms(lambda: two_pass.sparse_mla(*args))
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
-        for name, fn in (("one-pass kernel", lambda: one_pass(*args)),
-                         ("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
+        for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
                          ("torch.compile", lambda: compiled_sparse(*args))):
             t = _try_time(fn, warmup=2, reps=10)
             if t is not None:
@@ -238,8 +236,8 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
     long_ctx = ctx > EAGER_DENSE_MAX
     reps = dict(warmup=1 if long_ctx else 3, reps=5 if long_ctx else 20)
     kernels = {"split kernel": lambda: mla_dense.dense_mla(*dargs),
-               "one-pass kernel": lambda: mla.launch(q, pool.cache, table, rr, None, row_len,
-                                                     SM_SCALE, DV)}
+               "one-pass kernel": lambda: mla.launch(q, pool.cache, table, rr, row_len, SM_SCALE,
+                                                     DV)}
     if ctx == 128 << 10:       # the split kernel's other candidate tile (mla_dense.plan)
         kernels["split kernel bn=32"] = lambda: mla_dense.launch(
             *dargs, config={"bn": 32, "num_stages": 3})
@@ -294,19 +292,9 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
                f"{bytes_floor_ms(nbytes, machine) * 1e3:.1f} us; " + "; ".join(notes))
 
 
-def _one_pass():
-    """The one-pass sparse kernel (benchmarks/alternatives/mla_one_pass.py)."""
-    try:
-        from benchmarks.alternatives.mla_one_pass import sparse_mla_one_pass
-    except ImportError:  # run as a script from benchmarks/
-        from alternatives.mla_one_pass import sparse_mla_one_pass
-    return sparse_mla_one_pass
-
-
-# launch configs: the one-pass kernel (mla.py: sparse with 1 or 2 key splits, dense), then the
-# two-pass sparse kernel (mla_two_pass.py) around its defaults
-SWEEP = [dict(bn=32, num_stages=3, splits=s) for s in (1, 2)] + [
-    dict(dense=True, bn=32, num_stages=3)] + [
+# launch configs: the one-pass dense kernel (mla.py), then the two-pass sparse kernel
+# (mla_two_pass.py) around its defaults
+SWEEP = [dict(dense=True, bn=32, num_stages=3)] + [
     dict(two_pass=True, **c) for c in (
         {}, {"bk": 64}, {"dvc": 64}, {"dvc": 256, "warps_values": 8}, {"warps_scores": 8},
         {"bd": 32}, {"bd": 128, "stages_scores": 2}, {"stages_scores": 4, "stages_values": 4},
@@ -327,13 +315,9 @@ def _sweep_call(mla, pool, table, row_len, idx, cfg, stats=None):
             return q.new_zeros(q.shape[0], q.shape[1], DV), q.new_zeros(q.shape[:2])
         return mla_two_pass.launch(q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV,
                                    config=cfg)
-    if cfg.pop("contiguous", False):
-        idx = (row_len[:, None] - TOPK + torch.arange(TOPK, device="cuda")).to(torch.int32)
-    if cfg.pop("dense", False):
-        return mla.launch(q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV,
-                          config=cfg, stats=stats)
-    return mla.launch(q, pool.cache, table, pool.row_req, idx, None, SM_SCALE, DV,
-                      config=cfg, stats=stats)
+    cfg.pop("dense", None)          # mla.py runs dense only; the flag labels sweep's rows
+    return mla.launch(q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV, config=cfg,
+                      stats=stats)
 
 
 def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
@@ -380,13 +364,10 @@ def compile_only(which: int) -> None:
     if which >= 0:
         _sweep_call(mla, pool, table, row_len, idx, SWEEP[which])
     else:
-        one_pass = _one_pass()
-        one_pass(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
         two_pass.sparse_mla(pool.q, pool.cache, table, pool.row_req, idx, SM_SCALE, DV)
-        one_pass(pool.q, pool.cache.to(torch.float8_e4m3fn), table, pool.row_req, idx, SM_SCALE, DV)
         from k31c.lowering.triton import mla_dense
         mla_dense.dense_mla(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
-        mla.launch(pool.q, pool.cache, table, pool.row_req, None, row_len, SM_SCALE, DV)
+        mla.launch(pool.q, pool.cache, table, pool.row_req, row_len, SM_SCALE, DV)
     torch.cuda.synchronize()
 
 

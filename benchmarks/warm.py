@@ -55,7 +55,7 @@ def _one_pass() -> None:
     pool = bm.Pool(SMALL_CTX)
     for r in bm.DENSE_ROWS:
         q, table, rr, row_len = bm.dense_inputs(pool, SMALL_CTX, r)
-        mla.launch(q, pool.cache, table, rr, None, row_len, bm.SM_SCALE, bm.DV)
+        mla.launch(q, pool.cache, table, rr, row_len, bm.SM_SCALE, bm.DV)
 
 
 def _dense_peers() -> None:

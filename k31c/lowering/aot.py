@@ -48,7 +48,7 @@ class AotBuildError(RuntimeError):
 
 @dataclass
 class BuiltKernel:
-    name: str             # "mla/_mla_kernel[sparse,final]"
+    name: str             # "mla/_mla_kernel[dense,final]"
     kernel: str           # the Triton function's name
     ops: tuple            # k31c ops whose launchers use it
     target: str           # "mi350x"

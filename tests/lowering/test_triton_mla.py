@@ -1,8 +1,7 @@
 """Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*): the registered
-kernels (two-pass sparse; split-key dense on h200, one-pass dense elsewhere), the one-pass dense
-kernel and the one-pass kernel's sparse mode (the benchmarks'
-comparison, benchmarks/alternatives/mla_one_pass.py). Random inputs: shuffled block tables, -1
-slots, a row with no valid index, rows of different lengths (one empty), key splits merged by LSE.
+kernels (two-pass sparse; split-key dense on h200, one-pass dense elsewhere) and both dense
+kernels by name. Random inputs: shuffled block tables, -1 slots, a row with no valid index, rows
+of different lengths (one empty), key splits merged by LSE.
 CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16 (and an FP8 latent cache)
 at K3.1 Pro shapes (96 heads, 576 = 512 + 64 wide rows, top-k 2048)."""
 import pytest
@@ -13,7 +12,6 @@ from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton import mla_two_pass as two_pass
-from benchmarks.alternatives.mla_one_pass import sparse_mla_one_pass as one_pass
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]      # no GPU: the Triton interpreter (tests/conftest.py)
@@ -79,22 +77,12 @@ def assert_close(got, want, dtype):
     assert err <= tol * scale, f"out max error {err:.3g} vs max |out| {scale:.3g}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads", [8, 5])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_sparse_matches_reference_small(device, heads, splits):
-    c = make_case(**{**SMALL, "heads": heads}, device=device, dtype=torch.float32, seed=heads + 7)
-    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
-    got = kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["indices"],
-                         None, c["sm_scale"], c["dv"], config={"splits": splits} if splits else None)
-    assert torch.isinf(want[1][1]).all()           # the all -1 row really is empty
-    assert_close(got, want, torch.float32)
-
-
 def test_rows_without_rest_columns():
     """dv == Dl (no rope part): keys and values are the same columns."""
     c = make_case(**{**SMALL, "width": 64}, device=DEV, dtype=torch.float32, seed=9)
-    assert_close(one_pass(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+    assert_close(two_pass.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.float32)
+    assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
                  torch.float32)
 
 
@@ -105,9 +93,7 @@ def test_dense_matches_reference_small(device, splits):
     c["row_len"][2] = 0                                                   # a row that sees nothing
     c["row_len"][3] = 1
     want = torch.ops.k31c.dense_mla(*dense_args(c))
-    got = kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], None,
-                         c["row_len"], c["sm_scale"], c["dv"],
-                         config={"splits": splits} if splits else None)
+    got = kernels.launch(*dense_args(c), config={"splits": splits} if splits else None)
     assert_close(got, want, torch.float32)
 
 
@@ -119,8 +105,6 @@ def test_public_launchers_and_registry():
     assert lookup("k31c::sparse_mla", "mi350x").fn is two_pass.sparse_mla
     assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
     assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
-    assert_close(one_pass(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
-                 torch.float32)
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
                  torch.float32)
 
@@ -128,7 +112,7 @@ def test_public_launchers_and_registry():
 def test_sparse_differs_from_dense():
     """The test can fail: sparse over a strict subset of keys must not equal dense."""
     c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=5)
-    sparse_out, _ = one_pass(*sparse_args(c))
+    sparse_out, _ = two_pass.sparse_mla(*sparse_args(c))
     dense_out, _ = kernels.dense_mla(*dense_args(c))
     assert not torch.allclose(sparse_out[0], dense_out[0], atol=1e-3)
 
@@ -136,28 +120,18 @@ def test_sparse_differs_from_dense():
 def test_bad_arguments():
     c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="indices"):
-        one_pass(*sparse_args({**c, "indices": c["indices"].long()}))
+        two_pass.sparse_mla(*sparse_args({**c, "indices": c["indices"].long()}))
     with pytest.raises(ValueError, match="row_len"):
         kernels.dense_mla(*dense_args({**c, "row_len": c["row_len"][:-1]}))
     with pytest.raises(ValueError, match="dv"):
-        one_pass(*sparse_args({**c, "dv": 81}))
+        two_pass.sparse_mla(*sparse_args({**c, "dv": 81}))
     with pytest.raises(ValueError, match="latent_cache"):
-        one_pass(*sparse_args({**c, "latent_cache": c["latent_cache"][..., :64]}))
+        two_pass.sparse_mla(*sparse_args({**c, "latent_cache": c["latent_cache"][..., :64]}))
 
 
-# ---- K3.1 Pro shapes, bf16 / FP8 cache, CUDA only ----------------------------------------------
+# ---- K3.1 Pro shapes, bf16, CUDA only --------------------------------------------------------
 
 cuda_only = pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on the GPU only")
-
-
-@cuda_only
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_sparse_k31_shapes_bf16(splits):
-    c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=21)
-    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
-    got = kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"], c["indices"],
-                         None, c["sm_scale"], c["dv"], config={"splits": splits} if splits else None)
-    assert_close(got, want, torch.bfloat16)
 
 
 @cuda_only
@@ -167,16 +141,6 @@ def test_dense_k31_shapes_bf16():
     c["row_len"][6] = 77
     want = torch.ops.k31c.dense_mla(*dense_args(c))
     assert_close(kernels.dense_mla(*dense_args(c)), want, torch.bfloat16)
-
-
-@cuda_only
-def test_sparse_k31_shapes_fp8_cache():
-    """FP8 e4m3 latent rows (no scale) are upcast on load: compare with the reference op on the
-    same rows upcast to bf16."""
-    c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=23)
-    fp8 = (c["latent_cache"] * 0.5).to(torch.float8_e4m3fn)
-    want = torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": fp8.to(torch.bfloat16)}))
-    assert_close(one_pass(*sparse_args({**c, "latent_cache": fp8})), want, torch.bfloat16)
 
 
 # ---- the two-pass sparse kernel (mla_two_pass.py) --------------------------------------------
@@ -201,6 +165,8 @@ def test_two_pass_rejects_bad_config():
 
 @cuda_only
 def test_two_pass_k31_shapes():
+    """bf16 rows, then FP8 e4m3 rows without a scale (upcast on load) against the reference op on
+    the same rows upcast to bf16."""
     c = make_case(**K31, device="cuda", dtype=torch.bfloat16, seed=24)
     want = torch.ops.k31c.sparse_mla(*sparse_args(c))
     assert_close(two_pass.sparse_mla(*sparse_args(c)), want, torch.bfloat16)

@@ -1,6 +1,6 @@
 """FP8 latent rows (graph/ops/fp8_layouts.py, uint8 cache) in the Triton MLA kernels against the
-reference ops on the same cache: the two-pass sparse kernel and the one-pass kernel (dense, and
-its sparse mode) dequantise on chip. The reference dequantises to fp32 first; in fp32 both see
+reference ops on the same cache: the two-pass sparse kernel and the one-pass dense kernel
+dequantise on chip. The reference dequantises to fp32 first; in fp32 both see
 the same values, so the tolerances are those of the float cache. Also the FP8 layout's own error
 (FP8 cache vs the float rows it was written from) at op level.
 CPU: the Triton interpreter at small shapes (and the GPU tile plan at K3.1 widths); CUDA: bf16 at
@@ -48,16 +48,12 @@ def test_two_pass_fp8_gpu_tile_plan_on_k31_widths(dvc):
 
 
 @pytest.mark.parametrize("splits", [None, 3])
-def test_one_pass_fp8_dense_and_sparse(splits):
+def test_one_pass_fp8_dense(splits):
     c = fp8_case(make_case(**SMALL, device=DEV, dtype=torch.float32, seed=42))
     c["row_len"][2] = 0
     cfg = {"splits": splits} if splits else None
-    assert_close(one_pass_kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
-                                         None, c["row_len"], c["sm_scale"], c["dv"], config=cfg),
+    assert_close(one_pass_kernels.launch(*dense_args(c), config=cfg),
                  torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
-    assert_close(one_pass_kernels.launch(c["q"], c["latent_cache"], c["block_table"], c["row_req"],
-                                         c["indices"], None, c["sm_scale"], c["dv"], config=cfg),
-                 torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.float32)
 
 
 def test_fp8_layout_error_against_the_float_cache():

@@ -1,27 +1,26 @@
 """One-pass Triton kernel for `k31c::dense_mla` (absorbed-form MLA decode, spec/model.md §5.4,
 §6.3), registered for the GPU targets whose record picks the "one_pass" variant of dense_mla
-(targets.py; the others run mla_dense.py's split-key kernel); its sparse mode (keys from index lists) is a comparison
-for the registered two-pass sparse kernel (mla_two_pass.py), launched by the benchmarks.
+(targets.py; the others run mla_dense.py's split-key kernel). `k31c::sparse_mla` runs the
+two-pass kernel (mla_two_pass.py).
 
 One program owns (query row t, a tile of heads, a split of the keys). Per step it gathers BN latent
 rows of row t's request ONCE into shared memory and uses them for every head of its tile: as keys
 (all Dl columns) and, the first dv columns, as values (MQA: heads share the row). Softmax is online
-in fp32 (log2 domain). Keys are positions `0..row_len[t]-1` (dense) or `indices[t, j]` (sparse;
--1 = empty); a position p of request b lives in slot `block_table[b, p // bs] * bs + p % bs`.
+in fp32 (log2 domain). Keys are positions `0..row_len[t]-1`; a position p of request b lives in
+slot `block_table[b, p // bs] * bs + p % bs`.
 
 Heads are tiled without padding to a power of two above Hq (mla_common.head_tiles): 96 heads run
 as one 64-head tile (MMA rows = heads, wgmma on Hopper) plus one 32-head tile, both in the same
 launch (head tiles vary fastest in the grid) so the programs that share a row's gathers run side
 by side and the second read hits L2. When rows x head tiles cannot fill the GPU the keys are split
 (flash-decoding): each split writes its normalised partial output and LSE, and a small kernel
-merges them by LSE. Sparse index lists are first resolved to physical slots by a small kernel,
-so the attention loop has one level of indirection, which Triton's pipeliner can run ahead.
+merges them by LSE.
 
 One program per SM holds a [heads, 512] fp32 accumulator, and the QK -> softmax -> PV chain of
 each step runs serially in it: that chain, not registers, is what bounds this kernel
 (BENCHMARKS.md, MLA).
 
-Everything the kernels read about lengths, slots and indices is a device tensor and the grid is a
+Everything the kernels read about lengths and slots is a device tensor and the grid is a
 function of static shapes only, so the launcher is CUDA-graph safe (no host sync). `plan` picks
 the launch configuration; the launcher and `aot_specs` both read it.
 """
@@ -37,30 +36,26 @@ from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.graph.ops.fp8_layouts import latent_fp8_scales
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_views,
-                                             head_tiles, in_row_slices, merge_spec, merge_splits, resolve_slots,
+                                             head_tiles, in_row_slices, merge_spec, merge_splits,
                                              rope_latent_cols, table_width)
 
 
 @triton.jit
-def _slots(bt_row, slot_row, start, hi, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr,
-           DENSE: tl.constexpr):
-    """Physical slots of keys start..start+BN-1 (-1 = none): one load either way (dense: the
-    block table; sparse: the slots _slots_kernel resolved)."""
+def _slots(bt_row, start, hi, BLOCK_SIZE: tl.constexpr, BN: tl.constexpr):
+    """Physical slots of keys start..start+BN-1 (-1 = none), from the block table row."""
     offs = start + tl.arange(0, BN)
-    if DENSE:
-        blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < hi, other=0)
-        return tl.where(offs < hi, blk * BLOCK_SIZE + offs % BLOCK_SIZE, -1)
-    return tl.load(slot_row + offs, mask=offs < hi, other=-1)
+    blk = tl.load(bt_row + offs // BLOCK_SIZE, mask=offs < hi, other=0)
+    return tl.where(offs < hi, blk * BLOCK_SIZE + offs % BLOCK_SIZE, -1)
 
 
 @triton.jit
-def _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+def _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, out_ptr, lse_ptr,
                  t, b, split, head0, n_heads, lo, hi, scale_log2,
-                 stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                 stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                  stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, HT: tl.constexpr, BN: tl.constexpr,
-                 DENSE: tl.constexpr, FINAL: tl.constexpr, PRECISION: tl.constexpr,
+                 FINAL: tl.constexpr, PRECISION: tl.constexpr,
                  FP8: tl.constexpr, N_SCALES: tl.constexpr):
     offs_h = head0 + tl.arange(0, HT)
     h_mask = offs_h < n_heads
@@ -80,13 +75,12 @@ def _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_pt
     l_i = tl.zeros([HT], tl.float32)
     acc = tl.zeros([HT, BLOCK_V], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    slot_row = idx_ptr + t.to(tl.int64) * stride_in
-    slot = _slots(bt_row, slot_row, lo, hi, BLOCK_SIZE, BN, DENSE)
+    slot = _slots(bt_row, lo, hi, BLOCK_SIZE, BN)
     for j in range(lo, hi, BN):
         # next block's slots now, used next iteration; the row gathers below are pipelined by the
         # compiler (num_stages 3: issued two blocks ahead). Loop-carried values stay fresh: one
         # that is a plain copy of another stops Triton from pipelining the loop at all.
-        slot_next = _slots(bt_row, slot_row, j + BN, hi, BLOCK_SIZE, BN, DENSE)
+        slot_next = _slots(bt_row, j + BN, hi, BLOCK_SIZE, BN)
         valid = slot >= 0
         row_off = ((tl.maximum(slot, 0) // BLOCK_SIZE).to(tl.int64) * stride_cb
                    + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_cs)
@@ -133,14 +127,14 @@ def _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_pt
 
 
 @triton.jit
-def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req_ptr, idx_ptr,
+def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req_ptr,
                 row_len_ptr, out_ptr, lse_ptr,
-                n_heads, n_keys, keys_per_split, scale_log2,
-                stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                n_heads, keys_per_split, scale_log2,
+                stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                 stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, BIG_HT: tl.constexpr, N_BIG: tl.constexpr,
-                SMALL_HT: tl.constexpr, BN: tl.constexpr, DENSE: tl.constexpr,
+                SMALL_HT: tl.constexpr, BN: tl.constexpr,
                 FINAL: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                 N_SCALES: tl.constexpr, PDL: tl.constexpr = False):
     # grid (head tiles, rows, splits): head tiles vary fastest, so the programs that gather the
@@ -151,31 +145,27 @@ def _mla_kernel(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, row_req
     split = tl.program_id(2)
     b = tl.load(row_req_ptr + t)
     lo = split * keys_per_split
-    if DENSE:
-        seq_len = tl.load(row_len_ptr + t)
-    else:
-        seq_len = n_keys
-    hi = tl.minimum(lo + keys_per_split, seq_len)
+    hi = tl.minimum(lo + keys_per_split, tl.load(row_len_ptr + t))
     if tile < N_BIG:
-        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, out_ptr, lse_ptr,
                      t, b, split, tile * BIG_HT, n_heads, lo, hi, scale_log2,
-                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                      stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, BIG_HT, BN, DENSE, FINAL, PRECISION,
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, BIG_HT, BN, FINAL, PRECISION,
                      FP8, N_SCALES)
     else:
-        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, idx_ptr, out_ptr, lse_ptr,
+        _attend_tile(q_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, bt_ptr, out_ptr, lse_ptr,
                      t, b, split, N_BIG * BIG_HT + (tile - N_BIG) * SMALL_HT, n_heads, lo, hi,
                      scale_log2,
-                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb, stride_in,
+                     stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                      stride_os, stride_on, stride_oh, stride_ls, stride_ln,
-                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, SMALL_HT, BN, DENSE, FINAL, PRECISION,
+                     DV, DR, BLOCK_V, BLOCK_R, BLOCK_SIZE, SMALL_HT, BN, FINAL, PRECISION,
                      FP8, N_SCALES)
 
 
 # ---- launch plan ------------------------------------------------------------------------------
 
-def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int, dense: bool,
+def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int,
          config: dict | None = None, small: bool | None = None) -> dict:
     """Tiles, warps, stages and key splits; `config` overrides any of them (tuning, tests).
     small: the interpreter's small tiles (None: when interpreting or off the GPU)."""
@@ -197,35 +187,32 @@ def plan(target: Target, n_rows: int, n_heads: int, n_work_keys: int, dense: boo
     n_tiles = n_big + (1 if n_heads > n_big * big else 0)
     cfg.update(big=big, n_big=n_big, small=small_ht, n_tiles=n_tiles)
     if "splits" not in cfg:
-        # enough programs for a few waves; never a split shorter than a few key blocks
+        # ~4 waves of programs (long rows); never a split shorter than a few key blocks
         sms = target.sm_count
         programs = max(1, n_rows * n_tiles)
-        # dense: ~4 waves (long rows); sparse: one wave, split only when rows x tiles are few
-        want = -(-(4 * sms) // programs) if dense else max(1, round(sms / programs))
+        want = -(-(4 * sms) // programs)
         most = max(1, n_work_keys // (4 * cfg["bn"]))
         cfg["splits"] = max(1, min(want, most))
     return cfg
 
 
-def _constexprs(cfg: dict, dv: int, width: int, block_size: int, dense: bool, final: bool,
-                precision: str, fp8: bool = False) -> dict:
+def _constexprs(cfg: dict, dv: int, width: int, block_size: int, final: bool, precision: str,
+                fp8: bool = False) -> dict:
     return dict(FP8=fp8, N_SCALES=latent_fp8_scales(dv) if fp8 else 0,
                 DV=dv, DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),  # tl.dot: K >= 16
                 BLOCK_R=max(16, triton.next_power_of_2(width - dv)), BLOCK_SIZE=block_size,
                 BIG_HT=cfg["big"], N_BIG=cfg["n_big"], SMALL_HT=cfg["small"], BN=cfg["bn"],
-                DENSE=dense, FINAL=final, PRECISION=precision)
+                FINAL=final, PRECISION=precision)
 
 
-def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv, config=None,
+def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=None,
            stats: dict | None = None):
-    """The one-pass kernel over all keys below row_len (indices None) or over the listed keys
-    (row_len None), on checked arguments. `config` overrides the launch plan (tuning, tests);
-    `stats`, when given, receives the compiled kernel's registers / spills / shared memory (GPU
-    only)."""
+    """The one-pass kernel over all keys below row_len, on checked arguments. `config` overrides
+    the launch plan (tuning, tests); `stats`, when given, receives the compiled kernel's
+    registers / spills / shared memory (GPU only)."""
     n, n_heads, width = q.shape
-    dense = indices is None
-    n_keys = block_table.shape[1] * latent_cache.shape[1] if dense else indices.shape[1]
-    cfg = plan(target_of(q.device), n, n_heads, n_keys, dense, config)
+    n_keys = block_table.shape[1] * latent_cache.shape[1]
+    cfg = plan(target_of(q.device), n, n_heads, n_keys, config)
     splits = cfg["splits"]
     bn = cfg["bn"]
     keys_per_split = -(-(-(-n_keys // splits)) // bn) * bn
@@ -239,19 +226,14 @@ def launch(q, latent_cache, block_table, row_req, indices, row_len, sm_scale, dv
     else:
         part = q.new_empty((splits, n, n_heads, dv), dtype=torch.float32)
         part_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
-    if dense:
-        idx = row_req                                          # unused pointer in dense mode
-    else:
-        idx = resolve_slots(indices, block_table, row_req, latent_cache.shape[1])  # -1 = empty
-    lens = row_len if row_len is not None else row_req         # unused pointer in sparse mode
     precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
     compiled = _mla_kernel[(cfg["n_tiles"], n, splits)](
-        q, *fp8_latent_views(latent_cache), block_table, row_req, idx, lens, part, part_lse,
-        n_heads, n_keys, keys_per_split, float(sm_scale) * LOG2E,
+        q, *fp8_latent_views(latent_cache), block_table, row_req, row_len, part, part_lse,
+        n_heads, keys_per_split, float(sm_scale) * LOG2E,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
-        block_table.stride(0), idx.stride(0),
+        block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        **_constexprs(cfg, dv, width, latent_cache.shape[1], dense, final, precision,
+        **_constexprs(cfg, dv, width, latent_cache.shape[1], final, precision,
                       latent_cache.dtype == torch.uint8),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     if stats is not None and compiled is not None:
@@ -270,14 +252,14 @@ def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
     check_mla_args(q, latent_cache, block_table, row_req, dv, row_len, "row_len")
     if row_len.dim() != 1:
         raise ValueError(f"row_len: expected int32 [N], got {tuple(row_len.shape)}")
-    return in_row_slices(lambda q_, req_, len_: launch(q_, latent_cache, block_table, req_, None, len_,
+    return in_row_slices(lambda q_, req_, len_: launch(q_, latent_cache, block_table, req_, len_,
                                                        sm_scale, dv), q.shape[0], q, row_req, row_len)
 
 
 def aot_specs(shapes) -> list:
-    """The launches of the dense launcher on the GPU at `shapes` (aot_spec.AotShapes), for the
+    """The launches of `launch` on the GPU at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build, with one split (FINAL: output written directly) and with several
-    (partials + merge); tiles from `plan`'s GPU defaults. (Sparse: mla_two_pass.aot_specs.)"""
+    (partials + merge); tiles from `plan`'s GPU defaults."""
     cfg = shapes.cfg
     dt, heads, width, dv = cfg.torch_dtype, cfg.num_attention_heads, cfg.latent_dim, cfg.kv_lora_rank
     i32, f32 = torch.int32, torch.float32
@@ -287,20 +269,20 @@ def aot_specs(shapes) -> list:
     op = "k31c::dense_mla"
     bs, table = shapes.block_size, table_width(shapes)
     for splits in (1, 2):
-        cfg_ = plan(shapes.target, n, heads, 0, True, {"splits": splits}, small=False)
+        cfg_ = plan(shapes.target, n, heads, 0, {"splits": splits}, small=False)
         final = splits == 1
-        # the dense launch's integers: keys = the table's positions; idx is row_req (stride 1);
-        # q [n, heads, width], cache [blocks, bs, width], partials [splits, n, heads, dv]
+        # the launch's integers: keys = the table's positions; q [n, heads, width],
+        # cache [blocks, bs, width], partials [splits, n, heads, dv]
         n_keys = table * bs
-        ints = dict(n_heads=heads, n_keys=n_keys,
+        ints = dict(n_heads=heads,
                     keys_per_split=triton.cdiv(triton.cdiv(n_keys, splits), cfg_["bn"]) * cfg_["bn"],
                     stride_qn=heads * width, stride_qh=width, stride_cb=bs * width, stride_cs=width,
-                    stride_btb=table, stride_in=1, stride_os=n * heads * dv, stride_on=heads * dv,
+                    stride_btb=table, stride_os=n * heads * dv, stride_on=heads * dv,
                     stride_oh=dv, stride_ls=n * heads, stride_ln=heads)
         specs.append(kernel_spec(
             _mla_kernel, op, f"dense,{'final' if final else 'split'}",
-            _constexprs(cfg_, dv, width, shapes.block_size, True, final, precision),
-            dict(q_ptr=dt, cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt, bt_ptr=i32, row_req_ptr=i32, idx_ptr=i32, row_len_ptr=i32,
+            _constexprs(cfg_, dv, width, shapes.block_size, final, precision),
+            dict(q_ptr=dt, cache_ptr=dt, cache_f32_ptr=dt, cache_bf16_ptr=dt, bt_ptr=i32, row_req_ptr=i32, row_len_ptr=i32,
                  out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
             num_warps=cfg_["num_warps"], num_stages=cfg_["num_stages"], ints=ints))
     specs.append(merge_spec(op, dv, dt, n, heads, 2))
