@@ -26,9 +26,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
-# a test still running after STALL seconds has every thread's stack printed into the log (it goes on
-# running): a stalled shard then says where it stalls
-STALL=${STALL:-300}
+STALL=${STALL:-300}    # a stalled shard says where: the stacks of a test past STALL seconds
 kernels=1 bench=0 program=1 rest=() shard=() parallel=0 args=("$@")
 while [ $# -gt 0 ]; do
     case "$1" in
