@@ -166,7 +166,7 @@ class PrefillPlan:
     block_v: int             # value channels per state program (< K: a norm launch follows)
     chunk_warps: int = 2     # 2 warps: 4.37 ms at T = 8192 vs 4.72 on 4 (BENCHMARKS.md, KDA)
     state_warps: int = 8
-    state_stages: int = 1    # no pipelining (2 at BV = K builds with 172 KB of shared memory: untimed)
+    state_stages: int = 1    # no pipelining (2 at BV = K: 172 KB of shared memory in Triton 3.7; untimed)
     conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
     chunk_stages: int | None = None   # None: the backend's default software pipelining
 
