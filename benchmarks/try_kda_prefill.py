@@ -2,15 +2,16 @@
 heads x 128, chunk 64, bf16. Modes:
 
   passes [LABEL]   the default launch and each pass alone (conv / chunk / state / norm), for the
-                   default and a few launch options; LABEL names the tree in the printout (an A/B
-                   of two trees runs this in each, alternating)
+                   default and a few launch options (the conv pass's rows per program among them);
+                   LABEL names the tree in the printout (an A/B of two trees runs this in each,
+                   alternating)
   state            the state pass over (warps, V tile, software-pipeline stages), alone and in
                    the whole prefill (V tiles < 128 add the norm launch)
   chunk            the chunk pass over (warps, stages)
   profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
                    must be importable)
-  builds           the sm_90a builds of the state and chunk configurations above: registers,
-                   spill, shared memory (no GPU needed)
+  builds           the sm_90a builds of the conv, state and chunk configurations above:
+                   registers, spill, shared memory (no GPU needed)
   once [STAGES]    two default launches running STAGES (default vcsn) and nothing else, for a
                    profiler: ncu -k regex:_kda_state_kernel -c 1 -s 1 ... try_kda_prefill.py once vcs
 
@@ -28,7 +29,9 @@ import torch
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, None), (2, 1), (2, 2), (4, 1), (4, 2))     # (warps, stages; None: default)
-PASS_OPTIONS = (dict(), dict(conv_warps=2), dict(chunk_warps=4))
+CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
+PASS_OPTIONS = (dict(), dict(conv_warps=2), dict(chunk_warps=4)) + tuple(
+    dict(conv_rows=r, conv_warps=w) for r, w in CONV_CONFIGS[1:])
 
 
 def _inputs():
@@ -115,7 +118,7 @@ def profile() -> None:
 def builds() -> None:
     from k31c.lowering import aot
     from k31c.lowering.triton import kda_prefill as kp
-    _, chunk_spec, state_spec = kp.aot_specs(aot.default_shapes("h200"))
+    conv_spec, chunk_spec, state_spec = kp.aot_specs(aot.default_shapes("h200"))
 
     def build(label, spec):
         try:
@@ -123,6 +126,9 @@ def builds() -> None:
             print(f"{label}: regs {b.n_regs} spill {b.scratch_bytes or 0} smem {b.shared}", flush=True)
         except aot.KernelCompileError as e:
             print(f"{label}: FAILED {str(e)[:160]}", flush=True)
+    for r, w in CONV_CONFIGS:
+        build(f"conv rows {r} warps {w}", conv_spec._replace(
+            constexprs=dict(conv_spec.constexprs, RB=r), num_warps=w))
     for w, bv, st in STATE_CONFIGS:
         sig = dict(state_spec.signature, **({"o_raw_ptr": "*fp32"} if bv < 128 else {}))
         build(f"state warps {w} BV {bv} stages {st}", state_spec._replace(

@@ -297,6 +297,20 @@ def test_prefill_four_block_chunks(lb):
                   dtype=torch.float32, device=DEV, seed=80 + (lb is None))
 
 
+@pytest.mark.parametrize("rows", [2, 32, 64])
+def test_prefill_conv_rows(rows):
+    """The conv pass with other rows per program than the chunk pass's 16-row blocks: a request's
+    first block reads the cached window, the later ones only its own rows (2 rows: blocks
+    shorter than the window; 64: the whole chunk); ragged tails, an empty and a padding request.
+    A bad value is refused."""
+    check_prefill(H=2, K=16, lens=[150, 3, 0, 70], slot_ids=[2, 5, 1, -1], lb=-5.0, chunk=64,
+                  dtype=torch.float32, device=DEV, seed=90 + rows,
+                  fn=partial(launch_kda_prefill, conv_rows=rows))
+    with pytest.raises(ValueError, match="conv_rows"):
+        check_prefill(H=2, K=16, lens=[4], slot_ids=[1], lb=-5.0, chunk=16, dtype=torch.float32,
+                      device=DEV, seed=0, fn=partial(launch_kda_prefill, conv_rows=32))
+
+
 def test_prefill_doubling_inverse_blocks():
     """The chunk pass's diagonal blocks inverted by doubling: chunk 32 (two blocks), several chunks
     with a ragged tail, a padding request and an empty one, the unbounded gate (a truncated

@@ -63,13 +63,13 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
 @triton.jit
 def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
                     qn_ptr, kn_ptr, vc_ptr, B, H, scale,
-                    C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                    C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                     BP: tl.constexpr, PDL: tl.constexpr = False):
-    """One program per (16-row block of a chunk, head): causal conv + SiLU over the request's
+    """One program per (block of RB rows of a chunk, head): causal conv + SiLU over the request's
     window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
     buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U."""
     wait_for_producers(PDL)
-    NB: tl.constexpr = C // BC
+    NB: tl.constexpr = C // RB
     cid = tl.program_id(0) // NB
     blk = tl.program_id(0) % NB
     h = tl.program_id(1)
@@ -80,12 +80,12 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
     slot = tl.load(slots_ptr + req)
     s = pick(j, req, start)
     L = pick(j, req, length)
-    pb = (cid - pick(j, req, first)) * C + blk * BC     # position of the block's first row
+    pb = (cid - pick(j, req, first)) * C + blk * RB     # position of the block's first row
     if in_range & (slot >= 0) & (pb < L):
         conv_row = conv_ptr + slot * (W - 1) * 3 * P
         offs = tl.arange(0, K)
         ch = h * K + offs
-        rows = tl.arange(0, BC)
+        rows = tl.arange(0, RB)
         rv = pb + rows < L
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
         tok0 = tb - (W - 1)

@@ -2,9 +2,9 @@
 requests that continue from their slot's conv window and recurrent state.
 
 Three launches (four when the state pass splits V):
-0. `kda_conv_kernel` (kda_chunk.py), one program per (16-row block, head): causal conv + SiLU over
-   the window and the new rows, q / k L2 norms; q̂, k̂, v̂ go into the scratch buffers that step 1
-   overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ), v̂ → U). Out of the chunk pass because
+0. `kda_conv_kernel` (kda_chunk.py), one program per (block of `conv_rows` rows, 16 by default;
+   head): causal conv + SiLU over the window and the new rows, q / k L2 norms; q̂, k̂, v̂ go into
+   the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ), v̂ → U). Out of the chunk pass because
    there the conv's loads and registers sat in every block of a serial chain (BENCHMARKS.md, KDA).
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
    gates and betas, then the intra-chunk WY solve. The chunk is
@@ -168,10 +168,12 @@ class PrefillPlan:
     state_warps: int = 8
     state_stages: int = 1    # no pipelining (2 at BV = K: 172 KB of shared memory in Triton 3.7; untimed)
     conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
+    conv_rows: int = BC      # rows per conv program (a power of two dividing the chunk)
     chunk_stages: int | None = None   # None: the backend's default software pipelining
 
     def conv_constexprs(self) -> dict:
-        return dict(C=self.C, BC=BC, K=self.K, W=self.W, BP=triton.next_power_of_2(self.B + 1))
+        return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
+                    BP=triton.next_power_of_2(self.B + 1))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -192,17 +194,19 @@ class PrefillPlan:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
          block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
-         chunk_stages: int | None = None) -> PrefillPlan:
+         chunk_stages: int | None = None, conv_rows: int = BC) -> PrefillPlan:
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
+    if conv_rows < 1 or conv_rows & (conv_rows - 1) or conv_rows > C:
+        raise ValueError(f"conv_rows: expected a power of two <= chunk_size {C}, got {conv_rows}")
     BV = min(block_v or K, K)
     if BV < 16 or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps, chunk_stages)
+                       state_warps, state_stages, conv_warps, conv_rows, chunk_stages)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -221,7 +225,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
                        state_stages: int = 1, conv_warps: int = 4, chunk_stages: int | None = None,
-                       stages: str = "vcsn") -> torch.Tensor:
+                       conv_rows: int = BC, stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
     stages: which of the conv pass, the chunk pass, the state pass and the norm launch to run
@@ -235,7 +239,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
     p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, conv_warps, chunk_stages)
+             state_warps, block_v, state_stages, conv_warps, chunk_stages, conv_rows)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
@@ -249,7 +253,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
     if n_chunks_max > 0 and "v" in stages:      # q̂, k̂, v̂ into the qg, kg, u buffers
-        kda_conv_kernel[(n_chunks_max * NB, H)](
+        kda_conv_kernel[(n_chunks_max * (C // p.conv_rows), H)](
             q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
             **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
