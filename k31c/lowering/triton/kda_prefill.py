@@ -4,8 +4,9 @@ requests that continue from their slot's conv window and recurrent state.
 Three launches (four when the state pass splits V):
 0. `kda_conv_kernel` (kda_chunk.py), one program per (block of `conv_rows` rows, 16 by default;
    head): causal conv + SiLU over the window and the new rows, q / k L2 norms; q̂, k̂, v̂ go into
-   the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ), v̂ → U). Out of the chunk pass because
-   there the conv's loads and registers sat in every block of a serial chain (BENCHMARKS.md, KDA).
+   the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ),
+   v̂ → U). Out of the chunk pass because there the conv's loads and registers sat in every block
+   of a serial chain (BENCHMARKS.md, KDA).
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
    gates and betas, then the intra-chunk WY solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
