@@ -249,16 +249,35 @@ def _label(config: dict) -> str:
     return f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}"
 
 
+def prefill_inputs() -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
+    """(layer, tokens, slots, cu_seqlens) of the prefill rows: one request of T_PREFILL tokens
+    from slot 0's live state (seed 1; try_kda_prefill.py probes the same inputs)."""
+    gen = torch.Generator().manual_seed(1)
+    lay = layer(1, gen)
+    tok = tokens(T_PREFILL, gen)
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    cu = torch.tensor([0, T_PREFILL], dtype=torch.int32, device="cuda")
+    return lay, tok, slots, cu
+
+
+def fla_chunk_kda(tok: dict, lay: dict, q=None, k=None, v=None):
+    """fla's chunk_kda on the prefill inputs (gate, beta sigmoid and q/k L2 norm in its kernel;
+    q, k, v default to the tokens' own, unconvolved), from slot 0's state."""
+    from fla.ops.kda import chunk_kda
+    view = lambda x: x.view(1, T_PREFILL, H, K)  # noqa: E731
+    q, k, v = (view(tok[n]) if x is None else x for n, x in (("q", q), ("k", k), ("v", v)))
+    return chunk_kda(q, k, v, view(tok["f"]), tok["beta"].view(1, T_PREFILL, H), A_log=lay["A_log"],
+                     dt_bias=lay["dt_bias"], initial_state=lay["recurrent"][:1],
+                     output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB)
+
+
 def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) -> list[Row]:
     """The chunked prefill at T_PREFILL over launch configurations (`PREFILL_CONFIGS`), the best
     of them beside fla's chunk_kda; then each pass alone at the best configuration."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
-    gen = torch.Generator().manual_seed(1)
     T = T_PREFILL
-    lay = layer(1, gen)
-    tok = tokens(T, gen)
-    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    cu = torch.tensor([0, T], dtype=torch.int32, device="cuda")
+    lay, tok, slots, cu = prefill_inputs()
     shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
 
     def launch(config, layer=lay, chunk=CHUNK, **more):
@@ -283,15 +302,6 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d
-        from fla.ops.kda import chunk_kda
-        view = lambda x: x.view(1, T, H, K)  # noqa: E731
-        h0 = lay["recurrent"][:1]
-
-        def fla_chunk(q=view(tok["q"]), k=view(tok["k"]), v=view(tok["v"])):
-            return chunk_kda(q, k, v, view(tok["f"]), tok["beta"].view(1, T, H), A_log=lay["A_log"],
-                             dt_bias=lay["dt_bias"], initial_state=h0, output_final_state=True,
-                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB)
 
         x = torch.cat([tok["q"], tok["k"], tok["v"]], -1).view(1, T, 3 * P)
         w = lay["conv_weight"].to(ACT)
@@ -301,11 +311,11 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
         def fla_chain():
             y, _ = causal_conv1d(x, w, initial_state=cache, output_final_state=True, activation="silu")
             q, k, v = (t.reshape(1, T, H, K) for t in y.split(P, dim=-1))
-            o, _ = fla_chunk(q, k, v)
+            o, _ = fla_chunk_kda(tok, lay, q, k, v)
             return norm(o.reshape(-1, K), tok["gate"].view(-1, K))
 
         with torch.inference_mode():
-            peers["fla chunk_kda"] = time_ms(fla_chunk, reps=10)
+            peers["fla chunk_kda"] = time_ms(lambda: fla_chunk_kda(tok, lay), reps=10)
             peers["fla chain"] = time_ms(fla_chain, reps=10)
         notes.append(f"fla/k31c {peers['fla chunk_kda'] / sweep[best]:.2f}x")
     except Exception as e:  # noqa: BLE001

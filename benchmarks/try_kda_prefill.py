@@ -26,6 +26,13 @@ import sys
 
 import torch
 
+try:
+    from benchmarks import bench_kda as bk
+    from benchmarks.harness import time_ms
+except ImportError:  # run as a script from benchmarks/
+    import bench_kda as bk
+    from harness import time_ms
+
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, None), (2, 1), (2, 2), (4, 1), (4, 2))     # (warps, stages; None: default)
@@ -35,24 +42,14 @@ PASS_OPTIONS = (dict(), dict(conv_warps=2), dict(chunk_warps=4)) + tuple(
 
 
 def _inputs():
-    try:
-        from benchmarks import bench_kda as bk
-    except ImportError:  # run as a script from benchmarks/
-        import bench_kda as bk
+    """(layer, tokens, the prefill as a function of launch options) on bench_kda's inputs."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
-    gen = torch.Generator().manual_seed(1)
-    lay, tok = bk.layer(1, gen), bk.tokens(bk.T_PREFILL, gen)
-    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
-    cu = torch.tensor([0, bk.T_PREFILL], dtype=torch.int32, device="cuda")
+    lay, tok, slots, cu = bk.prefill_inputs()
     run = lambda **kw: launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, bk.CHUNK, **kw)  # noqa: E731
-    return bk, lay, tok, run
+    return lay, tok, run
 
 
 def _time(fn) -> float:
-    try:
-        from benchmarks.harness import time_ms
-    except ImportError:
-        from harness import time_ms
     return time_ms(fn, reps=10)
 
 
@@ -68,14 +65,14 @@ def _try(label: str, run, ref, stages: str, **kw) -> None:
 
 
 def passes(name: str) -> None:
-    _, _, _, run = _inputs()
+    _, _, run = _inputs()
     ref = run().float()
     for kw in PASS_OPTIONS:
         _try(f"{name} {kw}", run, ref, "vcsn", **kw)
 
 
 def state() -> None:
-    _, _, _, run = _inputs()
+    _, _, run = _inputs()
     ref = run().float()
     for w, bv, st in STATE_CONFIGS:
         _try(f"state warps {w} BV {bv} stages {st}", run, ref, "sn" if bv < 128 else "s",
@@ -83,7 +80,7 @@ def state() -> None:
 
 
 def chunk() -> None:
-    _, _, _, run = _inputs()
+    _, _, run = _inputs()
     ref = run().float()
     for w, st in CHUNK_CONFIGS:
         _try(f"chunk warps {w} stages {st}", run, ref, "c", chunk_warps=w, chunk_stages=st)
@@ -91,17 +88,8 @@ def chunk() -> None:
 
 def profile() -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    from fla.ops.kda import chunk_kda
-    bk, lay, tok, run = _inputs()
-    T, view = bk.T_PREFILL, lambda x: x.view(1, bk.T_PREFILL, bk.H, bk.K)  # noqa: E731
-
-    def fla():
-        return chunk_kda(view(tok["q"]), view(tok["k"]), view(tok["v"]), view(tok["f"]),
-                         tok["beta"].view(1, T, bk.H), A_log=lay["A_log"], dt_bias=lay["dt_bias"],
-                         initial_state=lay["recurrent"][:1], output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=bk.LB)
-    for name, fn in (("fla chunk_kda", fla), ("k31c kda_prefill", run)):
+    lay, tok, run = _inputs()
+    for name, fn in (("fla chunk_kda", lambda: bk.fla_chunk_kda(tok, lay)), ("k31c kda_prefill", run)):
         with torch.inference_mode():
             for _ in range(3):
                 fn()
@@ -138,7 +126,7 @@ def builds() -> None:
 
 
 def once(stages: str) -> None:
-    _, _, _, run = _inputs()
+    _, _, run = _inputs()
     for _ in range(2):
         run(stages=stages)
     torch.cuda.synchronize()

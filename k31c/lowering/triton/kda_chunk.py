@@ -1,5 +1,5 @@
 """The per-chunk passes of `k31c::kda_prefill` (kda_prefill.py: the pipeline, the state and
-output passes, the launcher): `kda_conv_kernel`, the conv + norms of each 16-row block, and
+output passes, the launcher): `kda_conv_kernel`, the conv + norms of each block of rows, and
 `kda_chunk_kernel`, the intra-chunk solve, one program per (chunk, head), all chunks in parallel;
 and the per-request chunk bookkeeping every pass of the prefill shares (`request_chunks`,
 `chunk_request`, `pick`). The math is in kda_prefill.py's docstring, steps 0 and 1."""
