@@ -5,7 +5,10 @@ buffer by the graph's own first node (lowering/triton/stage.py).
 staging buffer, with padding in the rows past the batch (rows a larger batch filled before are
 padded again); the block table is shipped as the entries that changed since the last step (a
 request gains a block every block_size tokens), or, past the pairs' capacity (the batch's
-requests changed), copied whole before the replay. `stage` is the kernel the graph captures. The
+requests changed), copied whole before the replay. Inputs already on the device go the same way
+without a host wait: their rows are copied into the (pinned) staging buffer by copies queued on
+the stream ahead of the replay, and a device block table is copied whole on the device (the host
+never learns its entries, so the next host table is copied whole too). `stage` is the kernel the graph captures. The
 host may overwrite the staging buffer only once the previous replay has read it: `fill` waits on
 an event the graph records right after staging, that is, until the previous step has started on
 the device, so the host stays a step ahead.
@@ -90,6 +93,7 @@ class StagedInputs:
         self.filled = [0] * len(templates)
         self.table_rows = 0
         self.pairs = 0                                   # pairs written by the last fill
+        self.shadow_known = True                         # False after a device table: not in shadow
         self.staged = torch.cuda.Event(external=True) if cuda else None
 
     def bind(self, flat: list) -> list:
@@ -116,35 +120,54 @@ class StagedInputs:
                 continue
             t = flat[index]
             n = t.shape[0]
-            view[:n].copy_(t)
+            view[:n].copy_(t, non_blocking=t.is_cuda)    # device rows: queued before the replay
             if self.filled[i] > n:
                 view[n:self.filled[i]].copy_(self.padding[i][n:self.filled[i]])
             self.filled[i] = n
         if self.table_index is None:
             return False
-        return self._fill_table(flat[self.inputs.per_step[self.table_index]].cpu())
+        rows = flat[self.inputs.per_step[self.table_index]]
+        if rows.is_cuda:
+            return self._copy_device_table(rows)
+        return self._fill_table(rows)
+
+    def _copy_device_table(self, rows: torch.Tensor) -> bool:
+        n = rows.shape[0]
+        self.table[:n].copy_(rows, non_blocking=True)
+        self.table[n:max(n, self.table_rows)].fill_(-1)
+        self._clear_pairs(0)
+        self.table_rows = n
+        self.shadow_known = False
+        return True
 
     def _fill_table(self, rows: torch.Tensor) -> bool:
         n = rows.shape[0]
-        upto = max(n, self.table_rows)
+        # every row when a device table came last (its entries are not in shadow)
+        upto = max(n, self.table_rows) if self.shadow_known else self.table.shape[0]
         want = rows if upto == n else torch.cat(
             [rows, torch.full((upto - n, rows.shape[1]), -1, dtype=rows.dtype)])
         old = self.shadow[:upto]
         changed = (old != want).view(-1).nonzero().squeeze(1)
         pairs = self.host[self.n_dense:].view(-1, 2)
-        whole = changed.numel() > self.capacity          # the batch's requests changed
+        # copied whole when the batch's requests changed (more entries than pairs) or unknown
+        whole = changed.numel() > self.capacity or not self.shadow_known
         k = 0 if whole else changed.numel()
         if whole:
             self.table[:upto].copy_(want.pin_memory() if self.table.is_cuda else want, non_blocking=True)
         else:
             pairs[:k, 0] = changed.to(torch.int32)
             pairs[:k, 1] = want.view(-1)[changed]
-        if self.pairs > k:
-            pairs[k:self.pairs, 0] = -1
-        self.pairs = k
+        self._clear_pairs(k)
         old.copy_(want)
         self.table_rows = n
+        self.shadow_known = True
         return whole
+
+    def _clear_pairs(self, k: int) -> None:
+        """Mark the pairs from k on (written by an earlier fill) as empty."""
+        if self.pairs > k:
+            self.host[self.n_dense:].view(-1, 2)[k:self.pairs, 0] = -1
+        self.pairs = k
 
     def copy_back(self, flat: list, batch: int) -> None:
         """The step's snapshots of the first `batch` requests into the caller's tensors."""

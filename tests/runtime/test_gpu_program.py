@@ -118,6 +118,51 @@ def test_replays_follow_a_weight_changed_after_capture():
     assert rel(got, want) < TOL_F32
 
 
+def test_device_step_inputs_do_not_wait_for_the_device(tiny):
+    """A caller that hands the compiled model token ids and metadata already on the device (the
+    Engine hands host tensors) gets them into the device graph by copies queued on the stream: the
+    call returns while the device is still busy with earlier work. Host- and device-input steps
+    interleave, with a request left out of one, and each equals the eager model."""
+    import time
+    from k31c.graph.step import step_to_device
+    from k31c.runtime.engine import Engine
+    compiled = k31c_api.compile(tiny, target="h200")
+    mode = {"device": False, "busy": False}
+    waits = []
+
+    def step(ids, meta, caches, kind, rows):
+        if kind == "decode" and mode["device"]:
+            ids, meta = step_to_device(ids, meta, torch.device("cuda"))
+        if not (kind == "decode" and mode["busy"]):
+            return compiled(ids, meta, caches, kind, rows)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.cuda._sleep(400_000_000)                  # the device busy for ~0.2 s
+        queued = time.perf_counter()
+        out = compiled(ids, meta, caches, kind, rows)
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+        waits.append((returned - queued, time.perf_counter() - start))
+        return out
+    step.host_step_inputs = True                        # as the compiled model: host tensors in
+    step.cache_formats = compiled.cache_formats
+    eng, ref = (Engine(tiny, max_requests=4, max_seq_len=64, device="cuda", step_fn=fn) for fn in (step, None))
+    for e in (eng, ref):
+        e.prefill([e.add_request() for _ in range(4)], [list(range(1 + i, 9 + 2 * i)) for i in range(4)])
+    schedule = [(False, False, [0, 1, 2, 3]), (True, False, [0, 1, 2, 3]), (True, False, [0, 2, 3]),
+                (False, False, [0, 1, 2, 3]), (False, False, [0, 1, 2, 3]), (True, True, [0, 1, 2, 3]),
+                (False, True, [0, 1, 2, 3])]
+    for i, (on_device, busy, rids) in enumerate(schedule):
+        mode.update(device=on_device, busy=busy)
+        tokens = [10 + i + r for r in rids]
+        got, want = eng.decode(rids, tokens), ref.decode(rids, tokens)
+        assert float((got - want).abs().max() / want.abs().max()) < TOL_F32, (i, on_device)
+    assert compiled.graph_stats()["decode"]["replays"] == len(schedule)
+    for call, total in waits:                           # (device inputs, host inputs)
+        assert total > 0.15, "the device was not busy: the test cannot tell a wait"
+        assert call < 0.1, f"the call waited {call:.3f} s for the device"
+
+
 def test_single_stream_equals_three(tiny):
     one = k31c_api.compile(tiny, target="h200", options={"dense_codegen": "fx", "streams": 1})
     _check(tiny, one)

@@ -95,6 +95,28 @@ def test_stale_pairs_are_cleared():
     assert statics.table[0, 0].item() == 12
 
 
+@pytest.mark.skipif(DEV.type != "cuda", reason="device inputs need a CUDA device")
+def test_device_inputs_interleave_with_host_inputs():
+    """Inputs already on the device: their rows are copied in on the stream and the block table is
+    copied whole; the next host step, one entry away from it, is copied whole too (the host never
+    saw the device table's entries), and the step after it is shipped as pairs again."""
+    gen = torch.Generator().manual_seed(3)
+    statics = StagedInputs(_inputs(), [t.to(DEV) for t in _padding(BUCKET)], DEV)
+    assert _run(statics, _step(3, gen))
+    dev = _step(2, gen)
+    assert _run(statics, {i: t.to(DEV) for i, t in dev.items()})
+    assert statics.pairs == 0
+    _check(statics, dev, 2)                          # row 2 of the 3-request step padded again
+    host = {**dev, 12: dev[12].clone()}
+    host[12][1, 3] = 1003
+    assert _run(statics, host)
+    _check(statics, host, 2)
+    grown = {**host, 12: host[12].clone()}
+    grown[12][0, 2] = 1004
+    assert not _run(statics, grown) and statics.pairs == 1
+    _check(statics, grown, 2)
+
+
 def test_stage_words_against_indexing():
     gen = torch.Generator().manual_seed(2)
     dense = torch.empty(37, dtype=torch.int32, device=DEV)
