@@ -35,17 +35,27 @@ except ImportError:  # run as a script from benchmarks/
 
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
-CHUNK_CONFIGS = ((2, None), (2, 1), (2, 2), (4, 1), (4, 2))     # (warps, stages; None: default)
+CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
-PASS_OPTIONS = (dict(), dict(conv_warps=2), dict(chunk_warps=4)) + tuple(
+# the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
+PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),
+                dict(chunk_stages=3), dict(conv_warps=2), dict(chunk_warps=4)) + tuple(
     dict(conv_rows=r, conv_warps=w) for r, w in CONV_CONFIGS[1:])
 
 
 def _inputs():
-    """(layer, tokens, the prefill as a function of launch options) on bench_kda's inputs."""
+    """(layer, tokens, the prefill as a function of launch options) on bench_kda's inputs. The
+    prefill advances the slot's conv and recurrent state in place; `run(fresh=True)` first puts
+    back the state it started from, so outputs of two launches compare."""
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     lay, tok, slots, cu = bk.prefill_inputs()
-    run = lambda **kw: launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, bk.CHUNK, **kw)  # noqa: E731
+    start = {n: lay[n].clone() for n in ("conv_state", "recurrent")}
+
+    def run(fresh: bool = False, **kw):
+        if fresh:
+            for n, t in start.items():
+                lay[n].copy_(t)
+        return launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, bk.CHUNK, **kw)
     return lay, tok, run
 
 
@@ -56,7 +66,7 @@ def _time(fn) -> float:
 def _try(label: str, run, ref, stages: str, **kw) -> None:
     """One option: its difference from the default output, the whole prefill, `stages` alone."""
     try:
-        err = ((run(**kw).float() - ref).abs().max() / ref.abs().max()).item()
+        err = ((run(fresh=True, **kw).float() - ref).abs().max() / ref.abs().max()).item()
         whole = _time(lambda: run(**kw))
         alone = " ".join(f"{s}:{_time(lambda s=s: run(stages=s, **kw)):.3f}" for s in stages)
         print(f"{label}: prefill {whole:.3f} ms; alone {alone}; max diff vs default {err:.1e}", flush=True)
@@ -66,14 +76,14 @@ def _try(label: str, run, ref, stages: str, **kw) -> None:
 
 def passes(name: str) -> None:
     _, _, run = _inputs()
-    ref = run().float()
+    ref = run(fresh=True).float()
     for kw in PASS_OPTIONS:
         _try(f"{name} {kw}", run, ref, "vcsn", **kw)
 
 
 def state() -> None:
     _, _, run = _inputs()
-    ref = run().float()
+    ref = run(fresh=True).float()
     for w, bv, st in STATE_CONFIGS:
         _try(f"state warps {w} BV {bv} stages {st}", run, ref, "sn" if bv < 128 else "s",
              state_warps=w, block_v=bv, state_stages=st)
@@ -81,7 +91,7 @@ def state() -> None:
 
 def chunk() -> None:
     _, _, run = _inputs()
-    ref = run().float()
+    ref = run(fresh=True).float()
     for w, st in CHUNK_CONFIGS:
         _try(f"chunk warps {w} stages {st}", run, ref, "c", chunk_warps=w, chunk_stages=st)
 

@@ -167,7 +167,7 @@ class PrefillPlan:
     block_v: int             # value channels per state program (< K: a norm launch follows)
     chunk_warps: int = 2     # 2 warps: 4.37 ms at T = 8192 vs 4.72 on 4 (BENCHMARKS.md, KDA)
     state_warps: int = 8
-    state_stages: int = 1    # no pipelining (2 at BV = K: 172 KB of shared memory in Triton 3.7; untimed)
+    state_stages: int = 1    # software-pipeline stages (`pipeline_stages` picks them)
     conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
     conv_rows: int = BC      # rows per conv program (a power of two dividing the chunk)
     chunk_stages: int | None = None   # None: the backend's default software pipelining
@@ -192,10 +192,24 @@ class PrefillPlan:
                     BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
 
 
+# Two pipeline stages of the state pass at BV = K take 172 KB of shared memory (sm_90a builds,
+# Triton 3.6-3.8): 1.29 vs 1.41 ms at T = 8192 on the H200; the chunk pass on 2 stages,
+# 2.32 vs 2.43 ms on the backend's default 3 (BENCHMARKS.md, KDA).
+PIPELINED_SMEM = 176 * 1024
+
+
+def pipeline_stages(target: Target) -> tuple[int, int | None]:
+    """(state pass, chunk pass) software-pipeline stages: two each where the target's shared
+    memory holds the state pass's two stages; else the state pass unpipelined and the chunk
+    pass on the backend's default (None)."""
+    return (2, 2) if target.shared_memory >= PIPELINED_SMEM else (1, None)
+
+
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int = 1, conv_warps: int = 4,
+         block_v: int | None = None, state_stages: int | None = None, conv_warps: int = 4,
          chunk_stages: int | None = None, conv_rows: int = BC) -> PrefillPlan:
+    """The launch configuration; stages left None are `pipeline_stages`' (the target's)."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -205,6 +219,9 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     if BV < 16 or BV & (BV - 1):
         raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    default_state, default_chunk = pipeline_stages(target)
+    state_stages = default_state if state_stages is None else state_stages
+    chunk_stages = default_chunk if chunk_stages is None else chunk_stages
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
                        state_warps, state_stages, conv_warps, conv_rows, chunk_stages)
@@ -225,7 +242,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
                        chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int = 1, conv_warps: int = 4, chunk_stages: int | None = None,
+                       state_stages: int | None = None, conv_warps: int = 4,
+                       chunk_stages: int | None = None,
                        conv_rows: int = BC, stages: str = "vcsn") -> torch.Tensor:
     """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
     the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
