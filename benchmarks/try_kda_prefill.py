@@ -5,9 +5,12 @@ heads x 128, chunk 64, bf16. Modes:
                    default and a few launch options (the conv pass's rows per program among them);
                    LABEL names the tree in the printout (an A/B of two trees runs this in each,
                    alternating)
+  default [LABEL]  the default launch alone and each pass (a short A/B of trees)
   state            the state pass over (warps, V tile, software-pipeline stages), alone and in
                    the whole prefill (V tiles < 128 add the norm launch)
   chunk            the chunk pass over (warps, stages)
+  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 (the math does not
+                   depend on it; bf16 rounding of the scratch does)
   profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
                    must be importable)
   builds           the sm_90a builds of the conv, state and chunk configurations above:
@@ -18,10 +21,11 @@ heads x 128, chunk 64, bf16. Modes:
 Every option run on the GPU is checked against the default launch's output (max difference over
 the output's largest magnitude, printed). Times are medians of 10 calls (CUDA events).
 
-    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|state|chunk|profile|builds|once
+    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|default|state|chunk|chunks|profile|builds|once
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -51,11 +55,11 @@ def _inputs():
     lay, tok, slots, cu = bk.prefill_inputs()
     start = {n: lay[n].clone() for n in ("conv_state", "recurrent")}
 
-    def run(fresh: bool = False, **kw):
+    def run(fresh: bool = False, chunk: int = bk.CHUNK, **kw):
         if fresh:
             for n, t in start.items():
                 lay[n].copy_(t)
-        return launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, bk.CHUNK, **kw)
+        return launch_kda_prefill(*bk.args(tok, lay), slots, cu, bk.LB, bk.EPS, chunk, **kw)
     return lay, tok, run
 
 
@@ -81,6 +85,20 @@ def passes(name: str) -> None:
         _try(f"{name} {kw}", run, ref, "vcsn", **kw)
 
 
+def default(name: str) -> None:
+    """With PROBE_REF=FILE set: the first tree saves its output there, later trees print their
+    difference from it (an A/B of trees that should agree)."""
+    _, _, run = _inputs()
+    out = run(fresh=True).float()
+    ref_file = os.environ.get("PROBE_REF")
+    if ref_file and os.path.exists(ref_file):
+        ref = torch.load(ref_file).to(out.device)
+        print(f"{name}: max diff vs {ref_file} {((out - ref).abs().max() / ref.abs().max()).item():.1e}")
+    elif ref_file:
+        torch.save(out.cpu(), ref_file)
+    _try(f"{name} default", run, out, "vcsn")
+
+
 def state() -> None:
     _, _, run = _inputs()
     ref = run(fresh=True).float()
@@ -94,6 +112,13 @@ def chunk() -> None:
     ref = run(fresh=True).float()
     for w, st in CHUNK_CONFIGS:
         _try(f"chunk warps {w} stages {st}", run, ref, "c", chunk_warps=w, chunk_stages=st)
+
+
+def chunks() -> None:
+    _, _, run = _inputs()
+    ref = run(fresh=True).float()
+    for c in (16, 32, 64):
+        _try(f"chunk size {c}", run, ref, "vcs", chunk=c)
 
 
 def profile() -> None:
@@ -144,8 +169,9 @@ def once(stages: str) -> None:
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
-    modes = {"passes": lambda: passes(sys.argv[2] if len(sys.argv) > 2 else "tree"), "state": state,
-             "chunk": chunk, "profile": profile, "builds": builds,
+    label = sys.argv[2] if len(sys.argv) > 2 else "tree"
+    modes = {"passes": lambda: passes(label), "default": lambda: default(label), "state": state,
+             "chunk": chunk, "chunks": chunks, "profile": profile, "builds": builds,
              "once": lambda: once(sys.argv[2] if len(sys.argv) > 2 else "vcsn")}
     if mode not in modes:
         sys.exit(f"usage: try_kda_prefill.py {'|'.join(modes)}")
