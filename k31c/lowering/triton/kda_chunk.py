@@ -67,7 +67,7 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
                     BP: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (block of RB rows of a chunk, head): causal conv + SiLU over the request's
     window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
-    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_b - Γ) and U."""
+    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U."""
     wait_for_producers(PDL)
     NB: tl.constexpr = C // RB
     cid = tl.program_id(0) // NB
@@ -214,3 +214,10 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             tl.debug_barrier()                           # block I's scratch is read by block I+1
             g_b = g_e
 
+        # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
+        for J in range(NB):
+            rvj = c0 + J * BC + rows < L
+            ptrs = kg_ptr + ((t_chunk + J * BC) * H + h) * K + rk
+            g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
+            kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
+            tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])

@@ -4,7 +4,7 @@ requests that continue from their slot's conv window and recurrent state.
 Three launches (four when the state pass splits V):
 0. `kda_conv_kernel` (kda_chunk.py), one program per (block of `conv_rows` rows, 16 by default;
    head): causal conv + SiLU over the window and the new rows, q / k L2 norms; q̂, k̂, v̂ go into
-   the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_b - Γ),
+   the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ),
    v̂ → U). Out of the chunk pass because there the conv's loads and registers sat in every block
    of a serial chain (BENCHMARKS.md, KDA).
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
@@ -17,15 +17,12 @@ Three launches (four when the state pass splits V):
    are taken relative to the boundary Γ_b between them (each ≤ 1); inside a diagonal block either
    relative to its middle row (bounded gate, |lower_bound|·BC/2 small: one MMA) or, for the
    unbounded softplus gate, exactly column by column.
-   Writes per token: q⊙exp(Γ), k⊙exp(Γ_b - Γ) (Γ_b: the Γ at the end of the row's block), W, U,
-   the causal A_qk row; per block the Γ at its end.
+   Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its end.
 2. `_kda_state_kernel`, one program per (request, head[, V tile]), walks the request's chunks in
    order with the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
-   S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new, the keys taken from the block-relative ones times
-   exp(Γ_C - Γ_b) (each factor ≤ 1: the chunk pass does not rewrite them); then the gated
-   RMSNorm of O (whole V row on chip), the final state and the new conv window. (Optionally V
-   is split into tiles for more programs; then the raw O goes to a scratch and
-   `_gated_norm_kernel` normalises it.)
+   S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
+   the final state and the new conv window. (Optionally V is split into tiles for more programs;
+   then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
 (The fla / FlashKDA structure, a state pass that carries the state alone and writes each chunk's
 starting state for a parallel output pass, was measured within 1% of this one in two runs and
 needs a [chunks, H, K, K] state scratch, 400 MB at T = 8192: removed, commit d13d1fc has it.)
@@ -103,9 +100,6 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         kg = tl.load(kg_ptr + blk_k + rk, mask=m2, other=0.0)
         g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live,
                       other=0.0)
-        g_blk = tl.load(ge_ptr + (((c_first + i) * NB + rows[:, None] // BC) * H + h) * K
-                        + offs[None, :], mask=live, other=0.0)        # Γ_b of each row's block
-        kg = (kg.to(tl.float32) * tl.exp(g_c[None, :] - g_blk)).to(DT)   # relative to the chunk end
 
         S_dot = S.to(DT)
         v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
