@@ -235,18 +235,19 @@ def small_batch_rows(m: Machine, batches=(1, 4),
 
 
 # launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
-# warps, V tile of the state pass)
+# warps, V tile of the state pass) and the chunk size where one is named (CHUNK otherwise; the
+# math does not depend on it, the kernels' time does)
 PREFILL_CONFIGS = (
     dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
-    dict(chunk_warps=8, state_warps=8), dict(chunk_warps=8, state_warps=8, block_v=64),
-    dict(chunk_warps=8, state_warps=4, block_v=32), dict(chunk_warps=4, state_warps=8, block_v=64),
-    dict(chunk_warps=4, state_warps=4, block_v=32),
+    dict(chunk_warps=4, state_warps=8, block_v=64), dict(chunk_warps=4, state_warps=4, block_v=32),
+    dict(chunk=32, chunk_warps=2, state_warps=8), dict(chunk=16, chunk_warps=2, state_warps=8),
+    dict(chunk=16, chunk_warps=2, state_warps=4),
 )
 
 
 def _label(config: dict) -> str:
-    c = {"block_v": None, **config}
-    return f"{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}"
+    c = {"block_v": None, "chunk": CHUNK, **config}
+    return f"{c['chunk']},{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}"
 
 
 def prefill_inputs() -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
@@ -278,13 +279,15 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
     from k31c.lowering.triton.kda_prefill import launch_kda_prefill
     T = T_PREFILL
     lay, tok, slots, cu = prefill_inputs()
-    shape = f"T={T} B=1 H={H} K=V={K} C={CHUNK}"
+    shape = f"T={T} B=1 H={H} K=V={K}"
 
-    def launch(config, layer=lay, chunk=CHUNK, **more):
-        return launch_kda_prefill(*args(tok, layer), slots, cu, LB, EPS, chunk, **config, **more)
+    def launch(config, layer=lay, chunk=None, **more):
+        c = dict(config)
+        size = c.pop("chunk", CHUNK)                     # a config may name its chunk size
+        return launch_kda_prefill(*args(tok, layer), slots, cu, LB, EPS, chunk or size, **c, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
-    peers, notes = {}, ["(chunk warps, state warps, BV) " + " ".join(
+    peers, notes = {}, ["(chunk size, chunk warps, state warps, BV) " + " ".join(
         f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]
     alone = [time_ms(lambda: launch(configs[best], stages=stage), reps=10) for stage in "vcsn"]
     notes.append(f"passes alone at {_label(configs[best])} (conv / chunk / state / norm) ms: "

@@ -9,8 +9,9 @@ heads x 128, chunk 64, bf16. Modes:
   state            the state pass over (warps, V tile, software-pipeline stages), alone and in
                    the whole prefill (V tiles < 128 add the norm launch)
   chunk            the chunk pass over (warps, stages)
-  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 (the math does not
-                   depend on it; bf16 rounding of the scratch does)
+  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 over state-pass
+                   warps and stages (the math does not depend on the chunk size; bf16 rounding
+                   does: each output's difference from the fp32 launch is printed too)
   profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
                    must be importable)
   builds           the sm_90a builds of the conv, state and chunk configurations above:
@@ -40,6 +41,8 @@ except ImportError:  # run as a script from benchmarks/
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
+CHUNK_STATE_CONFIGS = ((64, 8, 2), (32, 8, 2), (32, 4, 2), (16, 8, 2), (16, 4, 2), (16, 4, 3),
+                       (16, 2, 2))                             # (chunk size, state warps, stages)
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),
@@ -114,11 +117,24 @@ def chunk() -> None:
         _try(f"chunk warps {w} stages {st}", run, ref, "c", chunk_warps=w, chunk_stages=st)
 
 
+def _fp32_output() -> torch.Tensor:
+    """The prefill of the same inputs cast to fp32 (fp32 scratch, exact products) at the model's
+    chunk size, from the same starting state: the yardstick for the bf16 launches' rounding."""
+    from k31c.lowering.triton.kda_prefill import launch_kda_prefill
+    lay, tok, slots, cu = bk.prefill_inputs()
+    f32 = lambda d: {n: t.float() for n, t in d.items()}  # noqa: E731
+    return launch_kda_prefill(*bk.args(f32(tok), f32(lay)), slots, cu, bk.LB, bk.EPS, bk.CHUNK)
+
+
 def chunks() -> None:
     _, _, run = _inputs()
+    exact = _fp32_output()
     ref = run(fresh=True).float()
-    for c in (16, 32, 64):
-        _try(f"chunk size {c}", run, ref, "vcs", chunk=c)
+    for c, w, st in CHUNK_STATE_CONFIGS:
+        kw = dict(chunk=c, state_warps=w, state_stages=st)
+        err = ((run(fresh=True, **kw).float() - exact).abs().max() / exact.abs().max()).item()
+        print(f"chunk size {c}, state warps {w}, stages {st}: max diff vs fp32 {err:.1e}", flush=True)
+        _try(f"chunk size {c}, state warps {w}, stages {st}", run, ref, "vcs", **kw)
 
 
 def profile() -> None:
