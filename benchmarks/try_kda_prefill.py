@@ -41,8 +41,9 @@ except ImportError:  # run as a script from benchmarks/
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
-CHUNK_STATE_CONFIGS = ((64, 8, 2), (32, 8, 2), (32, 4, 2), (16, 8, 2), (16, 4, 2), (16, 4, 3),
-                       (16, 2, 2))                             # (chunk size, state warps, stages)
+CHUNK_STATE_CONFIGS = ((64, 8, 2, 128), (32, 8, 2, 128), (32, 4, 2, 128), (16, 8, 2, 128),
+                       (16, 4, 2, 128), (16, 4, 3, 128), (16, 2, 2, 128), (16, 4, 2, 64),
+                       (16, 2, 3, 64))               # (chunk size, state warps, stages, V tile)
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),
@@ -130,11 +131,12 @@ def chunks() -> None:
     _, _, run = _inputs()
     exact = _fp32_output()
     ref = run(fresh=True).float()
-    for c, w, st in CHUNK_STATE_CONFIGS:
-        kw = dict(chunk=c, state_warps=w, state_stages=st)
+    for c, w, st, bv in CHUNK_STATE_CONFIGS:
+        kw = dict(chunk=c, state_warps=w, state_stages=st, block_v=bv)
+        label = f"chunk size {c}, state warps {w}, stages {st}, BV {bv}"
         err = ((run(fresh=True, **kw).float() - exact).abs().max() / exact.abs().max()).item()
-        print(f"chunk size {c}, state warps {w}, stages {st}: max diff vs fp32 {err:.1e}", flush=True)
-        _try(f"chunk size {c}, state warps {w}, stages {st}", run, ref, "vcs", **kw)
+        print(f"{label}: max diff vs fp32 {err:.1e}", flush=True)
+        _try(label, run, ref, "vcs" if bv == 128 else "vcsn", **kw)
 
 
 def profile() -> None:
