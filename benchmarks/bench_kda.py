@@ -241,7 +241,7 @@ PREFILL_CONFIGS = (
     dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
     dict(chunk_warps=4, state_warps=8, block_v=64), dict(chunk_warps=4, state_warps=4, block_v=32),
     dict(chunk=32, chunk_warps=2, state_warps=8), dict(chunk=16, chunk_warps=2, state_warps=8),
-    dict(chunk=16, chunk_warps=2, state_warps=4),
+    dict(chunk=16, chunk_warps=4, state_warps=8),
 )
 
 

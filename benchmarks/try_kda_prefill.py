@@ -9,9 +9,9 @@ heads x 128, chunk 64, bf16. Modes:
   state            the state pass over (warps, V tile, software-pipeline stages), alone and in
                    the whole prefill (V tiles < 128 add the norm launch)
   chunk            the chunk pass over (warps, stages)
-  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 over state-pass
-                   warps and stages (the math does not depend on the chunk size; bf16 rounding
-                   does: each output's difference from the fp32 launch is printed too)
+  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 with launch options
+                   (the math does not depend on the chunk size; bf16 rounding does: each
+                   output's difference from the fp32 launch is printed too)
   profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
                    must be importable)
   builds           the sm_90a builds of the conv, state and chunk configurations above:
@@ -41,9 +41,13 @@ except ImportError:  # run as a script from benchmarks/
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
-CHUNK_STATE_CONFIGS = ((64, 8, 2, 128), (32, 8, 2, 128), (32, 4, 2, 128), (16, 8, 2, 128),
-                       (16, 4, 2, 128), (16, 4, 3, 128), (16, 2, 2, 128), (16, 4, 2, 64),
-                       (16, 2, 3, 64))               # (chunk size, state warps, stages, V tile)
+# launch options at other chunk sizes (sm_90a builds at 16 rows: the state pass on 8 warps 232
+# registers, no spill, 64 KB of shared memory at 2 stages; on 4 warps 216 B of spill, on 2 warps
+# ~10 KB; the chunk pass on 2 warps 244 registers, on 4 warps 146, neither spills)
+CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
+    (64, {}), (32, {}), (32, dict(state_warps=4)), (16, {}), (16, dict(state_stages=3)),
+    (16, dict(state_stages=4)), (16, dict(chunk_warps=4)), (16, dict(state_warps=4)),
+    (16, dict(block_v=64)), (16, dict(block_v=64, state_warps=4))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),
@@ -131,12 +135,10 @@ def chunks() -> None:
     _, _, run = _inputs()
     exact = _fp32_output()
     ref = run(fresh=True).float()
-    for c, w, st, bv in CHUNK_STATE_CONFIGS:
-        kw = dict(chunk=c, state_warps=w, state_stages=st, block_v=bv)
-        label = f"chunk size {c}, state warps {w}, stages {st}, BV {bv}"
+    for kw in CHUNK_SIZE_OPTIONS:
         err = ((run(fresh=True, **kw).float() - exact).abs().max() / exact.abs().max()).item()
-        print(f"{label}: max diff vs fp32 {err:.1e}", flush=True)
-        _try(label, run, ref, "vcs" if bv == 128 else "vcsn", **kw)
+        print(f"{kw}: max diff vs fp32 {err:.1e}", flush=True)
+        _try(f"{kw}", run, ref, "vcs" if kw.get("block_v", 128) == 128 else "vcsn", **kw)
 
 
 def profile() -> None:
