@@ -19,9 +19,7 @@ Three launches (four when the state pass splits V):
    unbounded softplus gate, exactly column by column.
    Writes per token: q⊙exp(Γ), k⊙exp(Γ_C - Γ), W, U, the causal A_qk row; per block the Γ at its end.
 2. `_kda_state_kernel`, one program per (request, head[, V tile]), walks the request's chunks in
-   order with the state in registers, transposed (Sᵀ [V, K]: the left operand of its products, so
-   on sm_90a they read it from registers, never staged in shared memory; and V tiles are the
-   products' M, 64 or more rows, at any chunk size): V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
+   order with the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
    the final state and the new conv window. (Optionally V is split into tiles for more programs;
    then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
@@ -82,12 +80,9 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
     ch_v = h * K + offs_v
     rows = tl.arange(0, C)
     # scalar int64 bases + small int32 tile offsets keep the address registers few
-    # the state is carried transposed, Sᵀ [BV, K]: every product then takes it (and V_newᵀ) as
-    # its left operand straight from the registers its update left them in, so the serial chain
-    # never stages the state through shared memory; the chunk's tiles are the right operands
-    vk = offs_v[:, None] + offs[None, :] * K              # Sᵀ[v, k] = S[k, v] at k·K + v
+    kv = offs[:, None] * K + offs_v[None, :]
     state_head = state_ptr + (slot * H + h) * K * K
-    St = tl.load(state_head + vk, mask=live, other=0.0)               # [BV, K] fp32
+    S = tl.load(state_head + kv, mask=live, other=0.0)                # [K, BV] fp32
     norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
     rk = rows[:, None] * (H * K) + offs[None, :]          # [C, K] tile of a [T, H, K] buffer
@@ -99,22 +94,21 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         tc = (s + i * C).to(tl.int64)                     # token of the chunk's first row
         blk_k = (tc * H + h) * K
         m2 = rv[:, None]
-        rvt = offs_v[:, None] + rows[None, :] * (H * K)     # [BV, C] tile: a [T, H, K] buffer's Vᵀ
+        rkv = rows[:, None] * (H * K) + offs_v[None, :]     # [C, BV] tile of [T, H, K]
         w_c = tl.load(w_ptr + blk_k + rk, mask=m2, other=0.0)
-        u_t = tl.load(u_ptr + blk_k + rvt, mask=rv[None, :], other=0.0).to(tl.float32)
+        u_c = tl.load(u_ptr + blk_k + rkv, mask=m2, other=0.0).to(tl.float32)
         kg = tl.load(kg_ptr + blk_k + rk, mask=m2, other=0.0)
         g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live,
                       other=0.0)
 
-        S_dot = St.to(DT)
-        v_t = u_t - tl.dot(S_dot, tl.trans(w_c), input_precision=PREC)          # V_newᵀ [BV, C]
-        v_dot = v_t.to(DT)
+        S_dot = S.to(DT)
+        v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
+        v_dot = v_new.to(DT)
         qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
         a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
-        o_t = tl.dot(S_dot, tl.trans(qg), input_precision=PREC)
-        o_t = tl.dot(v_dot, tl.trans(a_qk), o_t, input_precision=PREC)         # Oᵀ [BV, C]
-        St = St * tl.exp(g_c)[None, :] + tl.dot(v_dot, kg, input_precision=PREC)
-        o = tl.trans(o_t)
+        o = tl.dot(qg, S_dot, input_precision=PREC)
+        o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
+        S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
 
         if FUSED_NORM:
             gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
@@ -124,7 +118,7 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         else:                                    # raw o; _gated_norm_kernel finishes the rows
             tl.store(o_raw_ptr + tc * P + (rp + ch_v[None, :]), tl.where(m2, o, 0.0),
                      mask=(p < L)[:, None])
-    tl.store(state_head + vk, St, mask=live)
+    tl.store(state_head + kv, S, mask=live)
 
     if vt == 0:                              # one V tile writes the head's new conv window
         # new conv window = last W-1 rows of (old window ++ new tokens); it may reuse old rows
