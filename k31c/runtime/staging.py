@@ -8,10 +8,10 @@ request gains a block every block_size tokens), or, past the pairs' capacity (th
 requests changed), copied whole before the replay. Inputs already on the device go the same way
 without a host wait: their rows are copied into the (pinned) staging buffer by copies queued on
 the stream ahead of the replay, and a device block table is copied whole on the device (the host
-never learns its entries, so the next host table is copied whole too). `stage` is the kernel the graph captures. The
-host may overwrite the staging buffer only once the previous replay has read it: `fill` waits on
-an event the graph records right after staging, that is, until the previous step has started on
-the device, so the host stays a step ahead.
+never learns its entries, so the next host table is copied whole too). `stage` is the kernel
+the graph captures. The host may overwrite the staging buffer only once the previous replay has
+read it: `fill` waits on an event the graph records right after staging, that is, until the
+previous step has started on the device, so the host stays a step ahead.
 
 Verification snapshots are per-step inputs written by the step; they are not staged and are
 copied back after the replay (`copy_back`).
