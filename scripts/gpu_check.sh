@@ -18,7 +18,8 @@
 # then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
-# A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log.
+# A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log;
+# each shard's log ends with its 8 slowest tests (what to shorten when the check grows).
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
 set -uo pipefail
@@ -74,11 +75,13 @@ if [ "$parallel" -gt 0 ]; then
 fi
 status=0
 if [ "$program" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL -s tests/runtime \
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL --durations=8 \
+        -s tests/runtime \
         "${shard[@]}" "${rest[@]}" || status=1
 fi
 if [ "$kernels" = 1 ]; then
-    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL tests/lowering \
+    "$PY" -m pytest -q -p no:cacheprovider -p no:logging -o faulthandler_timeout=$STALL --durations=8 \
+        tests/lowering \
         --ignore=tests/lowering/test_aot.py "${shard[@]}" || status=1
 fi
 if [ "$bench" = 1 ]; then
