@@ -133,11 +133,20 @@ def _fp32_output() -> torch.Tensor:
 
 def chunks() -> None:
     _, _, run = _inputs()
-    exact = _fp32_output()
+    try:
+        exact = _fp32_output()
+    except Exception as e:  # noqa: BLE001  (the timings still come)
+        print(f"fp32 launch FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+        exact = None
     ref = run(fresh=True).float()
     for kw in CHUNK_SIZE_OPTIONS:
-        err = ((run(fresh=True, **kw).float() - exact).abs().max() / exact.abs().max()).item()
-        print(f"{kw}: max diff vs fp32 {err:.1e}", flush=True)
+        if exact is not None:
+            try:
+                out = run(fresh=True, **kw).float()
+                err = ((out - exact).abs().max() / exact.abs().max()).item()
+                print(f"{kw}: max diff vs fp32 {err:.1e}", flush=True)
+            except Exception:  # noqa: BLE001  (_try reports the failure)
+                pass
         _try(f"{kw}", run, ref, "vcs" if kw.get("block_v", 128) == 128 else "vcsn", **kw)
 
 
