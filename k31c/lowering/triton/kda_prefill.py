@@ -165,12 +165,12 @@ class PrefillPlan:
     scratch: torch.dtype     # bf16 inputs: bf16 scratch and MMAs (as fla); else fp32, exact products
     precision: str           # tl.dot input_precision
     block_v: int             # value channels per state program (< K: a norm launch follows)
-    chunk_warps: int = 2     # 2 warps: 4.37 ms at T = 8192 vs 4.72 on 4 (BENCHMARKS.md, KDA)
-    state_warps: int = 8
-    state_stages: int = 1    # software-pipeline stages (`pipeline_stages` picks them)
-    conv_warps: int = 4      # 8 warps: 2.77 ms at T = 8192 vs 0.91 (BENCHMARKS.md, KDA)
-    conv_rows: int = BC      # rows per conv program (a power of two dividing the chunk)
-    chunk_stages: int | None = None   # None: the backend's default software pipelining
+    chunk_warps: int
+    state_warps: int
+    state_stages: int        # software-pipeline stages (`pipeline_stages` picks them)
+    conv_warps: int
+    conv_rows: int           # rows per conv program (a power of two dividing the chunk)
+    chunk_stages: int | None  # None: the backend's default software pipelining
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -209,7 +209,10 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
          block_v: int | None = None, state_stages: int | None = None, conv_warps: int = 4,
          chunk_stages: int | None = None, conv_rows: int = BC) -> PrefillPlan:
-    """The launch configuration; stages left None are `pipeline_stages`' (the target's)."""
+    """The launch configuration; its keywords are the launcher's tuning knobs, and stages left
+    None are `pipeline_stages`' (the target's). Defaults measured at T = 8192 (BENCHMARKS.md,
+    KDA): the chunk pass on 2 warps (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on
+    8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -241,12 +244,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
 
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
                        conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size,
-                       chunk_warps: int = 2, state_warps: int = 8, block_v: int | None = None,
-                       state_stages: int | None = None, conv_warps: int = 4,
-                       chunk_stages: int | None = None,
-                       conv_rows: int = BC, stages: str = "vcsn") -> torch.Tensor:
-    """The launches themselves, with the tuning knobs exposed for benchmarks. block_v < K splits
-    the state pass over V tiles (more programs when B·H is small) and adds a norm launch.
+                       stages: str = "vcsn", **knobs) -> torch.Tensor:
+    """The launches themselves, with the tuning knobs (`plan`'s keywords) exposed for
+    benchmarks. block_v < K splits the state pass over V tiles (more programs when B·H is
+    small) and adds a norm launch.
     stages: which of the conv pass, the chunk pass, the state pass and the norm launch to run
     (benchmarks time them alone; anything but "vcsn" leaves the output unfinished)."""
     if not stages or set(stages) - set("vcsn"):
@@ -257,8 +258,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     check_kda_layout(q, K, conv_state, recurrent)
     require_unit_stride(slots=slots, cu_seqlens=cu_seqlens)
     B = slots.shape[0]
-    p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, chunk_warps,
-             state_warps, block_v, state_stages, conv_warps, chunk_stages, conv_rows)
+    p = plan(target_of(q.device), B, chunk_size, K, W, q.dtype, lower_bound, **knobs)
     C, BV, dt = p.C, p.block_v, p.scratch
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     conv_weight, A_log, dt_bias, o_norm_weight = (
