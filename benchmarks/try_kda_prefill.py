@@ -43,13 +43,11 @@ STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (
 CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 # launch options at other chunk sizes (sm_90a builds at 16 rows: the state pass on 8 warps 232
 # registers, no spill, 64 KB of shared memory at 2 stages; on 4 warps 216 B of spill, on 2 warps
-# ~10 KB; the chunk pass on 2 warps 244 registers, on 4 warps 146, neither spills; with the conv
-# in it 192 B of spill on 2 warps, 198 registers on 4, 108 on 8)
+# ~10 KB; the chunk pass on 2 warps 244 registers, on 4 warps 146, neither spills)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (32, dict(state_warps=4)), (16, {}), (16, dict(state_stages=3)),
     (16, dict(state_stages=4)), (16, dict(chunk_warps=4)), (16, dict(state_warps=4)),
-    (16, dict(block_v=64)), (16, dict(block_v=64, state_warps=4)), (16, dict(conv_in_chunk=True)),
-    (16, dict(conv_in_chunk=True, chunk_warps=4)), (16, dict(conv_in_chunk=True, chunk_warps=8))))
+    (16, dict(block_v=64)), (16, dict(block_v=64, state_warps=4))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),

@@ -311,23 +311,6 @@ def test_prefill_conv_rows(rows):
                       device=DEV, seed=0, fn=partial(launch_kda_prefill, conv_rows=32))
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
-def test_prefill_conv_in_chunk(chunk):
-    """The conv in the chunk pass (no conv launch): each block convolves its own rows, the first
-    one reading the cached window; ragged tails, an empty and a padding request, both gates."""
-    for lb, seed in ((-5.0, 100), (None, 101)):
-        check_prefill(H=2, K=16, lens=[150, 3, 0, 70], slot_ids=[2, 5, 1, -1], lb=lb, chunk=chunk,
-                      dtype=torch.float32, device=DEV, seed=seed + chunk,
-                      fn=partial(launch_kda_prefill, conv_in_chunk=True))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-def test_prefill_conv_in_chunk_k3_shapes_cuda():
-    check_prefill(H=96, K=128, lens=[300, 1, 700, 64], slot_ids=[3, 7, -1, 0], lb=-5.0, chunk=16,
-                  dtype=torch.bfloat16, device="cuda", seed=8, num_slots=8,
-                  fn=partial(launch_kda_prefill, conv_in_chunk=True))
-
-
 def test_prefill_doubling_inverse_blocks():
     """The chunk pass's diagonal blocks inverted by doubling: chunk 32 (two blocks), several chunks
     with a ragged tail, a padding request and an empty one, the unbounded gate (a truncated

@@ -61,27 +61,6 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
 
 
 @triton.jit
-def conv_qkv(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_row, pb, tb, rows, rv, ch, scale, P,
-             W: tl.constexpr):
-    """q̂, k̂, v̂ [M, K] fp32 of the rows at positions pb + rows (tokens tb + rows; rv valid):
-    causal conv + SiLU over the request's window and new rows, then q / k L2-normalised (q also
-    scaled)."""
-    tok0 = tb - (W - 1)
-    if pb >= W - 1:             # every tap is a token of the request: one load a tap, no window
-        q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
-        k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
-        v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
-    else:
-        q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
-        k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True, P, W)
-        v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch, True,
-                           P, W)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
-    return q, k, v
-
-
-@triton.jit
 def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
                     qn_ptr, kn_ptr, vc_ptr, B, H, scale,
                     C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
@@ -109,8 +88,19 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
         rows = tl.arange(0, RB)
         rv = pb + rows < L
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
-        q, k, v = conv_qkv(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_row, pb, tb, rows, rv, ch, scale,
-                           P, W)
+        tok0 = tb - (W - 1)
+        if pb >= W - 1:         # every tap is a token of the request: one load a tap, no window
+            q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
+            k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
+            v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
+        else:
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
+                               P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
+                               True, P, W)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
         rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])
         tl.store(qn_ptr + rk, q.to(DT), mask=rv[:, None])
         tl.store(kn_ptr + rk, k.to(DT), mask=rv[:, None])
@@ -120,14 +110,10 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
 @triton.jit
 def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
                       qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr,
-                      B, H, lower_bound, scale,
+                      B, H, lower_bound,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, W: tl.constexpr, CONV: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
-    """CONV: each block computes its own q̂, k̂, v̂ (`conv_qkv`) in place of reading the conv
-    pass's from the qg / kg / u buffers (the conv pass is not launched)."""
+                      PREC: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     cid = tl.program_id(0)
     h = tl.program_id(1)
@@ -160,14 +146,10 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             tb = t_chunk + I * BC                        # its token
             blk_k = (tb * H + h) * K                     # block base in [T, H, K] scratch
             blk_c = (tb * H + h) * C                     # ... and in [T, H, C]
-            if CONV:
-                q, k, v = conv_qkv(q_ptr, k_ptr, v_ptr, conv_w_ptr,
-                                   conv_ptr + slot * (W - 1) * 3 * P, pb, tb, rows, rv, ch, scale,
-                                   P, W)
-            else:   # the conv pass's q̂, k̂, v̂, read before this block's outputs overwrite them
-                q = tl.load(qg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
-                k = tl.load(kg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
-                v = tl.load(u_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
+            # the conv pass's q̂, k̂, v̂, read before this block's outputs overwrite them
+            q = tl.load(qg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
+            k = tl.load(kg_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
+            v = tl.load(u_ptr + blk_k + rk, mask=rv[:, None], other=0.0).to(tl.float32)
             f = tl.load(f_ptr + tb * P + (rows[:, None] * P + ch[None, :]), mask=rv[:, None],
                         other=0.0)
             g = tl.where(rv[:, None], kda_gate_math(f.to(tl.float32), dt_bias[None, :], a,

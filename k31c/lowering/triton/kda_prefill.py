@@ -7,8 +7,6 @@ Three launches (four when the state pass splits V):
    the scratch buffers that step 1 overwrites in place (q̂ → q⊙exp(Γ), k̂ → k⊙exp(Γ_C - Γ),
    v̂ → U). Out of the chunk pass because there the conv's loads and registers sat in every block
    of a serial chain (BENCHMARKS.md, KDA).
-   (`conv_in_chunk`: the chunk pass convolves each block's rows itself, for chunks of one
-   block, where there is no chain; no conv launch.)
 1. `kda_chunk_kernel` (kda_chunk.py), one program per (chunk, head), all chunks in parallel:
    gates and betas, then the intra-chunk WY solve. The chunk is
    walked in blocks of BC = 16 rows; block I is solved by block forward substitution
@@ -173,7 +171,6 @@ class PrefillPlan:
     conv_warps: int
     conv_rows: int           # rows per conv program (a power of two dividing the chunk)
     chunk_stages: int | None  # None: the backend's default software pipelining
-    conv_in_chunk: bool      # the chunk pass computes q̂, k̂, v̂ itself; no conv launch
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -184,7 +181,7 @@ class PrefillPlan:
         return dict(C=self.C, BC=BC, K=self.K, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
-                    PREC=self.precision, W=self.W, CONV=self.conv_in_chunk)
+                    PREC=self.precision)
 
     def chunk_stage_option(self) -> dict:
         return {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
@@ -211,12 +208,11 @@ def pipeline_stages(target: Target) -> tuple[int, int | None]:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
          block_v: int | None = None, state_stages: int | None = None, conv_warps: int = 4,
-         chunk_stages: int | None = None, conv_rows: int = BC,
-         conv_in_chunk: bool = False) -> PrefillPlan:
+         chunk_stages: int | None = None, conv_rows: int = BC) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs, and stages left
     None are `pipeline_stages`' (the target's). Defaults measured at T = 8192 (BENCHMARKS.md,
     KDA): the chunk pass on 2 warps (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on
-    8) over 16-row blocks. conv_in_chunk moves the conv into the chunk pass (no conv launch)."""
+    8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -231,8 +227,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     chunk_stages = default_chunk if chunk_stages is None else chunk_stages
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps, conv_rows, chunk_stages,
-                       conv_in_chunk)
+                       state_warps, state_stages, conv_warps, conv_rows, chunk_stages)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -276,15 +271,14 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     out = torch.empty_like(q)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
-    scale = K ** -0.5
-    if n_chunks_max > 0 and "v" in stages and not p.conv_in_chunk:   # q̂, k̂, v̂ into qg, kg, u
+    if n_chunks_max > 0 and "v" in stages:      # q̂, k̂, v̂ into the qg, kg, u buffers
         kda_conv_kernel[(n_chunks_max * (C // p.conv_rows), H)](
-            q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, scale,
+            q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
             **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
-            f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, q, k, v, conv_weight,
-            conv_state, B, H, lb, scale, **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
+            f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
+            **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
     o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
@@ -315,8 +309,7 @@ def aot_specs(shapes) -> list:
         kda_chunk_kernel, "k31c::kda_prefill", f"B={B}", p.chunk_constexprs(),
         dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
              cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
-             aqk_ptr=scratch, ge_ptr=f32, q_ptr=dt, k_ptr=dt, v_ptr=dt, conv_w_ptr=f32, conv_ptr=dt,
-             lower_bound="fp32", scale="fp32"),
+             aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
         num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
@@ -324,4 +317,4 @@ def aot_specs(shapes) -> list:
              q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
              conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
-    return ([] if p.conv_in_chunk else [conv]) + [chunk, state]
+    return [conv, chunk, state]
