@@ -75,10 +75,15 @@ def _time(fn) -> float:
     return time_ms(fn, reps=10)
 
 
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max difference over the reference's largest magnitude."""
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
 def _try(label: str, run, ref, stages: str, **kw) -> None:
     """One option: its difference from the default output, the whole prefill, `stages` alone."""
     try:
-        err = ((run(fresh=True, **kw).float() - ref).abs().max() / ref.abs().max()).item()
+        err = _rel(run(fresh=True, **kw).float(), ref)
         whole = _time(lambda: run(**kw))
         alone = " ".join(f"{s}:{_time(lambda s=s: run(stages=s, **kw)):.3f}" for s in stages)
         print(f"{label}: prefill {whole:.3f} ms; alone {alone}; max diff vs default {err:.1e}", flush=True)
@@ -101,7 +106,7 @@ def default(name: str) -> None:
     ref_file = os.environ.get("PROBE_REF")
     if ref_file and os.path.exists(ref_file):
         ref = torch.load(ref_file).to(out.device)
-        print(f"{name}: max diff vs {ref_file} {((out - ref).abs().max() / ref.abs().max()).item():.1e}")
+        print(f"{name}: max diff vs {ref_file} {_rel(out, ref):.1e}")
     elif ref_file:
         torch.save(out.cpu(), ref_file)
     _try(f"{name} default", run, out, "vcsn")
@@ -142,8 +147,7 @@ def chunks() -> None:
     for kw in CHUNK_SIZE_OPTIONS:
         if exact is not None:
             try:
-                out = run(fresh=True, **kw).float()
-                err = ((out - exact).abs().max() / exact.abs().max()).item()
+                err = _rel(run(fresh=True, **kw).float(), exact)
                 print(f"{kw}: max diff vs fp32 {err:.1e}", flush=True)
             except Exception:  # noqa: BLE001  (_try reports the failure)
                 pass
