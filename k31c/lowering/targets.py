@@ -35,6 +35,9 @@ class Target:
                                              # stated; launchers that size tiles by it skip the check)
     pdl: bool = False                        # programmatic dependent launch of the k31c kernels
                                              # (lowering/triton/device.py; sm_90+)
+    kda_prefill_chunk: int = 0               # rows per chunk the KDA prefill kernels walk (0: the
+                                             # model's kda_chunk_size; the chunked form is exact
+                                             # for any size, only bf16 rounding moves)
 
     @property
     def pdl_capable(self) -> bool:
@@ -58,7 +61,8 @@ TARGETS = {
                    # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
                    default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
                    device_graphs=True, graph_streams=3, device_names=("H200",),
-                   shared_memory=232448),      # sm_90: 227 KB a block (opt-in)
+                   shared_memory=232448,       # sm_90: 227 KB a block (opt-in)
+                   kda_prefill_chunk=16),      # T = 8192: 3.41 ms vs 4.09 at 64 (BENCHMARKS.md, KDA)
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.

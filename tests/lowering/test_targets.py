@@ -95,3 +95,10 @@ def test_pdl_launch_arguments_follow_the_record_and_the_device(monkeypatch):
             assert device.pdl_launch(cuda) == {}
     finally:
         device._sm90.cache_clear()
+
+
+def test_kda_prefill_chunk_is_the_targets_else_the_models():
+    from k31c.lowering.triton import kda_prefill as kp
+    assert kp.kernel_chunk(get_target("h200"), 64) == 16
+    assert kp.kernel_chunk(get_target("mi350x"), 64) == 64 and kp.kernel_chunk(get_target("cpu"), 32) == 32
+    # (the AOT build's kernels at each target's chunk: test_aot.py)

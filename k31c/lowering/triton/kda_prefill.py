@@ -205,6 +205,12 @@ def pipeline_stages(target: Target) -> tuple[int, int | None]:
     return (2, 2) if target.shared_memory >= PIPELINED_SMEM else (1, None)
 
 
+def kernel_chunk(target: Target, chunk_size: int) -> int:
+    """The rows per chunk the kernels walk: the target record's where it names one, else the
+    model's `chunk_size`."""
+    return target.kda_prefill_chunk or chunk_size
+
+
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
          block_v: int | None = None, state_stages: int | None = None, conv_warps: int = 4,
@@ -237,9 +243,10 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tens
                 conv_state: torch.Tensor, recurrent: torch.Tensor, slots: torch.Tensor,
                 cu_seqlens: torch.Tensor, lower_bound: float | None, eps: float,
                 chunk_size: int) -> torch.Tensor:
-    """Launcher with the op's signature."""
+    """Launcher with the op's signature; the chunk size is the target's (`kernel_chunk`)."""
     return launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
-                              conv_state, recurrent, slots, cu_seqlens, lower_bound, eps, chunk_size)
+                              conv_state, recurrent, slots, cu_seqlens, lower_bound, eps,
+                              kernel_chunk(target_of(q.device), chunk_size))
 
 
 def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
@@ -297,8 +304,8 @@ def aot_specs(shapes) -> list:
     launch); dtypes as the KDA block passes them."""
     cfg = shapes.cfg
     dt, f32, B = cfg.torch_dtype, torch.float32, shapes.prefill_requests
-    p = plan(shapes.target, B, cfg.kda_chunk_size, cfg.kda_head_dim, cfg.short_conv_kernel_size,
-             dt, cfg.gate_lower_bound)
+    p = plan(shapes.target, B, kernel_chunk(shapes.target, cfg.kda_chunk_size), cfg.kda_head_dim,
+             cfg.short_conv_kernel_size, dt, cfg.gate_lower_bound)
     scratch = p.scratch
     conv = kernel_spec(
         kda_conv_kernel, "k31c::kda_prefill", f"B={B}", p.conv_constexprs(),
