@@ -214,10 +214,12 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             tl.debug_barrier()                           # block I's scratch is read by block I+1
             g_b = g_e
 
-        # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones
-        for J in range(NB):
-            rvj = c0 + J * BC + rows < L
-            ptrs = kg_ptr + ((t_chunk + J * BC) * H + h) * K + rk
-            g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
-            kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
-            tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])
+        # keys relative to the chunk end, exp(Γ_C - Γ)⊙k, in place of the per-block ones (a
+        # chunk of one block already has them: its block ends where the chunk does)
+        if NB > 1:
+            for J in range(NB):
+                rvj = c0 + J * BC + rows < L
+                ptrs = kg_ptr + ((t_chunk + J * BC) * H + h) * K + rk
+                g_ej = tl.load(ge_ptr + ((cid * NB + J) * H + h) * K + offs)
+                kj = tl.load(ptrs, mask=rvj[:, None], other=0.0).to(tl.float32)
+                tl.store(ptrs, (kj * tl.exp(g_b - g_ej)[None, :]).to(DT), mask=rvj[:, None])
