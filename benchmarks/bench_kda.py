@@ -234,20 +234,22 @@ def small_batch_rows(m: Machine, batches=(1, 4),
     return out
 
 
-# launch configurations of the prefill sweep: launch_kda_prefill's keywords (chunk warps, state
-# warps, V tile of the state pass) and the chunk size where one is named (CHUNK otherwise; the
-# math does not depend on it, the kernels' time does)
+# launch configurations of the prefill sweep: launch_kda_prefill's keywords, those left out the
+# target's (`launch_defaults`), and the chunk size (the math does not depend on it, the kernels'
+# time does); the first is what the registered op launches on the H200 (`kernel_chunk`)
 PREFILL_CONFIGS = (
-    dict(chunk_warps=4, state_warps=8), dict(chunk_warps=2, state_warps=8),
-    dict(chunk_warps=4, state_warps=8, block_v=64), dict(chunk_warps=4, state_warps=4, block_v=32),
-    dict(chunk=32, chunk_warps=2, state_warps=8), dict(chunk=16, chunk_warps=2, state_warps=8),
-    dict(chunk=16, chunk_warps=4, state_warps=8),
+    dict(chunk=16), dict(chunk=16, state_stages=6), dict(chunk=16, state_warps=8, block_v=128),
+    dict(chunk=32), dict(chunk=64), dict(chunk=64, chunk_warps=4),
 )
 
 
 def _label(config: dict) -> str:
-    c = {"block_v": None, "chunk": CHUNK, **config}
-    return f"{c['chunk']},{c['chunk_warps']},{c['state_warps']},{c['block_v'] or K}"
+    """chunk size, chunk warps, state warps, V tile, state stages of a configuration, as planned."""
+    from k31c.lowering.triton.device import target_of
+    from k31c.lowering.triton.kda_prefill import plan
+    c = dict(config)
+    p = plan(target_of(torch.device("cuda")), 1, c.pop("chunk", CHUNK), K, W, ACT, LB, **c)
+    return f"{p.C},{p.chunk_warps},{p.state_warps},{p.block_v},{p.state_stages}"
 
 
 def prefill_inputs() -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
@@ -287,21 +289,21 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
         return launch_kda_prefill(*args(tok, layer), slots, cu, LB, EPS, chunk or size, **c, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
-    peers, notes = {}, ["(chunk size, chunk warps, state warps, BV) " + " ".join(
+    peers, notes = {}, ["(chunk size, chunk warps, state warps, BV, state stages) " + " ".join(
         f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]
     alone = [time_ms(lambda: launch(configs[best], stages=stage), reps=10) for stage in "vcsn"]
     notes.append(f"passes alone at {_label(configs[best])} (conv / chunk / state / norm) ms: "
                  + " / ".join(f"{t:.3f}" for t in alone))
     # where the passes' time goes: the conv pass on 8 warps and with 2 taps (the taps' price);
-    # the chunk pass with 32- and 16-row chunks (fewer 16-row blocks a program in sequence)
+    # the chunk pass with 64- and 32-row chunks (more 16-row blocks a program in sequence)
     lay2 = dict(lay, conv_weight=lay["conv_weight"][:, :2].contiguous(),
                 conv_state=lay["conv_state"][:, :1].contiguous())
     w2 = time_ms(lambda: launch(configs[best], layer=lay2, stages="v"), reps=10)
     v8 = time_ms(lambda: launch(dict(configs[best], conv_warps=8), stages="v"), reps=10)
     by_chunk = {c: time_ms(lambda c=c: launch(configs[best], chunk=c, stages="c"), reps=10)
-                for c in (32, 16)}
+                for c in (64, 32)}
     notes.append(f"conv pass alone: 8 warps {v8:.3f} ms, 2 taps {w2:.3f} ms; chunk pass alone: "
-                 f"chunk 32 {by_chunk[32]:.3f}, chunk 16 {by_chunk[16]:.3f} ms")
+                 f"chunk 64 {by_chunk[64]:.3f}, chunk 32 {by_chunk[32]:.3f} ms")
     try:
         from fla.modules import FusedRMSNormGated
         from fla.modules.causal_conv1d import causal_conv1d

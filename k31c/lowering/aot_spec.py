@@ -23,6 +23,8 @@ class AotShapes:
     rows_per_request: tuple[int, ...] = (1, 4)   # plain decode, 4-row verification
     context: int = 131072                  # keys a row sees (indexer / top-k width)
     prefill_requests: int = 1              # requests in one KDA prefill launch
+    prefill_tokens: int = 8192             # rows of one prefill step (a full chunked-prefill
+                                           # step: the runtime's default max_prefill_tokens)
 
 
 class AotSpec(NamedTuple):

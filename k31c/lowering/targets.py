@@ -62,7 +62,7 @@ TARGETS = {
                    default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
                    device_graphs=True, graph_streams=3, device_names=("H200",),
                    shared_memory=232448,       # sm_90: 227 KB a block (opt-in)
-                   kda_prefill_chunk=16),      # T = 8192: 3.41 ms vs 4.09 at 64 (BENCHMARKS.md, KDA)
+                   kda_prefill_chunk=16),      # T = 8192: 2.73 ms vs 3.81-4.18 at 64 (BENCHMARKS.md, KDA)
     # The TMA indexer AOT-compiles for gfx950 (descriptor loads become masked pointer loads, as
     # gfx950 has no TMA unit); untimed on an MI350X: "gather" here is the switch if it loses.
     # One stream per graph: dual-stream HIP-graph capture has known runtime bugs.

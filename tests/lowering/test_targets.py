@@ -102,3 +102,18 @@ def test_kda_prefill_chunk_is_the_targets_else_the_models():
     assert kp.kernel_chunk(get_target("h200"), 64) == 16
     assert kp.kernel_chunk(get_target("mi350x"), 64) == 64 and kp.kernel_chunk(get_target("cpu"), 32) == 32
     # (the AOT build's kernels at each target's chunk: test_aot.py)
+
+
+def test_kda_prefill_launch_defaults_follow_the_target_and_the_chunk():
+    from k31c.lowering.triton import kda_prefill as kp
+    h200, mi350x = get_target("h200"), get_target("mi350x")
+    p = kp.plan(h200, 2, 16, 128, 4, torch.bfloat16, -5.0)       # one-block chunks: V split
+    assert (p.state_stages, p.chunk_stages, p.state_warps, p.block_v) == (4, 2, 4, 64)
+    p = kp.plan(h200, 2, 64, 128, 4, torch.bfloat16, -5.0)
+    assert (p.state_stages, p.chunk_stages, p.state_warps, p.block_v) == (2, 2, 8, 128)
+    p = kp.plan(mi350x, 2, 16, 128, 4, torch.bfloat16, -5.0)     # too little shared memory
+    assert (p.state_stages, p.chunk_stages, p.state_warps, p.block_v) == (1, None, 8, 128)
+    p = kp.plan(h200, 2, 16, 32, 4, torch.bfloat16, -5.0, block_v=None, state_warps=8)
+    assert (p.block_v, p.state_warps) == (32, 8)                   # None: the target's; BV <= K
+    with pytest.raises(TypeError, match="block_w"):
+        kp.plan(h200, 2, 16, 128, 4, torch.bfloat16, -5.0, block_w=64)

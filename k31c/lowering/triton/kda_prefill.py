@@ -167,7 +167,7 @@ class PrefillPlan:
     block_v: int             # value channels per state program (< K: a norm launch follows)
     chunk_warps: int
     state_warps: int
-    state_stages: int        # software-pipeline stages (`pipeline_stages` picks them)
+    state_stages: int        # software-pipeline stages (`launch_defaults` picks them)
     conv_warps: int
     conv_rows: int           # rows per conv program (a power of two dividing the chunk)
     chunk_stages: int | None  # None: the backend's default software pipelining
@@ -193,16 +193,22 @@ class PrefillPlan:
 
 
 # Two pipeline stages of the state pass at BV = K take 172 KB of shared memory (sm_90a builds,
-# Triton 3.6-3.8): 1.29 vs 1.41 ms at T = 8192 on the H200; the chunk pass on 2 stages,
-# 2.32 vs 2.43 ms on the backend's default 3 (BENCHMARKS.md, KDA).
+# Triton 3.6-3.8); targets with less run it unpipelined.
 PIPELINED_SMEM = 176 * 1024
+NORM_ROWS, NORM_WARPS = 16, 4      # the norm launch (after a state pass that split V)
 
 
-def pipeline_stages(target: Target) -> tuple[int, int | None]:
-    """(state pass, chunk pass) software-pipeline stages: two each where the target's shared
-    memory holds the state pass's two stages; else the state pass unpipelined and the chunk
-    pass on the backend's default (None)."""
-    return (2, 2) if target.shared_memory >= PIPELINED_SMEM else (1, None)
+def launch_defaults(target: Target, chunk_size: int) -> dict:
+    """The target's tuning knobs for chunks of `chunk_size` rows (BENCHMARKS.md, KDA, T = 8192 on
+    the H200). Where the state pass's two stages fit: chunks of one 16-row block run the state
+    pass on 4 warps over 64-column value blocks, 4 stages deep (2.73 ms for the prefill vs 3.05
+    with 8 warps over all 128 columns), longer chunks on 8 warps over all columns, 2 stages
+    (1.29 vs 1.41 ms for the pass); the chunk pass on 2 stages (vs the backend's 3)."""
+    if target.shared_memory < PIPELINED_SMEM:
+        return dict(state_stages=1, chunk_stages=None, state_warps=8, block_v=None)
+    if chunk_size == BC:
+        return dict(state_stages=4, chunk_stages=2, state_warps=4, block_v=64)
+    return dict(state_stages=2, chunk_stages=2, state_warps=8, block_v=None)
 
 
 def kernel_chunk(target: Target, chunk_size: int) -> int:
@@ -212,28 +218,30 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
-         lower_bound: float | None, chunk_warps: int = 2, state_warps: int = 8,
-         block_v: int | None = None, state_stages: int | None = None, conv_warps: int = 4,
-         chunk_stages: int | None = None, conv_rows: int = BC) -> PrefillPlan:
-    """The launch configuration; its keywords are the launcher's tuning knobs, and stages left
-    None are `pipeline_stages`' (the target's). Defaults measured at T = 8192 (BENCHMARKS.md,
-    KDA): the chunk pass on 2 warps (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on
-    8) over 16-row blocks."""
+         lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
+         conv_rows: int = BC, **knobs) -> PrefillPlan:
+    """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
+    chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
+    target's). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
+    (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
     if conv_rows < 1 or conv_rows & (conv_rows - 1) or conv_rows > C:
         raise ValueError(f"conv_rows: expected a power of two <= chunk_size {C}, got {conv_rows}")
-    BV = min(block_v or K, K)
+    defaults = launch_defaults(target, C)
+    unknown = sorted(set(knobs) - set(defaults))
+    if unknown:
+        raise TypeError(f"kda_prefill plan: unknown tuning knobs {unknown}")
+    kn = {**defaults, **{n: v for n, v in knobs.items() if v is not None}}
+    BV = min(kn["block_v"] or K, K)
     if BV < 16 or BV & (BV - 1):
-        raise ValueError(f"block_v: expected a power of two >= 16, got {block_v}")
+        raise ValueError(f"block_v: expected a power of two >= 16, got {kn['block_v']}")
     scratch = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    default_state, default_chunk = pipeline_stages(target)
-    state_stages = default_state if state_stages is None else state_stages
-    chunk_stages = default_chunk if chunk_stages is None else chunk_stages
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
-                       state_warps, state_stages, conv_warps, conv_rows, chunk_stages)
+                       kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
+                       kn["chunk_stages"])
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -293,20 +301,22 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
             conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
             num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
     if "n" in stages and BV < K and T > 0:
-        _gated_norm_kernel[(triton.cdiv(T, 16), H)](o_raw, gate, o_norm_weight, out, T, H,
-                                                    float(eps), K=K, BT=16, num_warps=4, **pdl)
+        _gated_norm_kernel[(triton.cdiv(T, NORM_ROWS), H)](
+            o_raw, gate, o_norm_weight, out, T, H, float(eps), K=K, BT=NORM_ROWS,
+            num_warps=NORM_WARPS, **pdl)
     return out
 
 
 def aot_specs(shapes) -> list:
     """The launches of `kda_prefill` at `shapes` (aot_spec.AotShapes), for the ahead-of-time
-    build: the chunk pass and the state pass from `plan`'s defaults (V not split, so no norm
-    launch); dtypes as the KDA block passes them."""
+    build: the conv, chunk and state passes from `plan`'s defaults, and the norm launch where
+    the state pass splits V; dtypes as the KDA block passes them."""
     cfg = shapes.cfg
     dt, f32, B = cfg.torch_dtype, torch.float32, shapes.prefill_requests
     p = plan(shapes.target, B, kernel_chunk(shapes.target, cfg.kda_chunk_size), cfg.kda_head_dim,
              cfg.short_conv_kernel_size, dt, cfg.gate_lower_bound)
-    scratch = p.scratch
+    scratch, split = p.scratch, p.block_v < p.K
+    o_raw = f32 if split else dt       # the state pass's unnormalized output (the norm reads it)
     conv = kernel_spec(
         kda_conv_kernel, "k31c::kda_prefill", f"B={B}", p.conv_constexprs(),
         dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, conv_w_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64,
@@ -321,7 +331,13 @@ def aot_specs(shapes) -> list:
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
-             q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=dt,
+             q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=o_raw,
              conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
-    return [conv, chunk, state]
+    if not split:
+        return [conv, chunk, state]
+    norm = kernel_spec(
+        _gated_norm_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", dict(K=p.K, BT=NORM_ROWS),
+        dict(o_raw_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, eps="fp32"),
+        num_warps=NORM_WARPS, ints=dict(T=shapes.prefill_tokens, H=cfg.kda_num_heads))
+    return [conv, chunk, state, norm]
