@@ -41,9 +41,10 @@ except ImportError:  # run as a script from benchmarks/
 STATE_CONFIGS = ((8, 128, 1), (8, 128, 2), (8, 64, 1), (8, 64, 2), (8, 64, 3), (4, 64, 2),
                  (4, 64, 3), (4, 32, 2), (4, 32, 3), (4, 32, 4), (8, 32, 3))   # (warps, BV, stages)
 CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
-# launch options at other chunk sizes (sm_90a builds at 16 rows: the state pass on 8 warps 232
-# registers, no spill, 64 KB of shared memory at 2 stages; on 4 warps 216 B of spill, on 2 warps
-# ~10 KB; the chunk pass on 2 warps 244 registers, on 4 warps 146, neither spills)
+# launch options by chunk size, the knobs relative to the target's defaults (sm_90a builds at 16
+# rows: the state pass over 64-column V tiles on 4 warps 236 registers, no spill, 63 KB of shared
+# memory at 4 stages; over all 128 columns on 8 warps 232, on 4 warps 216 B of spill; the chunk
+# pass on 2 warps 254 registers, on 4 warps 146, neither spills)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (16, {}), (16, dict(state_stages=2)), (16, dict(state_stages=6)),
     (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2))))
