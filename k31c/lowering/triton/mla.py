@@ -215,7 +215,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
     cfg = plan(target_of(q.device), n, n_heads, n_keys, config)
     splits = cfg["splits"]
     bn = cfg["bn"]
-    keys_per_split = -(-(-(-n_keys // splits)) // bn) * bn
+    keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), bn) * bn   # as aot_specs builds it
     out = q.new_empty((n, n_heads, dv))
     lse = q.new_empty((n, n_heads), dtype=torch.float32)
     if n == 0 or n_heads == 0:
