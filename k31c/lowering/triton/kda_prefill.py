@@ -22,7 +22,8 @@ Three launches (four when the state pass splits V):
    order with the [K, V] state in registers: V_new = U - W S, O = (Q⊙exp Γ) S + A_qk V_new,
    S = exp(Γ_C) S + (exp(Γ_C - Γ)⊙K)ᵀ V_new; then the gated RMSNorm of O (whole V row on chip),
    the final state and the new conv window. (Optionally V is split into tiles for more programs;
-   then the raw O goes to a scratch and `_gated_norm_kernel` normalises it.)
+   then the raw O goes to the output, rounded to its dtype as fla's chain rounds it, and
+   `_gated_norm_kernel` normalises it in place: no scratch.)
 (The fla / FlashKDA structure, a state pass that carries the state alone and writes each chunk's
 starting state for a parallel output pass, was measured within 1% of this one in two runs and
 needs a [chunks, H, K, K] state scratch, 400 MB at T = 8192: removed, commit d13d1fc has it.)
@@ -52,7 +53,7 @@ from k31c.lowering.triton.unit_stride import require_unit_stride
 
 @triton.jit
 def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
-                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr, o_raw_ptr,
+                      q_ptr, k_ptr, v_ptr, gate_ptr, norm_w_ptr, out_ptr,
                       conv_ptr, state_ptr, slots_ptr, cu_ptr, B, H, eps,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                       W: tl.constexpr, WB: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr,
@@ -116,8 +117,8 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
             tl.store(out_ptr + tc * P + (rp + ch[None, :]),
                      tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
         else:                                    # raw o; _gated_norm_kernel finishes the rows
-            tl.store(o_raw_ptr + tc * P + (rp + ch_v[None, :]), tl.where(m2, o, 0.0),
-                     mask=(p < L)[:, None])
+            tl.store(out_ptr + tc * P + (rp + ch_v[None, :]),
+                     tl.where(m2, o, 0.0).to(out_ptr.dtype.element_ty), mask=(p < L)[:, None])
     tl.store(state_head + kv, S, mask=live)
 
     if vt == 0:                              # one V tile writes the head's new conv window
@@ -138,16 +139,16 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
 
 
 @triton.jit
-def _gated_norm_kernel(o_raw_ptr, gate_ptr, norm_w_ptr, out_ptr, T, H, eps,
+def _gated_norm_kernel(out_ptr, gate_ptr, norm_w_ptr, T, H, eps,
                        K: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr = False):
-    """out = RMSNorm(o)·w·σ(gate) per (token, head) when the state pass split V."""
+    """out = RMSNorm(out)·w·σ(gate) in place, per (token, head), when the state pass split V."""
     wait_for_producers(PDL)
     t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, K)
     m2 = (t < T)[:, None]
     idx = t[:, None] * (H * K) + h * K + offs[None, :]
-    o = tl.load(o_raw_ptr + idx, mask=m2, other=0.0)
+    o = tl.load(out_ptr + idx, mask=m2, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + idx, mask=m2, other=0.0)
     norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
     y = gated_rms_norm(o, gate, norm_w, K, eps)
@@ -171,6 +172,8 @@ class PrefillPlan:
     conv_warps: int
     conv_rows: int           # rows per conv program (a power of two dividing the chunk)
     chunk_stages: int | None  # None: the backend's default software pipelining
+    norm_rows: int           # rows per program of the norm launch (when V is split)
+    norm_warps: int
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -195,7 +198,6 @@ class PrefillPlan:
 # Two pipeline stages of the state pass at BV = K take 172 KB of shared memory (sm_90a builds,
 # Triton 3.6-3.8); targets with less run it unpipelined.
 PIPELINED_SMEM = 176 * 1024
-NORM_ROWS, NORM_WARPS = 16, 4      # the norm launch (after a state pass that split V)
 
 
 def launch_defaults(target: Target, chunk_size: int) -> dict:
@@ -219,7 +221,7 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
-         conv_rows: int = BC, **knobs) -> PrefillPlan:
+         conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4, **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
     target's). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
@@ -229,6 +231,8 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
     if conv_rows < 1 or conv_rows & (conv_rows - 1) or conv_rows > C:
         raise ValueError(f"conv_rows: expected a power of two <= chunk_size {C}, got {conv_rows}")
+    if norm_rows < 1 or norm_rows & (norm_rows - 1):
+        raise ValueError(f"norm_rows: expected a power of two, got {norm_rows}")
     defaults = launch_defaults(target, C)
     unknown = sorted(set(knobs) - set(defaults))
     if unknown:
@@ -241,7 +245,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
-                       kn["chunk_stages"])
+                       kn["chunk_stages"], norm_rows, norm_warps)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -294,16 +298,15 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         kda_chunk_kernel[(n_chunks_max, H)](
             f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
             **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
-    o_raw = out if BV == K else torch.empty(T, H * K, device=q.device, dtype=torch.float32)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
-            qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out, o_raw,
+            qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
             conv_state, recurrent, slots, cu_seqlens, B, H, float(eps), **p.state_constexprs(),
             num_warps=p.state_warps, num_stages=p.state_stages, **pdl)
     if "n" in stages and BV < K and T > 0:
-        _gated_norm_kernel[(triton.cdiv(T, NORM_ROWS), H)](
-            o_raw, gate, o_norm_weight, out, T, H, float(eps), K=K, BT=NORM_ROWS,
-            num_warps=NORM_WARPS, **pdl)
+        _gated_norm_kernel[(triton.cdiv(T, p.norm_rows), H)](
+            out, gate, o_norm_weight, T, H, float(eps), K=K, BT=p.norm_rows,
+            num_warps=p.norm_warps, **pdl)
     return out
 
 
@@ -316,7 +319,6 @@ def aot_specs(shapes) -> list:
     p = plan(shapes.target, B, kernel_chunk(shapes.target, cfg.kda_chunk_size), cfg.kda_head_dim,
              cfg.short_conv_kernel_size, dt, cfg.gate_lower_bound)
     scratch, split = p.scratch, p.block_v < p.K
-    o_raw = f32 if split else dt       # the state pass's unnormalized output (the norm reads it)
     conv = kernel_spec(
         kda_conv_kernel, "k31c::kda_prefill", f"B={B}", p.conv_constexprs(),
         dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, conv_w_ptr=f32, conv_ptr=dt, slots_ptr=torch.int64,
@@ -331,13 +333,13 @@ def aot_specs(shapes) -> list:
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
-             q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, o_raw_ptr=o_raw,
+             q_ptr=dt, k_ptr=dt, v_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt,
              conv_ptr=dt, state_ptr=f32, slots_ptr=torch.int64, cu_ptr=torch.int32, eps="fp32"),
         num_warps=p.state_warps, num_stages=p.state_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     if not split:
         return [conv, chunk, state]
     norm = kernel_spec(
-        _gated_norm_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", dict(K=p.K, BT=NORM_ROWS),
-        dict(o_raw_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, out_ptr=dt, eps="fp32"),
-        num_warps=NORM_WARPS, ints=dict(T=shapes.prefill_tokens, H=cfg.kda_num_heads))
+        _gated_norm_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", dict(K=p.K, BT=p.norm_rows),
+        dict(out_ptr=dt, gate_ptr=dt, norm_w_ptr=dt, eps="fp32"),
+        num_warps=p.norm_warps, ints=dict(T=shapes.prefill_tokens, H=cfg.kda_num_heads))
     return [conv, chunk, state, norm]
