@@ -47,8 +47,7 @@ CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 # pass on 2 warps 254 registers, on 4 warps 146, neither spills)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (16, {}), (16, dict(state_stages=2)), (16, dict(state_stages=6)),
-    (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2)),
-    (16, dict(conv_split=True)), (16, dict(conv_split=True, conv_warps=2))))
+    (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),

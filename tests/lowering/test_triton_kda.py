@@ -297,15 +297,15 @@ def test_prefill_four_block_chunks(lb):
                   dtype=torch.float32, device=DEV, seed=80 + (lb is None))
 
 
-@pytest.mark.parametrize("rows,split", [(2, False), (32, False), (64, False), (2, True), (16, True)])
-def test_prefill_conv_rows(rows, split):
+@pytest.mark.parametrize("rows", [2, 32, 64])
+def test_prefill_conv_rows(rows):
     """The conv pass with other rows per program than the chunk pass's 16-row blocks: a request's
     first block reads the cached window, the later ones only its own rows (2 rows: blocks
-    shorter than the window; 64: the whole chunk); ragged tails, an empty and a padding request;
-    split: a program per tensor (q, k, v). A bad value is refused."""
+    shorter than the window; 64: the whole chunk); ragged tails, an empty and a padding request.
+    A bad value is refused."""
     check_prefill(H=2, K=16, lens=[150, 3, 0, 70], slot_ids=[2, 5, 1, -1], lb=-5.0, chunk=64,
-                  dtype=torch.float32, device=DEV, seed=90 + rows + split,
-                  fn=partial(launch_kda_prefill, conv_rows=rows, conv_split=split))
+                  dtype=torch.float32, device=DEV, seed=90 + rows,
+                  fn=partial(launch_kda_prefill, conv_rows=rows))
     with pytest.raises(ValueError, match="conv_rows"):
         check_prefill(H=2, K=16, lens=[4], slot_ids=[1], lb=-5.0, chunk=16, dtype=torch.float32,
                       device=DEV, seed=0, fn=partial(launch_kda_prefill, conv_rows=32))

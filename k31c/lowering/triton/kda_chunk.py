@@ -61,27 +61,13 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
 
 
 @triton.jit
-def conv_one(in_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch_conv, out_ptr, rk, L2: tl.constexpr,
-             scale, P, W: tl.constexpr):
-    """One of q, k, v for a block of rows: conv + SiLU, L2-normalised and scaled when L2."""
-    if pb >= W - 1:
-        y = conv_silu_tokens(in_ptr, conv_w_ptr, tok0, rows, rv, ch, ch_conv, P, W)
-    else:
-        y = conv_silu_rows(in_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch_conv, True, P, W)
-    if L2:
-        y = y * tl.rsqrt(tl.sum(y * y, axis=1) + L2_EPS)[:, None] * scale
-    tl.store(out_ptr + rk, y.to(out_ptr.dtype.element_ty), mask=rv[:, None])
-
-
-@triton.jit
 def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
                     qn_ptr, kn_ptr, vc_ptr, B, H, scale,
                     C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                    BP: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
-    """One program per (block of RB rows of a chunk, head[, one of q, k, v when SPLIT]): causal
-    conv + SiLU over the request's window and new rows, then q / k L2-normalised (q also
-    scaled). Writes q̂, k̂, v̂ into the buffers the chunk pass later overwrites with q⊙exp(Γ),
-    k⊙exp(Γ_C - Γ) and U."""
+                    BP: tl.constexpr, PDL: tl.constexpr = False):
+    """One program per (block of RB rows of a chunk, head): causal conv + SiLU over the request's
+    window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
+    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U."""
     wait_for_producers(PDL)
     NB: tl.constexpr = C // RB
     cid = tl.program_id(0) // NB
@@ -103,35 +89,22 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
         rv = pb + rows < L
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
         tok0 = tb - (W - 1)
-        rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])
-        if SPLIT:               # a program a tensor: fewer registers, more programs an SM
-            which = tl.program_id(2)
-            if which == 0:
-                conv_one(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, qn_ptr, rk, True,
-                         scale, P, W)
-            elif which == 1:
-                conv_one(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, kn_ptr, rk,
-                         True, 1.0, P, W)
-            else:
-                conv_one(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch, vc_ptr,
-                         rk, False, 1.0, P, W)
+        if pb >= W - 1:         # every tap is a token of the request: one load a tap, no window
+            q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
+            k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
+            v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
         else:
-            if pb >= W - 1:     # every tap is a token of the request: one load a tap, no window
-                q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
-                k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
-                v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
-            else:
-                q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True,
-                                   P, W)
-                k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch,
-                                   True, P, W)
-                v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch,
-                                   2 * P + ch, True, P, W)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
-            tl.store(qn_ptr + rk, q.to(DT), mask=rv[:, None])
-            tl.store(kn_ptr + rk, k.to(DT), mask=rv[:, None])
-            tl.store(vc_ptr + rk, v.to(DT), mask=rv[:, None])
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
+            k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
+                               P, W)
+            v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
+                               True, P, W)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
+        rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])
+        tl.store(qn_ptr + rk, q.to(DT), mask=rv[:, None])
+        tl.store(kn_ptr + rk, k.to(DT), mask=rv[:, None])
+        tl.store(vc_ptr + rk, v.to(DT), mask=rv[:, None])
 
 
 @triton.jit

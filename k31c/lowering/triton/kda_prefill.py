@@ -174,11 +174,10 @@ class PrefillPlan:
     chunk_stages: int | None  # None: the backend's default software pipelining
     norm_rows: int           # rows per program of the norm launch (when V is split)
     norm_warps: int
-    conv_split: bool         # the conv pass a program per tensor (q, k, v) too
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
-                    BP=triton.next_power_of_2(self.B + 1), SPLIT=self.conv_split)
+                    BP=triton.next_power_of_2(self.B + 1))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -208,11 +207,10 @@ def launch_defaults(target: Target, chunk_size: int) -> dict:
     with 8 warps over all 128 columns), longer chunks on 8 warps over all columns, 2 stages
     (1.29 vs 1.41 ms for the pass); the chunk pass on 2 stages (vs the backend's 3)."""
     if target.shared_memory < PIPELINED_SMEM:
-        return dict(state_stages=1, chunk_stages=None, state_warps=8, block_v=None,
-                    conv_split=False)
+        return dict(state_stages=1, chunk_stages=None, state_warps=8, block_v=None)
     if chunk_size == BC:
-        return dict(state_stages=4, chunk_stages=2, state_warps=4, block_v=64, conv_split=False)
-    return dict(state_stages=2, chunk_stages=2, state_warps=8, block_v=None, conv_split=False)
+        return dict(state_stages=4, chunk_stages=2, state_warps=4, block_v=64)
+    return dict(state_stages=2, chunk_stages=2, state_warps=8, block_v=None)
 
 
 def kernel_chunk(target: Target, chunk_size: int) -> int:
@@ -247,7 +245,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
-                       kn["chunk_stages"], norm_rows, norm_warps, bool(kn["conv_split"]))
+                       kn["chunk_stages"], norm_rows, norm_warps)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -293,7 +291,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
     if n_chunks_max > 0 and "v" in stages:      # q̂, k̂, v̂ into the qg, kg, u buffers
-        kda_conv_kernel[(n_chunks_max * (C // p.conv_rows), H, 3 if p.conv_split else 1)](
+        kda_conv_kernel[(n_chunks_max * (C // p.conv_rows), H)](
             q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
             **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
