@@ -9,7 +9,7 @@ heads x 128, chunk 64, bf16. Modes:
   state            the state pass over (warps, V tile, software-pipeline stages), alone and in
                    the whole prefill (V tiles < 128 add the norm launch)
   chunk            the chunk pass over (warps, stages)
-  chunks           the whole prefill and its passes at chunk sizes 16, 32, 64 with launch options
+  chunks [ROWS]    the whole prefill and its passes at chunk sizes 16, 32, 64 (or ROWS alone) with launch options
                    (the math does not depend on the chunk size; bf16 rounding does: each
                    output's difference from the fp32 launch is printed too)
   profile          per-kernel GPU times of fla's chunk_kda beside ours (torch.profiler; fla-core
@@ -47,7 +47,8 @@ CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 # pass on 2 warps 254 registers, on 4 warps 146, neither spills)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (16, {}), (16, dict(state_stages=2)), (16, dict(state_stages=6)),
-    (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2))))
+    (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2)),
+    (16, dict(inverse_precision="ieee")), (16, dict(block_v=32)), (16, dict(block_v=32, state_warps=2))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),
@@ -138,7 +139,7 @@ def _fp32_output() -> torch.Tensor:
     return launch_kda_prefill(*bk.args(f32(tok), f32(lay)), slots, cu, bk.LB, bk.EPS, bk.CHUNK)
 
 
-def chunks() -> None:
+def chunks(rows: str) -> None:
     _, _, run = _inputs()
     try:
         exact = _fp32_output()
@@ -147,6 +148,8 @@ def chunks() -> None:
         exact = None
     ref = run(fresh=True).float()
     for kw in CHUNK_SIZE_OPTIONS:
+        if rows and kw["chunk"] != int(rows):
+            continue
         if exact is not None:
             try:
                 err = _rel(run(fresh=True, **kw).float(), exact)
@@ -206,7 +209,7 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     label = sys.argv[2] if len(sys.argv) > 2 else "tree"
     modes = {"passes": lambda: passes(label), "default": lambda: default(label), "state": state,
-             "chunk": chunk, "chunks": chunks, "profile": profile, "builds": builds,
+             "chunk": chunk, "chunks": lambda: chunks(label if len(sys.argv) > 2 else ""), "profile": profile, "builds": builds,
              "once": lambda: once(sys.argv[2] if len(sys.argv) > 2 else "vcsn")}
     if mode not in modes:
         sys.exit(f"usage: try_kda_prefill.py {'|'.join(modes)}")

@@ -25,6 +25,9 @@ class Target:
     fast_dot_precision: str = "ieee"         # tl.dot input_precision of fp32 operands where a
                                              # kernel asks for fast dots ("tf32" on NVIDIA;
                                              # Triton 3.7's AMD backend has no tf32 on gfx950)
+    exact_dot_precision: str = "ieee"        # tl.dot input_precision where fp32 operands need
+                                             # fp32 accuracy: "tf32x3" on NVIDIA (three tf32
+                                             # tensor-core products), else "ieee" (FMA)
     default_variants: tuple[tuple[str, str], ...] = ()   # (op, kernel variant) where an op has several
     device_graphs: bool = False              # replay decode as CUDA/HIP graphs
     graph_streams: int = 1                   # streams one captured device graph may use
@@ -57,7 +60,7 @@ class Target:
 TARGETS = {
     "cpu": Target("cpu", "cpu", "host"),
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
-                   executor="program", fast_dot_precision="tf32",
+                   executor="program", fast_dot_precision="tf32", exact_dot_precision="tf32x3",
                    # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
                    default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
                    device_graphs=True, graph_streams=3, device_names=("H200",),

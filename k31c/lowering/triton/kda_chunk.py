@@ -41,12 +41,14 @@ def pick(j, sel, x):
 
 
 @triton.jit
-def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
+def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr, PREC: tl.constexpr):
     """(I + m)^-1 for a strictly lower triangular [BC, BC] m by doubling the inverted diagonal
     blocks: with X the inverse of the b-blocks, the 2b-blocks' inverse is X - X N X, N being m's
     lower-left b-block of each 2b-block (the block formula [A 0; C D]^-1 = [A^-1 0; -D^-1 C A^-1
     D^-1]). The 1-blocks are 1, so the 2-blocks' inverse is I - N; then log2(BC) - 1 levels of
     two fp32 products each; every level's X is made of exact diagonal blocks of the inverse.
+    PREC: an fp32-accurate input_precision (the target's `exact_dot_precision`: "tf32x3", three
+    tensor-core products, where the backend has it; "ieee", FMA, elsewhere).
     (Forward substitution, BC - 1 serial row steps, made the T = 8192 prefill 9% slower:
     BENCHMARKS.md, KDA.)"""
     i, j = rows[:, None], rows[None, :]
@@ -55,8 +57,8 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr):
         b = 1 << lv
         if b < BC:
             n = tl.where((i // (2 * b) == j // (2 * b)) & (i // b > j // b), m, 0.0)
-            xn = tl.dot(inv, n, input_precision="ieee")
-            inv = inv - tl.dot(xn, inv, input_precision="ieee")
+            xn = tl.dot(inv, n, input_precision=PREC)
+            inv = inv - tl.dot(xn, inv, input_precision=PREC)
     return inv
 
 
@@ -113,7 +115,7 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
                       B, H, lower_bound,
                       C: tl.constexpr, BC: tl.constexpr, K: tl.constexpr,
                       BP: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, SAFE_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, PDL: tl.constexpr = False):
+                      PREC: tl.constexpr, INV_PREC: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     cid = tl.program_id(0)
     h = tl.program_id(1)
@@ -160,16 +162,21 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             G = g_b[None, :] + tl.cumsum(g, axis=0)      # Γ (from the chunk start) [BC, K]
             g_e = g_b + tl.sum(g, axis=0)                # Γ at the end of this block
 
+            e_g = tl.exp(G)
+            to_end = tl.exp(g_e[None, :] - G)            # e^(Γ_e - Γ) ≤ 1
             tl.debug_barrier()                           # every thread has read q̂, k̂, v̂
-            tl.store(qg_ptr + blk_k + rk, (q * tl.exp(G)).to(DT), mask=rv[:, None])
-            tl.store(kg_ptr + blk_k + rk, (k * tl.exp(g_e[None, :] - G)).to(DT), mask=rv[:, None])
+            tl.store(qg_ptr + blk_k + rk, (q * e_g).to(DT), mask=rv[:, None])
+            tl.store(kg_ptr + blk_k + rk, (k * to_end).to(DT), mask=rv[:, None])
             tl.store(ge_ptr + ((cid * NB + I) * H + h) * K + offs, g_e)
 
             # earlier blocks: both factors relative to the boundary Γ_b (each ≤ 1)
-            to_b = tl.exp(G - g_b[None, :])
+            if NB == 1:
+                to_b = e_g                               # Γ_b = 0: the chunk's one block
+            else:
+                to_b = tl.exp(G - g_b[None, :])
             qb = (q * to_b).to(DT)
             kb = (k * to_b).to(DT)
-            rhs_w = beta[:, None] * tl.exp(G) * k
+            rhs_w = beta[:, None] * e_g * k
             rhs_u = beta[:, None] * v
             for J in range(I):
                 rvj = c0 + J * BC + rows < L
@@ -187,11 +194,14 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
 
             # the diagonal block
             if SAFE_DIAG:
+                # e^(Γ_i - Γ_j) split at the block's middle row m, each factor within
+                # e^(±BC/2·|lower_bound|), from the per-element exps above and two per-column
+                # ones: e^(Γ - Γ_m) = to_b·e^(Γ_b - Γ_m), e^(Γ_m - Γ) = to_end·e^(Γ_m - Γ_e)
                 g_m = row_of(G, rows, BC // 2)
-                to_m = tl.exp(G - g_m[None, :])
-                from_m = (k * tl.exp(g_m[None, :] - G)).to(DT)
-                m_ii = tl.dot((k * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
-                a_ii = tl.dot((q * to_m).to(DT), tl.trans(from_m), input_precision=PREC)
+                up = tl.exp(g_b - g_m)[None, :]
+                from_m = (k * to_end * tl.exp(g_m - g_e)[None, :]).to(DT)
+                m_ii = tl.dot((k * to_b * up).to(DT), tl.trans(from_m), input_precision=PREC)
+                a_ii = tl.dot((q * to_b * up).to(DT), tl.trans(from_m), input_precision=PREC)
             else:
                 m_ii = tl.zeros([BC, BC], dtype=tl.float32)
                 a_ii = tl.zeros([BC, BC], dtype=tl.float32)
@@ -206,7 +216,7 @@ def kda_chunk_kernel(f_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, slots_ptr, cu_ptr,
             a_ii = tl.where(causal, a_ii, 0.0)
             tl.store(aqk_ptr + blk_c + I * BC + rc, a_ii.to(DT), mask=rv[:, None])
 
-            inv = unit_lower_inverse_doubling(m_ii, rows, BC)
+            inv = unit_lower_inverse_doubling(m_ii, rows, BC, INV_PREC)
             w_i = tl.dot(inv, rhs_w, input_precision=PREC)
             u_i = tl.dot(inv, rhs_u, input_precision=PREC)
             tl.store(w_ptr + blk_k + rk, w_i.to(DT), mask=rv[:, None])

@@ -174,6 +174,7 @@ class PrefillPlan:
     chunk_stages: int | None  # None: the backend's default software pipelining
     norm_rows: int           # rows per program of the norm launch (when V is split)
     norm_warps: int
+    inverse_precision: str   # input_precision of the chunk pass's fp32 block inverse
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -184,7 +185,7 @@ class PrefillPlan:
         return dict(C=self.C, BC=BC, K=self.K, BP=triton.next_power_of_2(self.B + 1),
                     HAS_LOWER_BOUND=lb is not None,
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
-                    PREC=self.precision)
+                    PREC=self.precision, INV_PREC=self.inverse_precision)
 
     def chunk_stage_option(self) -> dict:
         return {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
@@ -221,10 +222,11 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
-         conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4, **knobs) -> PrefillPlan:
+         conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4,
+         inverse_precision: str | None = None, **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
-    target's). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
+    target's); `inverse_precision` None: the target's `exact_dot_precision`. Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
     (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
@@ -245,7 +247,8 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     return PrefillPlan(B, C, K, W, lower_bound, scratch,
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
-                       kn["chunk_stages"], norm_rows, norm_warps)
+                       kn["chunk_stages"], norm_rows, norm_warps,
+                       inverse_precision or target.exact_dot_precision)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
