@@ -226,7 +226,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
          inverse_precision: str | None = None, **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
-    target's); `inverse_precision` None: the target's `exact_dot_precision`. Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
+    target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32 inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
     (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
@@ -248,7 +248,8 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
                        target.dot_precision(fast=scratch == torch.bfloat16), BV, chunk_warps,
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
                        kn["chunk_stages"], norm_rows, norm_warps,
-                       inverse_precision or target.exact_dot_precision)
+                       inverse_precision or ("ieee" if scratch == torch.float32
+                                             else target.exact_dot_precision))
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
