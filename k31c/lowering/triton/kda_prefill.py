@@ -89,13 +89,7 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
     rk = rows[:, None] * (H * K) + offs[None, :]          # [C, K] tile of a [T, H, K] buffer
     rc = rows[:, None] * (H * C) + rows[None, :]          # [C, C] tile of [T, H, C] (aqk)
     rp = rows[:, None] * P                                # rows of a [T, P] tensor
-    # each chunk's decay exp(Γ_C) is loaded one chunk ahead: the pipeliner prefetches only the
-    # dots' operands, and this load sat on the chain's critical path (ncu: the top stall)
-    ge_head = ge_ptr + ((c_first * NB + NB - 1) * H + h) * K + offs
-    g_next = tl.load(ge_head, mask=live & (n > 0), other=0.0)
     for i in range(n):
-        decay = tl.exp(g_next)
-        g_next = tl.load(ge_head + (i + 1) * (NB * H * K), mask=live & (i + 1 < n), other=0.0)
         p = i * C + rows
         rv = (p < L) & live
         tc = (s + i * C).to(tl.int64)                     # token of the chunk's first row
@@ -105,18 +99,17 @@ def _kda_state_kernel(qg_ptr, kg_ptr, w_ptr, u_ptr, aqk_ptr, ge_ptr,
         w_c = tl.load(w_ptr + blk_k + rk, mask=m2, other=0.0)
         u_c = tl.load(u_ptr + blk_k + rkv, mask=m2, other=0.0).to(tl.float32)
         kg = tl.load(kg_ptr + blk_k + rk, mask=m2, other=0.0)
+        g_c = tl.load(ge_ptr + (((c_first + i) * NB + NB - 1) * H + h) * K + offs, mask=live,
+                      other=0.0)
 
         S_dot = S.to(DT)
         v_new = u_c - tl.dot(w_c, S_dot, input_precision=PREC)
         v_dot = v_new.to(DT)
         qg = tl.load(qg_ptr + blk_k + rk, mask=m2, other=0.0)
-        if NB == 1:     # the chunk pass wrote the whole block, zeros above the diagonal
-            a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2, other=0.0)
-        else:           # blocks right of the diagonal are never written
-            a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
+        a_qk = tl.load(aqk_ptr + (tc * H + h) * C + rc, mask=m2 & causal, other=0.0)
         o = tl.dot(qg, S_dot, input_precision=PREC)
         o = tl.dot(a_qk, v_dot, o, input_precision=PREC)
-        S = S * decay[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
+        S = S * tl.exp(g_c)[:, None] + tl.dot(tl.trans(kg), v_dot, input_precision=PREC)
 
         if FUSED_NORM:
             gate = tl.load(gate_ptr + tc * P + (rp + ch[None, :]), mask=m2, other=0.0)
