@@ -160,13 +160,8 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         # the launches alone (outputs unfinished) and the prep's warps, at the default tile
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False)) for st in ("p", "s")}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
-        # the prep's conv weights as [R, K] tiles (no layout conversion): alone and the whole step
-        tiles = {st: graph_ms(lambda st=st: run(stages=st, state_first=False, conv_weights="tile"))
-                 for st in ("p", "psn")}
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us; "
-                     "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items())
-                     + f"; conv weight tiles: prep alone {tiles['p'] * 1e3:.1f}us, "
-                     f"step {tiles['psn'] * 1e3:.1f}us (plain)")
+                     "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)

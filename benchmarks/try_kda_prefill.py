@@ -48,8 +48,7 @@ CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (16, {}), (16, dict(state_stages=2)), (16, dict(state_stages=6)),
     (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2)),
-    (16, dict(inverse_precision="ieee")), (16, dict(conv_weights="tile")),
-    (16, dict(conv_weights="tap_major"))))
+    (16, dict(inverse_precision="ieee")), (16, dict(block_v=32)), (16, dict(block_v=32, state_warps=2))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),

@@ -165,17 +165,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_decode_conv_weight_tiles(rows):
-    """The prep's conv weights loaded as [rows, K] tiles (kda_common.tap_weights "tile"), with
-    snapshots; "tap_major" is the prefill's alone and is refused here."""
-    check_decode(H=2, K=16, B=3, rows=rows, lb=-5.0, snaps=True, dtype=torch.float32, device=DEV,
-                 seed=40 + rows, fn=partial(launch_kda_decode, conv_weights="tile"))
-    with pytest.raises(ValueError, match="conv_weights"):
-        check_decode(H=2, K=16, B=3, rows=rows, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=0, fn=partial(launch_kda_decode, conv_weights="tap_major"))
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
@@ -322,30 +311,14 @@ def test_prefill_conv_rows(rows):
                       device=DEV, seed=0, fn=partial(launch_kda_prefill, conv_rows=32))
 
 
-@pytest.mark.parametrize("form", ["tile", "tap_major"])
-def test_prefill_conv_weight_loads(form):
-    """The conv pass's other weight loads (kda_common.tap_weights): the same conv, a request's
-    first block through the cached window and later blocks through its own rows (2-row conv
-    blocks, so both paths run), ragged tails, a padding request. A bad form is refused."""
-    check_prefill(H=2, K=16, lens=[37, 3, 20], slot_ids=[2, -1, 0], lb=-5.0, chunk=16,
-                  dtype=torch.float32, device=DEV, seed=95,
-                  fn=partial(launch_kda_prefill, conv_weights=form, conv_rows=2))
-    with pytest.raises(ValueError, match="conv_weights"):
-        check_prefill(H=2, K=16, lens=[4], slot_ids=[1], lb=-5.0, chunk=16, dtype=torch.float32,
-                      device=DEV, seed=0, fn=partial(launch_kda_prefill, conv_weights="rows"))
-
-
 def test_prefill_doubling_inverse_blocks():
     """The chunk pass's diagonal blocks inverted by doubling: chunk 32 (two blocks), several chunks
     with a ragged tail, a padding request and an empty one, the unbounded gate (a truncated
-    doubling fails these); and with its products as tf32x3 dots (h200's bf16 form)."""
+    doubling fails these)."""
     check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=-5.0, chunk=32,
                   dtype=torch.float32, device=DEV, seed=11)
     check_prefill(H=2, K=32, lens=[45, 9], slot_ids=[3, -1], lb=None, chunk=16,
                   dtype=torch.float32, device=DEV, seed=12)
-    check_prefill(H=2, K=16, lens=[37, 2, 0, 16], slot_ids=[4, 0, 2, 5], lb=-5.0, chunk=32,
-                  dtype=torch.float32, device=DEV, seed=13,
-                  fn=partial(launch_kda_prefill, inverse_precision="tf32x3"))
 
 
 def test_prefill_stages():

@@ -66,11 +66,10 @@ def unit_lower_inverse_doubling(m, rows, BC: tl.constexpr, PREC: tl.constexpr):
 def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr,
                     qn_ptr, kn_ptr, vc_ptr, B, H, scale,
                     C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-                    BP: tl.constexpr, WL: tl.constexpr = "vector", PDL: tl.constexpr = False):
+                    BP: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (block of RB rows of a chunk, head): causal conv + SiLU over the request's
     window and new rows, then q / k L2-normalised (q also scaled). Writes q̂, k̂, v̂ into the
-    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U. WL: how the
-    conv weights load (kda_common.tap_weights; "tap_major" takes them as [W, 3P])."""
+    buffers the chunk pass later overwrites with q⊙exp(Γ), k⊙exp(Γ_C - Γ) and U."""
     wait_for_producers(PDL)
     NB: tl.constexpr = C // RB
     cid = tl.program_id(0) // NB
@@ -93,16 +92,15 @@ def kda_conv_kernel(q_ptr, k_ptr, v_ptr, conv_w_ptr, conv_ptr, slots_ptr, cu_ptr
         tb = (s + pb).to(tl.int64)                      # token of the block's first row
         tok0 = tb - (W - 1)
         if pb >= W - 1:         # every tap is a token of the request: one load a tap, no window
-            q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W, WL)
-            k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W, WL)
-            v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W, WL)
+            q = conv_silu_tokens(q_ptr, conv_w_ptr, tok0, rows, rv, ch, ch, P, W)
+            k = conv_silu_tokens(k_ptr, conv_w_ptr, tok0, rows, rv, ch, P + ch, P, W)
+            v = conv_silu_tokens(v_ptr, conv_w_ptr, tok0, rows, rv, ch, 2 * P + ch, P, W)
         else:
-            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W,
-                               WL)
+            q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, ch, True, P, W)
             k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, P + ch, True,
-                               P, W, WL)
+                               P, W)
             v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, pb, tok0, rows, rv, ch, 2 * P + ch,
-                               True, P, W, WL)
+                               True, P, W)
         q = q * tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS)[:, None] * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
         rk = (tb * H + h) * K + (rows[:, None] * (H * K) + offs[None, :])

@@ -53,44 +53,25 @@ def window_rows(in_ptr, conv_row_ptr, pos0, tok0, rel, ch_in, ch_conv, live, mas
 
 @triton.jit
 def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv, live, P,
-                   W: tl.constexpr, WL: tl.constexpr = "vector"):
+                   W: tl.constexpr):
     """SiLU(causal conv) of the new rows at positions pos0 + rel [M] (rv valid; tok0 as in
-    window_rows) for a channel vector: y[p, c] = sum_j w[c, j] * ext[p + j, c]. [M, C] fp32.
-    WL: how the weights load (tap_weights)."""
+    window_rows) for a channel vector: y[p, c] = sum_j w[c, j] * ext[p + j, c]. [M, C] fp32."""
     acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
         x = window_rows(in_ptr, conv_row, pos0, tok0, rel + j, ch_in, ch_conv, live, rv, P, W)
-        acc += x * tap_weights(w_ptr, j, rel, ch_conv, P, W, WL)
+        acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
-def tap_weights(w_ptr, j, rel, ch_conv, P, W: tl.constexpr, WL: tl.constexpr):
-    """Tap j's conv weights for the channels ch_conv, to multiply an [M, C] tile of rows rel.
-    WL "vector": one load per channel of the [3P, W] weights, broadcast over the rows (the [C]
-    vector's layout differs from the tile's: a shared-memory round trip, two barriers a tap);
-    "tile": the same weights loaded as an [M, C] tile in the tile's layout (a scalar load per
-    element, L1 hits, no conversion); "tap_major": an [M, C] tile of tap-major [W, 3P] weights
-    (vector loads, no conversion)."""
-    if WL == "vector":
-        w = tl.load(w_ptr + ch_conv * W + j)[None, :]
-    elif WL == "tile":
-        w = tl.load(w_ptr + (ch_conv[None, :] * W + j + 0 * rel[:, None]))
-    else:
-        w = tl.load(w_ptr + (j * (3 * P) + ch_conv[None, :] + 0 * rel[:, None]))
-    return w.to(tl.float32)
-
-
-@triton.jit
-def conv_silu_tokens(in_ptr, w_ptr, tok0, rel, rv, ch_in, ch_conv, P, W: tl.constexpr,
-                     WL: tl.constexpr = "vector"):
+def conv_silu_tokens(in_ptr, w_ptr, tok0, rel, rv, ch_in, ch_conv, P, W: tl.constexpr):
     """conv_silu_rows where no tap reaches the cached window (pos0 >= W - 1): each tap one
-    masked load of the request's own rows, tok0 + rel + j (WL: tap_weights)."""
+    masked load of the request's own rows, tok0 + rel + j."""
     acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
     base = in_ptr + tok0.to(tl.int64) * P
     for j in tl.static_range(W):
         x = tl.load(base + ((rel + j)[:, None] * P + ch_in[None, :]), mask=rv[:, None], other=0.0)
-        acc += x.to(tl.float32) * tap_weights(w_ptr, j, rel, ch_conv, P, W, WL)
+        acc += x.to(tl.float32) * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
 
 

@@ -175,11 +175,10 @@ class PrefillPlan:
     norm_rows: int           # rows per program of the norm launch (when V is split)
     norm_warps: int
     inverse_precision: str   # input_precision of the chunk pass's fp32 block inverse
-    conv_weights: str        # how the conv pass loads its weights (kda_common.tap_weights)
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
-                    BP=triton.next_power_of_2(self.B + 1), WL=self.conv_weights)
+                    BP=triton.next_power_of_2(self.B + 1))
 
     def chunk_constexprs(self) -> dict:
         lb = self.lower_bound
@@ -196,8 +195,6 @@ class PrefillPlan:
                     WB=triton.next_power_of_2(max(self.W - 1, 1)),
                     BP=triton.next_power_of_2(self.B + 1), PREC=self.precision)
 
-
-CONV_WEIGHTS = ("vector", "tile", "tap_major")   # kda_common.tap_weights' forms
 
 # Two pipeline stages of the state pass at BV = K take 172 KB of shared memory (sm_90a builds,
 # Triton 3.6-3.8); targets with less run it unpipelined.
@@ -226,14 +223,11 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
          conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4,
-         inverse_precision: str | None = None, conv_weights: str = "vector",
-         **knobs) -> PrefillPlan:
+         inverse_precision: str | None = None, **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
-    target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32
-    inputs); `conv_weights`: one of CONV_WEIGHTS. Defaults measured at T = 8192 (BENCHMARKS.md,
-    KDA): the chunk pass on 2 warps (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on
-    8) over 16-row blocks."""
+    target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32 inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
+    (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -241,8 +235,6 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
         raise ValueError(f"conv_rows: expected a power of two <= chunk_size {C}, got {conv_rows}")
     if norm_rows < 1 or norm_rows & (norm_rows - 1):
         raise ValueError(f"norm_rows: expected a power of two, got {norm_rows}")
-    if conv_weights not in CONV_WEIGHTS:
-        raise ValueError(f"conv_weights: expected one of {CONV_WEIGHTS}, got {conv_weights!r}")
     defaults = launch_defaults(target, C)
     unknown = sorted(set(knobs) - set(defaults))
     if unknown:
@@ -257,7 +249,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
                        kn["chunk_stages"], norm_rows, norm_warps,
                        inverse_precision or ("ieee" if scratch == torch.float32
-                                             else target.exact_dot_precision), conv_weights)
+                                             else target.exact_dot_precision))
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -303,9 +295,8 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     lb = 0.0 if lower_bound is None else float(lower_bound)
     pdl = pdl_launch(q.device)
     if n_chunks_max > 0 and "v" in stages:      # q̂, k̂, v̂ into the qg, kg, u buffers
-        conv_w = conv_weight.t().contiguous() if p.conv_weights == "tap_major" else conv_weight
         kda_conv_kernel[(n_chunks_max * (C // p.conv_rows), H)](
-            q, k, v, conv_w, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
+            q, k, v, conv_weight, conv_state, slots, cu_seqlens, qg, kg, u, B, H, K ** -0.5,
             **p.conv_constexprs(), num_warps=p.conv_warps, **pdl)
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
