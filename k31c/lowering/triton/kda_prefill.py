@@ -175,6 +175,7 @@ class PrefillPlan:
     norm_rows: int           # rows per program of the norm launch (when V is split)
     norm_warps: int
     inverse_precision: str   # input_precision of the chunk pass's fp32 block inverse
+    chunk_maxnreg: int | None = None   # register cap of the chunk pass (None: the compiler's)
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -187,8 +188,12 @@ class PrefillPlan:
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision, INV_PREC=self.inverse_precision)
 
-    def chunk_stage_option(self) -> dict:
-        return {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
+    def chunk_launch_options(self, on_gpu: bool) -> dict:
+        """num_stages where set; maxnreg where set and on a GPU (the interpreter has none)."""
+        opts = {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
+        if on_gpu and self.chunk_maxnreg:
+            opts["maxnreg"] = self.chunk_maxnreg
+        return opts
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -223,11 +228,14 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
          conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4,
-         inverse_precision: str | None = None, **knobs) -> PrefillPlan:
+         inverse_precision: str | None = None, chunk_maxnreg: int | None = None,
+         **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
-    target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32 inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps
-    (4.37 ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
+    target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32
+    inputs); `chunk_maxnreg`: a register cap for the chunk pass (more programs an SM, some
+    spill). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps (4.37
+    ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -249,7 +257,8 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
                        kn["chunk_stages"], norm_rows, norm_warps,
                        inverse_precision or ("ieee" if scratch == torch.float32
-                                             else target.exact_dot_precision))
+                                             else target.exact_dot_precision),
+                       chunk_maxnreg)
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -301,7 +310,8 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
             f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
-            **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
+            **p.chunk_constexprs(), num_warps=p.chunk_warps,
+            **p.chunk_launch_options(q.device.type == "cuda"), **pdl)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
             qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
