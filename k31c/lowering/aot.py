@@ -172,6 +172,8 @@ def _compile(spec: AotSpec, target_name: str):
         options["num_stages"] = spec.num_stages
     if spec.constexprs.get("PDL"):
         options["launch_pdl"] = True
+    if spec.maxnreg and target.triton_backend == "cuda":   # as device.register_cap
+        options["maxnreg"] = spec.maxnreg
     gpu = GPUTarget(target.triton_backend, target.triton_arch, target.warp_size)
     return triton.compile(src, target=gpu, options=options)
 

@@ -38,6 +38,7 @@ class AotSpec(NamedTuple):
     ops: tuple[str, ...]                   # the k31c ops whose launchers make it
     family: str = ""                       # the kernel module whose aot_specs() lists it
     ints: tuple[tuple[str, int], ...] = ()  # integer arguments' values at these shapes
+    maxnreg: Optional[int] = None          # the launch's register cap (CUDA builds; None: none)
 
     @property
     def divisible(self) -> tuple[str, ...]:
@@ -45,14 +46,16 @@ class AotSpec(NamedTuple):
         return tuple(n for n, v in self.ints if v != 1 and v % 16 == 0)
 
 def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_warps: int = 4,
-                num_stages: Optional[int] = None, ints: Optional[dict] = None) -> AotSpec:
+                num_stages: Optional[int] = None, ints: Optional[dict] = None,
+                maxnreg: Optional[int] = None) -> AotSpec:
     """An AotSpec with the full signature: constexprs by name (a constexpr with a default, such as
     PDL, takes it unless given), pointers from `types` (a torch dtype per pointer argument: every
     `*_ptr` argument must be listed), other scalars from `types` as Triton type strings ("fp32",
     "i64"), "i32" when unlisted. `ints`: integer arguments' values at these shapes, specialized
     as the JIT specializes a launch (1 becomes a constexpr, a multiple of 16 gets the
     divisibility hint), so the build compiles what the launch would run; an integer not listed is
-    built for any value, which can be different code (no vectorized or pipelined loads)."""
+    built for any value, which can be different code (no vectorized or pipelined loads).
+    `maxnreg`: the register cap the launcher passes on CUDA (device.register_cap), if any."""
     import torch  # lazily: `k31c --help` builds this command's parser without importing torch
     names = list(kernel.arg_names)
     unknown = (set(constexprs) | set(types)) - set(names)
@@ -81,4 +84,5 @@ def kernel_spec(kernel, ops, variant: str, constexprs: dict, types: dict, num_wa
         else:
             signature[name] = types.get(name, "i32")
     return AotSpec(kernel, signature, values, num_warps, num_stages, variant,
-                   tuple([ops] if isinstance(ops, str) else ops), ints=tuple(sorted(ints.items())))
+                   tuple([ops] if isinstance(ops, str) else ops), ints=tuple(sorted(ints.items())),
+                   maxnreg=maxnreg or None)

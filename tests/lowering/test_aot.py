@@ -240,6 +240,36 @@ for pdl in (False, True):
 """
 
 
+_CAP_PROBE = """
+from k31c.lowering import aot
+from k31c.lowering.triton.indexer_tma import default_maxnreg
+specs = [s for s in aot.collect_specs("h200", families=["indexer"]) if "mxfp8" in s.variant]
+binding = []
+for s in specs:
+    c = s.constexprs
+    want = default_maxnreg(True, False, s.num_warps, c["ROWS_PAD"], c["H_PAD"])
+    assert s.maxnreg == (want or None), (s.variant, s.maxnreg, want)
+    capped = aot.build_spec(s, "h200")
+    free = aot.build_spec(s._replace(maxnreg=None), "h200")
+    assert capped.n_regs <= s.maxnreg, (s.variant, capped.n_regs)
+    binding.append(free.n_regs > s.maxnreg)           # R = 4: the cap binds (209 uncapped)
+    gfx = next(g for g in aot.collect_specs("mi350x", families=["indexer"]) if g.variant == s.variant)
+    aot.build_spec(gfx, "mi350x")                   # the HIP build takes no cap and still builds
+assert any(binding), binding
+print("checked", len(specs))
+"""
+
+
+def test_register_caps_are_built_as_launched():
+    """A launch's register cap (the MXFP8 TMA indexer's 168 at 4 warps) is part of its AOT
+    spec, so the sm_90a build is the code that runs (within the cap, which binds at R = 4); gfx950
+    builds of the same spec ignore it (HIP has no such option)."""
+    out = subprocess.run([sys.executable, "-c", _CAP_PROBE], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("checked") and out.stdout.strip() != "checked 0", out.stdout
+
+
 def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
     """With the target's `pdl`, the sm_90a build of a kernel waits for its producer and lets the
     next kernel launch (griddepcontrol) and is marked for PDL launch; without it, neither."""

@@ -97,6 +97,22 @@ def test_pdl_launch_arguments_follow_the_record_and_the_device(monkeypatch):
         device._sm90.cache_clear()
 
 
+def test_register_cap_only_where_triton_takes_one(monkeypatch):
+    """A launcher's register cap becomes Triton's maxnreg on compiled CUDA launches only: the
+    interpreter and ROCm (whose backend would refuse the keyword) get none, nor does cap 0/None."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(device, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert device.register_cap(cuda, 168) == {"maxnreg": 168}
+    assert device.register_cap(cuda, 0) == {} and device.register_cap(cuda, None) == {}
+    assert device.register_cap(torch.device("cpu"), 168) == {}
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert device.register_cap(cuda, 168) == {}
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(device, "interpreting", lambda: True)
+    assert device.register_cap(cuda, 168) == {}
+
+
 def test_kda_prefill_chunk_is_the_targets_else_the_models():
     from k31c.lowering.triton import kda_prefill as kp
     assert kp.kernel_chunk(get_target("h200"), 64) == 16

@@ -322,15 +322,16 @@ def test_prefill_doubling_inverse_blocks():
 
 
 def test_prefill_chunk_register_cap():
-    """chunk_maxnreg reaches the chunk pass's launch on a GPU only (the interpreter has no
-    register cap), and the capped launch computes the same prefill."""
+    """chunk_maxnreg reaches the chunk pass's launch where the device takes a register cap
+    (device.register_cap: not the interpreter), and the capped launch computes the same
+    prefill."""
     from k31c.lowering.targets import get_target
     from k31c.lowering.triton.kda_prefill import plan
     p = plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0, chunk_maxnreg=168)
-    assert p.chunk_launch_options(True) == dict(num_stages=p.chunk_stages, maxnreg=168)
-    assert p.chunk_launch_options(False) == dict(num_stages=p.chunk_stages)
-    assert "maxnreg" not in plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16,
-                                 -5.0).chunk_launch_options(True)
+    assert p.chunk_launch_options(torch.device("cpu")) == dict(num_stages=p.chunk_stages)
+    if torch.cuda.is_available() and not torch.version.hip:
+        assert p.chunk_launch_options(torch.device("cuda")) == dict(num_stages=p.chunk_stages,
+                                                                    maxnreg=168)
     check_prefill(H=2, K=16, lens=[21, 40], slot_ids=[-1, 1], lb=-5.0, chunk=16,
                   dtype=torch.float32, device=DEV, seed=14,
                   fn=partial(launch_kda_prefill, chunk_maxnreg=168))

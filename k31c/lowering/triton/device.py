@@ -101,6 +101,15 @@ def pdl_launch(device: torch.device) -> dict:
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
+def register_cap(device: torch.device, maxnreg: int | None) -> dict:
+    """Launch arguments capping a kernel's registers per thread at `maxnreg` (Triton's option,
+    which only its CUDA backend has: the interpreter and ROCm get none, where passing it would be
+    refused as an unknown keyword); none when maxnreg is 0 or None."""
+    if not maxnreg or device.type != "cuda" or interpreting() or torch.version.hip:
+        return {}
+    return {"maxnreg": maxnreg}
+
+
 def pair_launch(device: torch.device) -> bool:
     """Whether a launcher may launch the second kernel of a pair as a PDL dependent of the first
     (CUDA sm_90+, compiled kernels), whatever the target record's `pdl` says."""

@@ -43,7 +43,7 @@ from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton.indexer_mxfp8 import mx_dequant_keys, mx_query_tile
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
-from k31c.lowering.triton.device import pdl_launch, wait_for_producers
+from k31c.lowering.triton.device import pdl_launch, register_cap, wait_for_producers
 
 
 @triton.jit
@@ -152,11 +152,9 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
     cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
     cache_u8 = index_cache.view(torch.uint8) if mx else cache_f32   # MXFP8: the group exponents
     num_warps = _num_warps(rows_pad, h_pad, num_warps)
-    extra = {}
     if maxnreg is None:
-        maxnreg = 168 if ((mx or q_rcp and quant_q) and num_warps == 4 and rows_pad * h_pad <= 128) else 0
-    if on_gpu and maxnreg:
-        extra["maxnreg"] = maxnreg
+        maxnreg = default_maxnreg(mx, q_rcp and quant_q, num_warps, rows_pad, h_pad)
+    extra = register_cap(q.device, maxnreg)
     _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
         k_desc, cache_f32, cache_u8, index_cache.stride(0), block_table, block_table.stride(0),
@@ -165,6 +163,12 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
                       quant_q, q_rcp, dot_dtype, head_dot, num_stages, mx),
         num_warps=num_warps, **extra, **pdl_launch(q.device))
     return scores
+
+
+def default_maxnreg(mx: bool, q_rcp: bool, num_warps: int, rows_pad: int, h_pad: int) -> int:
+    """The launcher's register cap (0: none): 168 for an MXFP8 cache or q_rcp at 4 warps and at
+    most 128 query rows a tile, so 3 programs fit an SM."""
+    return 168 if (mx or q_rcp) and num_warps == 4 and rows_pad * h_pad <= 128 else 0
 
 
 def _num_warps(rows_pad: int, h_pad: int, num_warps: int | None) -> int:
@@ -191,11 +195,12 @@ def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict |
     (mx: an MXFP8 cache, 4 B of group exponents a key after the values); `ints`: the launch's
     integers (aot_spec.kernel_spec)."""
     stride = block_size * (p.d + 4 if p.fp8 else p.d + p.d // 32 if mx else p.d)
+    num_warps = _num_warps(p.rows_pad, p.h_pad, p.num_warps)
     desc = f"tensordesc<{'fp8e4nv' if p.fp8 or mx else 'bf16'}[{block_size},{p.d}]>"
     return kernel_spec(
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
                     p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages, mx),
         dict(ptrs, k_desc=desc, cache_u8_ptr=torch.uint8 if mx else ptrs["cache_f32_ptr"]),
-        num_warps=_num_warps(p.rows_pad, p.h_pad, p.num_warps),
-        ints=ints)
+        num_warps=num_warps, ints=ints,
+        maxnreg=default_maxnreg(mx, False, num_warps, p.rows_pad, p.h_pad))

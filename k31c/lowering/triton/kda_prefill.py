@@ -44,7 +44,7 @@ from k31c.graph.ops.kda import check_prefill
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
-from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
+from k31c.lowering.triton.device import pdl_launch, register_cap, target_of, wait_for_producers
 from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kda_chunk_kernel,
                                             kda_conv_kernel, pick, request_chunks)
 from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
@@ -188,12 +188,10 @@ class PrefillPlan:
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision, INV_PREC=self.inverse_precision)
 
-    def chunk_launch_options(self, on_gpu: bool) -> dict:
-        """num_stages where set; maxnreg where set and on a GPU (the interpreter has none)."""
+    def chunk_launch_options(self, device: torch.device) -> dict:
+        """num_stages where set; the register cap where set and the device takes one."""
         opts = {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
-        if on_gpu and self.chunk_maxnreg:
-            opts["maxnreg"] = self.chunk_maxnreg
-        return opts
+        return {**opts, **register_cap(device, self.chunk_maxnreg)}
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -311,7 +309,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
         kda_chunk_kernel[(n_chunks_max, H)](
             f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
             **p.chunk_constexprs(), num_warps=p.chunk_warps,
-            **p.chunk_launch_options(q.device.type == "cuda"), **pdl)
+            **p.chunk_launch_options(q.device), **pdl)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
             qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
@@ -343,7 +341,8 @@ def aot_specs(shapes) -> list:
         dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
              cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
              aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
-        num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads))
+        num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads),
+        maxnreg=p.chunk_maxnreg)
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
