@@ -335,6 +335,9 @@ def test_prefill_chunk_register_cap():
     check_prefill(H=2, K=16, lens=[21, 40], slot_ids=[-1, 1], lb=-5.0, chunk=16,
                   dtype=torch.float32, device=DEV, seed=14,
                   fn=partial(launch_kda_prefill, chunk_maxnreg=168))
+    for bad in (dict(chunk_maxnreg=16), dict(inverse_precision="tf32")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0, **bad)
 
 
 def test_prefill_stages():

@@ -241,6 +241,11 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
         raise ValueError(f"conv_rows: expected a power of two <= chunk_size {C}, got {conv_rows}")
     if norm_rows < 1 or norm_rows & (norm_rows - 1):
         raise ValueError(f"norm_rows: expected a power of two, got {norm_rows}")
+    if inverse_precision not in (None, "ieee", "tf32x3"):
+        raise ValueError(f"inverse_precision: expected 'ieee' or 'tf32x3' (fp32-accurate), got "
+                         f"{inverse_precision!r}")
+    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
+        raise ValueError(f"chunk_maxnreg: expected 32-255 registers, got {chunk_maxnreg}")
     defaults = launch_defaults(target, C)
     unknown = sorted(set(knobs) - set(defaults))
     if unknown:
