@@ -44,13 +44,11 @@ CHUNK_CONFIGS = ((2, 2), (2, 1), (2, 3), (4, 1), (4, 2))       # (warps, stages)
 # launch options by chunk size, the knobs relative to the target's defaults (sm_90a builds at 16
 # rows: the state pass over 64-column V tiles on 4 warps 236 registers, no spill, 63 KB of shared
 # memory at 4 stages; over all 128 columns on 8 warps 232, on 4 warps 216 B of spill; the chunk
-# pass on 2 warps 248 registers, on 4 warps 148, neither spills; capped on 2 warps at 200: 32 B of
-# stack, 5 programs an SM; at 168: 224 B, 6 programs; on 4 warps at 128: 8 B, 4 programs)
+# pass on 2 warps 248 registers, on 4 warps 148, neither spills)
 CHUNK_SIZE_OPTIONS = tuple(dict(chunk=c, **kw) for c, kw in (
     (64, {}), (32, {}), (16, {}), (16, dict(state_stages=2)), (16, dict(state_stages=6)),
     (16, dict(block_v=128, state_warps=8)), (16, dict(chunk_warps=4)), (16, dict(conv_warps=2)),
-    (16, dict(inverse_precision="ieee")), (16, dict(chunk_maxnreg=200)), (16, dict(chunk_maxnreg=168)),
-    (16, dict(chunk_warps=4, chunk_maxnreg=128))))
+    (16, dict(inverse_precision="ieee"))))
 CONV_CONFIGS = ((16, 4), (32, 4), (32, 8), (64, 8), (64, 16))   # (rows per program, warps)
 # the default, the defaults before pipelining (Triton's CUDA default is 3 stages), other knobs
 PASS_OPTIONS = (dict(), dict(state_stages=1, chunk_stages=3), dict(state_stages=1),

@@ -321,23 +321,13 @@ def test_prefill_doubling_inverse_blocks():
                   dtype=torch.float32, device=DEV, seed=12)
 
 
-def test_prefill_chunk_register_cap():
-    """chunk_maxnreg reaches the chunk pass's launch where the device takes a register cap
-    (device.register_cap: not the interpreter), and the capped launch computes the same
-    prefill."""
+def test_prefill_plan_names_a_bad_inverse_precision():
+    """inverse_precision takes only fp32-accurate dot precisions; another value is named."""
     from k31c.lowering.targets import get_target
     from k31c.lowering.triton.kda_prefill import plan
-    p = plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0, chunk_maxnreg=168)
-    assert p.chunk_launch_options(torch.device("cpu")) == dict(num_stages=p.chunk_stages)
-    if torch.cuda.is_available() and not torch.version.hip:
-        assert p.chunk_launch_options(torch.device("cuda")) == dict(num_stages=p.chunk_stages,
-                                                                    maxnreg=168)
-    check_prefill(H=2, K=16, lens=[21, 40], slot_ids=[-1, 1], lb=-5.0, chunk=16,
-                  dtype=torch.float32, device=DEV, seed=14,
-                  fn=partial(launch_kda_prefill, chunk_maxnreg=168))
-    for bad in (dict(chunk_maxnreg=16), dict(inverse_precision="tf32")):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0, **bad)
+    assert plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0).inverse_precision == "tf32x3"
+    with pytest.raises(ValueError, match="inverse_precision"):
+        plan(get_target("h200"), 1, 16, 128, 4, torch.bfloat16, -5.0, inverse_precision="tf32")
 
 
 def test_prefill_stages():

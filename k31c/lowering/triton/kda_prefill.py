@@ -44,7 +44,7 @@ from k31c.graph.ops.kda import check_prefill
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
-from k31c.lowering.triton.device import pdl_launch, register_cap, target_of, wait_for_producers
+from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.kda_chunk import (BC, SAFE_EXPONENT, chunk_request, kda_chunk_kernel,
                                             kda_conv_kernel, pick, request_chunks)
 from k31c.lowering.triton.kda_common import check_kda_layout, gated_rms_norm, window_rows
@@ -175,7 +175,6 @@ class PrefillPlan:
     norm_rows: int           # rows per program of the norm launch (when V is split)
     norm_warps: int
     inverse_precision: str   # input_precision of the chunk pass's fp32 block inverse
-    chunk_maxnreg: int | None = None   # register cap of the chunk pass (None: the compiler's)
 
     def conv_constexprs(self) -> dict:
         return dict(C=self.C, RB=self.conv_rows, K=self.K, W=self.W,
@@ -188,10 +187,8 @@ class PrefillPlan:
                     SAFE_DIAG=lb is not None and -lb * (BC // 2) <= SAFE_EXPONENT,
                     PREC=self.precision, INV_PREC=self.inverse_precision)
 
-    def chunk_launch_options(self, device: torch.device) -> dict:
-        """num_stages where set; the register cap where set and the device takes one."""
-        opts = {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
-        return {**opts, **register_cap(device, self.chunk_maxnreg)}
+    def chunk_stage_option(self) -> dict:
+        return {} if self.chunk_stages is None else dict(num_stages=self.chunk_stages)
 
     def state_constexprs(self) -> dict:
         return dict(C=self.C, BC=BC, K=self.K, BV=self.block_v, W=self.W,
@@ -226,14 +223,13 @@ def kernel_chunk(target: Target, chunk_size: int) -> int:
 def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.dtype,
          lower_bound: float | None, chunk_warps: int = 2, conv_warps: int = 4,
          conv_rows: int = BC, norm_rows: int = 16, norm_warps: int = 4,
-         inverse_precision: str | None = None, chunk_maxnreg: int | None = None,
-         **knobs) -> PrefillPlan:
+         inverse_precision: str | None = None, **knobs) -> PrefillPlan:
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
     target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32
-    inputs); `chunk_maxnreg`: a register cap for the chunk pass (more programs an SM, some
-    spill). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps (4.37
-    ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
+    inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps (4.37
+    ms vs 4.72 on 4, and uncapped: register caps of 200 and 168 did not beat it), the conv pass
+    on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
@@ -244,8 +240,6 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     if inverse_precision not in (None, "ieee", "tf32x3"):
         raise ValueError(f"inverse_precision: expected 'ieee' or 'tf32x3' (fp32-accurate), got "
                          f"{inverse_precision!r}")
-    if chunk_maxnreg is not None and not 32 <= chunk_maxnreg <= 255:
-        raise ValueError(f"chunk_maxnreg: expected 32-255 registers, got {chunk_maxnreg}")
     defaults = launch_defaults(target, C)
     unknown = sorted(set(knobs) - set(defaults))
     if unknown:
@@ -260,8 +254,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
                        kn["state_warps"], kn["state_stages"], conv_warps, conv_rows,
                        kn["chunk_stages"], norm_rows, norm_warps,
                        inverse_precision or ("ieee" if scratch == torch.float32
-                                             else target.exact_dot_precision),
-                       chunk_maxnreg)
+                                             else target.exact_dot_precision))
 
 
 @register("k31c::kda_prefill", GPU_TARGETS)
@@ -313,8 +306,7 @@ def launch_kda_prefill(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_no
     if n_chunks_max > 0 and "c" in stages:
         kda_chunk_kernel[(n_chunks_max, H)](
             f, beta, A_log, dt_bias, slots, cu_seqlens, qg, kg, w, u, aqk, ge, B, H, lb,
-            **p.chunk_constexprs(), num_warps=p.chunk_warps,
-            **p.chunk_launch_options(q.device), **pdl)
+            **p.chunk_constexprs(), num_warps=p.chunk_warps, **p.chunk_stage_option(), **pdl)
     if "s" in stages:
         _kda_state_kernel[(B, H, K // BV)](
             qg, kg, w, u, aqk, ge, q, k, v, gate, o_norm_weight, out,
@@ -346,8 +338,7 @@ def aot_specs(shapes) -> list:
         dict(f_ptr=dt, beta_ptr=dt, a_log_ptr=f32, dt_bias_ptr=f32, slots_ptr=torch.int64,
              cu_ptr=torch.int32, qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch,
              aqk_ptr=scratch, ge_ptr=f32, lower_bound="fp32"),
-        num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads),
-        maxnreg=p.chunk_maxnreg)
+        num_warps=p.chunk_warps, num_stages=p.chunk_stages, ints=dict(B=B, H=cfg.kda_num_heads))
     state = kernel_spec(
         _kda_state_kernel, "k31c::kda_prefill", f"B={B},BV={p.block_v}", p.state_constexprs(),
         dict(qg_ptr=scratch, kg_ptr=scratch, w_ptr=scratch, u_ptr=scratch, aqk_ptr=scratch, ge_ptr=f32,
