@@ -162,7 +162,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us; "
                      "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
-        notes.append(prep_heads_note(run))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
@@ -202,23 +201,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     return out
 
 
-# (heads per prep program, prep warps; None: the default): fewer, wider prep programs leave a
-# paired state pass room on the SMs
-PREP_HEADS = ((1, None), (4, 2), (8, 4))
-
-
-def prep_heads_note(run) -> str:
-    """The step with each PREP_HEADS prep, the state pass paired and plain, and that prep alone."""
-    parts = []
-    for hb, w in PREP_HEADS:
-        kn = dict(prep_heads=hb, prep_warps=w)
-        t = [graph_ms(lambda f=f: run(state_first=f, **kn)) for f in (True, False)]
-        alone = graph_ms(lambda: run(stages="p", state_first=False, **kn))
-        parts.append(f"{hb},{w or 'default'}: paired {t[0] * 1e3:.1f}us plain {t[1] * 1e3:.1f}us "
-                     f"prep alone {alone * 1e3:.1f}us")
-    return "prep (heads, warps) " + "; ".join(parts)
-
-
 def small_batch_rows(m: Machine, batches=(1, 4),
                      configs=((32, 4), (64, 4), (128, 4), (16, 2)),
                      slots_in_pool: int = 16) -> list[Row]:
@@ -237,9 +219,9 @@ def small_batch_rows(m: Machine, batches=(1, 4),
 
         turn = itertools.count()
 
-        def run(cfg, state_first=None, **knobs):
+        def run(cfg, state_first=None):
             return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None,
-                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first, **knobs)
+                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
@@ -248,8 +230,7 @@ def small_batch_rows(m: Machine, batches=(1, 4),
                        bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
-                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us; "
-                       + prep_heads_note(lambda **kn: run(decode_tile(1, K), **kn))))
+                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"))
     return out
 
 

@@ -165,23 +165,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-@pytest.mark.parametrize("rows,snaps,lb", [(1, False, -5.0), (3, True, None)])
-def test_decode_prep_of_several_heads(rows, snaps, lb):
-    """A prep program over 2 or 4 heads (per-head norms and beta inside a wider channel tile)."""
-    for heads, seed in ((2, 41), (4, 42)):
-        check_decode(H=4, K=16, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32,
-                     device=DEV, seed=seed + rows, num_slots=5,
-                     fn=partial(launch_kda_decode, block_v=8, prep_heads=heads))
-
-
-def test_decode_plan_names_bad_prep_heads():
-    from k31c.lowering.triton.kda_decode import plan
-    assert plan(1, 128, 4, prep_heads=8, H=96).prep_heads == 8
-    for bad in (3, 64, 0):
-        with pytest.raises(ValueError, match="prep_heads"):
-            plan(1, 128, 4, prep_heads=bad, H=96)
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
@@ -241,15 +224,6 @@ def test_decode_state_first_is_the_plain_launch_cuda(rows, snaps):
         if a is not None:
             assert torch.equal(a, b), name
             close(name, a, w, torch.bfloat16)
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("rows,snaps,heads", [(1, False, 8), (4, True, 4)])
-def test_decode_prep_of_several_heads_k3_shapes_cuda(rows, snaps, heads):
-    """Wide prep programs, the state pass paired after them, at K3 widths (bench_kda times them)."""
-    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=50 + rows, num_slots=20,
-                 fn=partial(launch_kda_decode, prep_heads=heads, state_first=True))
 
 
 def test_decode_rejects_bad_layout():

@@ -46,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    prep_heads: int = 1         # heads per prep program
 
     @property
     def fuse_norm(self) -> bool:
@@ -66,8 +65,7 @@ class DecodePlan:
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
-                    HAS_SNAP=has_snap, HB=self.prep_heads,
-                    **({"DEPENDENT": True} if self.state_first else {}))
+                    HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -94,16 +92,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, prep_heads: int = 1, H: int | None = None) -> DecodePlan:
+         unroll_rows: bool = True) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given (the launcher decides `state_first`: `DecodePlan.pairs`). prep_heads: heads per
-    prep program, a power of two dividing H (checked when H is given)."""
+    as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    if prep_heads < 1 or prep_heads & (prep_heads - 1) or (H is not None and H % prep_heads):
-        raise ValueError(f"prep_heads: expected a power of two dividing the {H} heads, got "
-                         f"{prep_heads}")
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, prep_heads=prep_heads)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -138,20 +132,20 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, prep_heads: int = 1) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). prep_heads: heads per prep program."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, prep_heads, H)
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
@@ -174,7 +168,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
-        kda_decode_prep_kernel[(B, H // p.prep_heads)](
+        kda_decode_prep_kernel[(B, H)](
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
             H, lb, K ** -0.5,

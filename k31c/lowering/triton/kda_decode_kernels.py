@@ -43,34 +43,24 @@ from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_n
 
 
 @triton.jit
-def _head_l2_norm(x, RB: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, scale):
-    """x [RB, HB*K] (HB heads side by side) with each head's K values L2-normalised, x scale."""
-    x3 = tl.reshape(x, (RB, HB, K))
-    x3 = x3 * (tl.rsqrt(tl.sum(x3 * x3, axis=2) + L2_EPS) * scale)[:, :, None]
-    return tl.reshape(x3, (RB, HB * K))
-
-
-@triton.jit
 def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, conv_row,
-               h0, H, row0_64, tok0, rr, rv, ch, live, lower_bound, scale,
-               RB: tl.constexpr, HB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
-               HAS_LOWER_BOUND: tl.constexpr):
-    """A request's R rows of heads h0..h0+HB (channels ch), [RB, HB*K] fp32: conv + SiLU over the
-    cached window, q/k L2 norms per head (q pre-scaled), v, decay exp(g); sigmoid(beta) [RB, HB]."""
+               h, H, row0_64, tok0, rr, rv, ch, live, lower_bound, scale,
+               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+    """A request's R rows of one head, [RB, K] fp32: conv + SiLU over the cached window, q/k L2
+    norms (q pre-scaled), v, decay exp(g); and sigmoid(beta) [RB]."""
     P = H * K
     q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W)
     k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W)
     v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W)
-    q = _head_l2_norm(q, RB, HB, K, scale)
-    k = _head_l2_norm(k, RB, HB, K, 1.0)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
     f = tl.load(f_ptr + row0_64 * P + (rr[:, None] * P + ch[None, :]), mask=rv[:, None],
                 other=0.0).to(tl.float32)
-    a = tl.exp(tl.load(a_log_ptr + ch // K).to(tl.float32))           # per channel: its head's
+    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-    decay = tl.exp(kda_gate_math(f, dt_bias[None, :], a[None, :], lower_bound, HAS_LOWER_BOUND))
-    hh = h0 + tl.arange(0, HB)
-    beta = tl.sigmoid(tl.load(beta_ptr + row0_64 * H + (rr[:, None] * H + hh[None, :]),
-                              mask=rv[:, None], other=0.0).to(tl.float32))
+    decay = tl.exp(kda_gate_math(f, dt_bias[None, :], a, lower_bound, HAS_LOWER_BOUND))
+    beta = tl.sigmoid(tl.load(beta_ptr + row0_64 * H + (rr * H + h), mask=rv,
+                              other=0.0).to(tl.float32))
     return q, k, v, decay, beta
 
 
@@ -80,35 +70,32 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
                            ds_ptr, bs_ptr, H, lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                            WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                           HAS_SNAP: tl.constexpr, HB: tl.constexpr = 1, PDL: tl.constexpr = False,
+                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False,
                            DEPENDENT: tl.constexpr = False):
-    """One program per (request, HB heads): HB > 1 makes fewer, wider programs (each channel's
-    work is independent; only the L2 norms and beta are per head)."""
     wait_for_producers(PDL)
     let_dependent_start(PDL, DEPENDENT)      # the state pass may load its state meanwhile
     b = tl.program_id(0)
-    h0 = tl.program_id(1) * HB
+    h = tl.program_id(1)
     P = H * K
     slot = tl.load(slots_ptr + b)
     live = slot >= 0
     slot = tl.maximum(slot, 0)
-    ch = h0 * K + tl.arange(0, HB * K)
+    ch = h * K + tl.arange(0, K)
     conv_row = conv_ptr + slot * (W - 1) * 3 * P
     rr = tl.arange(0, RB)
     rv = rr < ROWS
     row0_64 = (b * ROWS).to(tl.int64)
     tok0 = b * ROWS - (W - 1)                                          # token of position 0
     q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                      dt_bias_ptr, conv_row, h0, H, row0_64, tok0, rr, rv, ch,
-                                      live, lower_bound, scale, RB, HB, K, W, HAS_LOWER_BOUND)
+                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
+                                      lower_bound, scale, K, W, HAS_LOWER_BOUND)
     base = row0_64 * P + (rr[:, None] * P + ch[None, :])
     m2 = rv[:, None]
     tl.store(qs_ptr + base, q, mask=m2)
     tl.store(ks_ptr + base, k, mask=m2)
     tl.store(vs_ptr + base, v, mask=m2)
     tl.store(ds_ptr + base, decay, mask=m2)
-    hh = h0 + tl.arange(0, HB)
-    tl.store(bs_ptr + row0_64 * H + (rr[:, None] * H + hh[None, :]), beta, mask=m2)
+    tl.store(bs_ptr + row0_64 * H + (rr * H + h), beta, mask=rv)
     update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
                    P, HAS_SNAP, ROWS, W, WB)
 
