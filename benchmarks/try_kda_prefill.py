@@ -16,13 +16,16 @@ heads x 128, chunk 64, bf16. Modes:
                    must be importable)
   builds           the sm_90a builds of the conv, state and chunk configurations above:
                    registers, spill, shared memory (no GPU needed)
+  rounds [N]       the default against ROUND_OPTIONS, interleaved over N rounds (default 8):
+                   each option's time every round and the median (options whose gap is within
+                   one run's noise)
   once [STAGES]    two default launches running STAGES (default vcsn) and nothing else, for a
                    profiler: ncu -k regex:_kda_state_kernel -c 1 -s 1 ... try_kda_prefill.py once vcs
 
 Every option run on the GPU is checked against the default launch's output (max difference over
 the output's largest magnitude, printed). Times are medians of 10 calls (CUDA events).
 
-    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|default|state|chunk|chunks|profile|builds|once
+    PYTHONPATH=. python benchmarks/try_kda_prefill.py passes|default|state|chunk|chunks|rounds|profile|builds|once
 """
 from __future__ import annotations
 
@@ -198,6 +201,26 @@ def builds() -> None:
         build(f"chunk warps {w} stages {st}", chunk_spec._replace(num_warps=w, num_stages=st))
 
 
+# options near the default whose order changed from run to run (BENCHMARKS.md, KDA, session 10)
+ROUND_OPTIONS = (dict(), dict(state_stages=5), dict(state_stages=6), dict(state_stages=3))
+
+
+def rounds(n: int) -> None:
+    import statistics
+    _, _, run = _inputs()
+    ref = run(fresh=True).float()
+    for kw in ROUND_OPTIONS[1:]:
+        print(f"{kw}: max diff vs default {_rel(run(fresh=True, **kw).float(), ref):.1e}", flush=True)
+    times = {i: [] for i in range(len(ROUND_OPTIONS))}
+    for r in range(n):
+        order = range(len(ROUND_OPTIONS)) if r % 2 == 0 else reversed(range(len(ROUND_OPTIONS)))
+        for i in order:
+            times[i].append(_time(lambda: run(**ROUND_OPTIONS[i])))
+    for i, kw in enumerate(ROUND_OPTIONS):
+        print(f"{kw or 'default'}: median {statistics.median(times[i]):.3f} ms over {n} rounds: "
+              + " ".join(f"{t:.3f}" for t in times[i]), flush=True)
+
+
 def once(stages: str) -> None:
     _, _, run = _inputs()
     for _ in range(2):
@@ -210,6 +233,7 @@ if __name__ == "__main__":
     label = sys.argv[2] if len(sys.argv) > 2 else "tree"
     modes = {"passes": lambda: passes(label), "default": lambda: default(label), "state": state,
              "chunk": chunk, "chunks": lambda: chunks(label if len(sys.argv) > 2 else ""), "profile": profile, "builds": builds,
+             "rounds": lambda: rounds(int(sys.argv[2]) if len(sys.argv) > 2 else 8),
              "once": lambda: once(sys.argv[2] if len(sys.argv) > 2 else "vcsn")}
     if mode not in modes:
         sys.exit(f"usage: try_kda_prefill.py {'|'.join(modes)}")
