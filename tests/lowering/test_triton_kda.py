@@ -165,16 +165,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-def test_decode_state_register_cap():
-    """state_maxnreg: the same decode (a cap reaches only compiled CUDA launches, where it changes
-    the spill, not the math); a cap outside 32-255 is named."""
-    check_decode(H=2, K=32, B=3, rows=2, lb=-5.0, snaps=True, dtype=torch.float32, device=DEV,
-                 seed=44, num_slots=5, fn=partial(launch_kda_decode, block_v=8, state_maxnreg=168))
-    with pytest.raises(ValueError, match="state_maxnreg"):
-        check_decode(H=2, K=32, B=3, rows=2, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=44, fn=partial(launch_kda_decode, state_maxnreg=16))
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))

@@ -14,7 +14,7 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import pair_launch, pdl_launch, register_cap, sm_count
+from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
@@ -46,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    state_maxnreg: int | None = None   # register cap of the state pass (None: the compiler's)
 
     @property
     def fuse_norm(self) -> bool:
@@ -133,28 +132,24 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None,
-                      state_maxnreg: int | None = None) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). state_maxnreg: a register cap for the state
-    pass (more programs an SM, some spill; CUDA launches only)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
     p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
-    if state_maxnreg is not None and not 32 <= state_maxnreg <= 255:
-        raise ValueError(f"state_maxnreg: expected 32-255 registers, got {state_maxnreg}")
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
-    p = dataclasses.replace(p, state_first=state_first and paired, state_maxnreg=state_maxnreg)
+    p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -186,8 +181,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
             **{**pdl, **p.state_constexprs(has_snap),
-               **({"launch_pdl": True} if p.state_first else {}),
-               **register_cap(dev, p.state_maxnreg)}, num_warps=p.num_warps)
+               **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
     if "n" in stages and not p.fuse_norm:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
