@@ -2,12 +2,13 @@
 
 Decode: B = 16 requests x R = 1 or 4 rows, 96 heads x 128, bf16 activations and conv window, fp32
 state. k31c's `kda_decode` (prep, state pass, norm; the k31c column is the registered default
-tile, a few other (BV, warps) tiles in the note) against, in the same run: fla's `fused_recurrent_kda` alone
-(gate, beta sigmoid and q/k L2 norm in its kernel; inputs already convolved), fla's chain (its
-causal conv + fused_recurrent_kda + FusedRMSNormGated), the eager reference op and torch.compile
-of the reference math. Everything but the eager reference is timed as CUDA-graph replays (fla's
-Python wrappers cost ~100 us per eager call). Floor: every byte the layer must move (fp32 state
-read + written dominates: 6 MiB per request) over the copy bandwidth measured in the run.
+tile, a few other (BV, warps) tiles in the note) against, in the same run: fla's
+`fused_recurrent_kda` alone (gate, beta sigmoid and q/k L2 norm in its kernel; inputs already
+convolved), fla's chain (its causal conv + fused_recurrent_kda + FusedRMSNormGated), the eager
+reference op and torch.compile of the reference math. Everything but the eager reference is
+timed as CUDA-graph replays (fla's Python wrappers cost ~100 us per eager call). Floor: every
+byte the layer must move (fp32 state read + written dominates: 6 MiB per request) over the copy
+bandwidth measured in the run.
 
 Prefill: one request of T = 8192 tokens from a live state, against fla's `chunk_kda` (and its
 conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale). The k31c
@@ -190,7 +191,8 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         default = sweep.get(decode_tile(R, K)) or graph_ms(lambda: run())
         fla = peers.get("fla recurrent")
         if fla:
-            notes.append(f"fla/k31c {fla / default:.2f}x at the default tile, {fla / sweep[best]:.2f}x at the best")
+            notes.append(f"fla/k31c {fla / default:.2f}x at the default tile, "
+                         f"{fla / sweep[best]:.2f}x at the best")
         out.append(Row("kda_decode", shape, default, floor, "bytes", peers,
                        f"k31c at the default (BV,warps) {decode_tile(R, K)}; best {best}; "
                        + "; ".join(notes)))
