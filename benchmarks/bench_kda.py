@@ -136,7 +136,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     no norm launch), the default tile reported and the best named; R > 1 also with per-row
     snapshots, at the launcher's default tile."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
-    from k31c.lowering.triton.kda_decode_stream import launch_kda_decode_stream
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
     lay = layer(B, gen)
@@ -165,9 +164,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us; "
                      "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
-        if R == 1:
-            notes.append(stream_note(lambda **kn: launch_kda_decode_stream(
-                *args(tok, lay), slots, 1, LB, EPS, None, None, **kn)))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)
         except Exception as e:  # noqa: BLE001  (a missing/failed peer is reported, not hidden)
@@ -209,28 +205,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     return out
 
 
-# the one-launch streaming form at R = 1 (kda_decode_stream.py): (key rows a block, pipeline
-# stages of pass 1, of pass 2, warps); sm_90a: 16/3/3/4 123 registers, 18.5 KB of shared memory
-# (4 programs an SM), 16/3/1/4 102 (5), 16/2/2/4 110, 32/3/3/4 222, 16/3/3/8 127, 32/2/2/8 126;
-# the last: pass 1's sums by FMA (no tl.dot, so no shared-memory staging of its loads)
-STREAM_CONFIGS = ((16, 3, 3, 4), (16, 3, 1, 4), (16, 2, 2, 4), (32, 3, 3, 4), (16, 3, 3, 8),
-                  (32, 2, 2, 8), (16, 3, 3, 4, False))
-
-
-def stream_note(launch) -> str:
-    """The streaming form's step at each STREAM_CONFIGS (launch takes its keywords)."""
-    times = []
-    for kb, st, st2, nw, *dot in STREAM_CONFIGS:
-        label = f"{kb},{st},{st2},{nw}" + (",fma" if dot else "")
-        try:
-            t = graph_ms(lambda: launch(key_block=kb, stages=st, stages_2=st2, num_warps=nw,
-                                        dot=not dot))
-            times.append(f"{label}:{t * 1e3:.1f}us")
-        except Exception as e:  # noqa: BLE001  (out of resources: reported, the rest still timed)
-            times.append(f"{label}: {type(e).__name__}")
-    return "stream form (KB,stages,stages 2,warps) " + " ".join(times)
-
-
 def small_batch_rows(m: Machine, batches=(1, 4),
                      configs=((32, 4), (64, 4), (128, 4), (16, 2)),
                      slots_in_pool: int = 16) -> list[Row]:
@@ -239,7 +213,6 @@ def small_batch_rows(m: Machine, batches=(1, 4),
     `slots_in_pool` requests (6 MiB each, 96 MiB in all: past the L2, as in a decode step where
     the weights stream between two layers' states)."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
-    from k31c.lowering.triton.kda_decode_stream import launch_kda_decode_stream
     gen = torch.Generator().manual_seed(1)
     lay = layer(slots_in_pool, gen)
     out = []
@@ -261,9 +234,7 @@ def small_batch_rows(m: Machine, batches=(1, 4),
                        bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
-                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us; "
-                       + stream_note(lambda **kn: launch_kda_decode_stream(
-                           *args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None, **kn))))
+                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"))
     return out
 
 

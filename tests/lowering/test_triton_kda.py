@@ -376,32 +376,3 @@ def test_decode_rejects_strided_slots():
     slots = torch.arange(6, device=DEV)[::2]                    # 3 requests, stride 2
     with pytest.raises(ValueError, match="slots"):
         run_decode(kda_decode, tok, params, conv, state, slots, 1, -5.0, False)
-
-
-# the one-launch streaming form (kda_decode_stream.py; a variant to measure, not registered)
-@pytest.mark.parametrize("K,lb,dtype,dot", [(32, -5.0, torch.float32, True),
-                                            (64, None, torch.float32, True),
-                                            (32, -5.0, torch.bfloat16, True),
-                                            (32, None, torch.float32, False)])
-def test_decode_stream_form(K, lb, dtype, dot):
-    from k31c.lowering.triton.kda_decode_stream import launch_kda_decode_stream
-    check_decode(H=3, K=K, B=3, rows=1, lb=lb, snaps=False, dtype=dtype, device=DEV, seed=60 + K,
-                 num_slots=5, fn=partial(launch_kda_decode_stream, dot=dot))
-
-
-def test_decode_stream_form_refuses_what_it_does_not_do():
-    from k31c.lowering.triton.kda_decode_stream import launch_kda_decode_stream
-    with pytest.raises(ValueError, match="one row per request"):
-        check_decode(H=2, K=16, B=2, rows=2, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=0, fn=launch_kda_decode_stream)
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("key_block,stages,num_warps,dot", [(16, 3, 4, True), (32, 2, 8, True),
-                                                           (16, 3, 4, False)])
-def test_decode_stream_form_k3_shapes_cuda(key_block, stages, num_warps, dot):
-    from k31c.lowering.triton.kda_decode_stream import launch_kda_decode_stream
-    check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16,
-                 device="cuda", seed=61, num_slots=20,
-                 fn=partial(launch_kda_decode_stream, key_block=key_block, stages=stages,
-                            num_warps=num_warps, dot=dot))
