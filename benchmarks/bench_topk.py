@@ -17,7 +17,8 @@ selected sets equal the reference op's.
     PYTHONPATH=. python benchmarks/bench_topk.py [--quick]
 
 --quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
-then each kernel's device time from the profiler.
+then each kernel's device time from the profiler. Besides randn scores ("random"), each run
+times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
 
@@ -45,11 +46,16 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
     gen = torch.Generator(device="cuda").manual_seed(0)
     # 64 rows (B = 16 x R = 4) at every context; decode steps' 1 and 16 rows at 32K
     cases = ([(ctx, "random", N) for ctx in contexts] + [(contexts[-1], "relu-zeros", N)]
+             + [(ctx, "indexer-like", N) for ctx in contexts if ctx >= 128 << 10]
              + [(32 << 10, "random", n) for n in (1, 16)])
     for ctx, kind, n_rows in cases:
         scores = torch.randn(n_rows, ctx, device="cuda", generator=gen)
         if kind == "relu-zeros":      # ~1,000 positives per row, the rest exact 0: ties at the k-th
             scores = scores.relu() * (torch.rand(n_rows, ctx, device="cuda", generator=gen) < 1e-3)
+        elif kind == "indexer-like":  # the spread of the layer's indexer scores (mean ~0.05, sd
+            # ~0.1): the top few thousand share their sign and high exponent bits, where randn's
+            # cross the 2.0 and 4.0 exponent boundaries (the select's cost depends on the bits)
+            scores = 0.05 + 0.1 * scores
         row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
         ref = torch.ops.k31c.topk_select(scores, row_len, K)
         got = topk.topk_select(scores, row_len, K)
