@@ -294,8 +294,7 @@ def prefill_rows(m: Machine, torch_peers: bool = True, configs=PREFILL_CONFIGS) 
         return launch_kda_prefill(*args(tok, layer), slots, cu, LB, EPS, chunk or size, **c, **more)
     sweep = [time_ms(lambda: launch(c), reps=10) for c in configs]
     best = min(range(len(configs)), key=sweep.__getitem__)
-    # the registered default again, now that every config has run (the first timing of a run
-    # came out slow against interleaved rounds); it is the k31c time reported
+    # the registered default again on the now-warm machine: the k31c time reported
     default_ms = time_ms(lambda: launch(configs[0]), reps=10)
     peers, notes = {}, ["(chunk size, chunk warps, state warps, BV, state stages) " + " ".join(
         f"{_label(c)}:{t:.3f}" for c, t in zip(configs, sweep))]

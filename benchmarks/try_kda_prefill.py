@@ -30,6 +30,7 @@ the output's largest magnitude, printed). Times are medians of 10 calls (CUDA ev
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch
@@ -201,12 +202,11 @@ def builds() -> None:
         build(f"chunk warps {w} stages {st}", chunk_spec._replace(num_warps=w, num_stages=st))
 
 
-# options near the default whose order changed from run to run (BENCHMARKS.md, KDA, session 10)
+# options whose gap to the default is within one sweep's noise (BENCHMARKS.md, KDA)
 ROUND_OPTIONS = (dict(), dict(state_stages=5), dict(state_stages=6), dict(state_stages=3))
 
 
 def rounds(n: int) -> None:
-    import statistics
     _, _, run = _inputs()
     ref = run(fresh=True).float()
     for kw in ROUND_OPTIONS[1:]:
@@ -232,7 +232,8 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else ""
     label = sys.argv[2] if len(sys.argv) > 2 else "tree"
     modes = {"passes": lambda: passes(label), "default": lambda: default(label), "state": state,
-             "chunk": chunk, "chunks": lambda: chunks(label if len(sys.argv) > 2 else ""), "profile": profile, "builds": builds,
+             "chunk": chunk, "chunks": lambda: chunks(label if len(sys.argv) > 2 else ""),
+             "profile": profile, "builds": builds,
              "rounds": lambda: rounds(int(sys.argv[2]) if len(sys.argv) > 2 else 8),
              "once": lambda: once(sys.argv[2] if len(sys.argv) > 2 else "vcsn")}
     if mode not in modes:

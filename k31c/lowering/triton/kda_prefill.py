@@ -228,8 +228,7 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
     target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32
     inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps (4.37
-    ms vs 4.72 on 4, and uncapped: register caps of 200 and 168 did not beat it), the conv pass
-    on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
+    ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
