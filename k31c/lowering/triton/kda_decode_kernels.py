@@ -158,7 +158,9 @@ def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
     offs_v = vt * BV + tl.arange(0, BV)
     kv = offs[:, None] * K + offs_v[None, :]
     state_head = state_ptr + (slot * H + h) * K * K
-    S = tl.load(state_head + kv, mask=live, other=0.0)
+    # read once and written once a step: first out of L2 (the rows' vectors, read by every V
+    # tile of a head, stay)
+    S = tl.load(state_head + kv, mask=live, other=0.0, eviction_policy="evict_first")
     return b, h, slot, live, offs, offs_v, kv, state_head, S
 
 
@@ -187,7 +189,7 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
             S = _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
-    tl.store(state_head + kv, S, mask=live)
+    tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
 
 
 @triton.jit
