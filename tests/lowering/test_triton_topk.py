@@ -84,6 +84,27 @@ def test_topk_tie_heavy_rows(path, monkeypatch, topk_paths):
     assert topk_paths() == (["ties"] * 4 + ["sampled", "ties"] if path == "sampled" else ["fallback"] * 6)
 
 
+def test_topk_ties_in_a_chunks_last_partial_run(topk_paths):
+    """The filter reads whole runs of 4 positions and the partial run at a chunk's end apart: a
+    row whose ties at the threshold are just enough, two of them in that partial run, must take
+    the tie scan (a lost tail tie would send it to the whole-row select)."""
+    gen = torch.Generator().manual_seed(3)
+    k, width, n = 16, 1300, 1234          # chunks of 512: the last one's partial run is [1232, 1234)
+    row = -1.0 - torch.rand(width, generator=gen)
+    runs = topk.SAMPLES // topk.RUN
+    sampled = [r * n // runs for r in range(runs)]               # first positions of the sampled runs
+    # the sample's 3rd key (its rank for 40 expected candidates) among 5 equal ones: T = key(1.0)
+    row[sampled[:5]] = 1.0
+    row[[1232, 1233]] = 1.0       # 7 ties in all
+    above = torch.tensor([30, 60, 90, 120, 200, 250, 350, 400, 500, 550])
+    row[above] = 5.0 + torch.arange(10.0)                        # 10 keys above T: need 6 ties
+    assert all(not (s <= p < s + topk.RUN) for p in above.tolist() + [1232, 1233] for s in sampled)
+    scores = row[None].to(DEVICE)
+    row_len = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    _check_topk(scores, row_len, k)
+    assert topk_paths() == ["ties"]
+
+
 def test_topk_sample_misjudged(topk_paths):
     """Large scores only where the sample never looks (too many candidates) or only where it does
     (too few): both rows must still come out exact."""

@@ -105,9 +105,15 @@ def register_cap(device: torch.device, maxnreg: int | None) -> dict:
     """Launch arguments capping a kernel's registers per thread at `maxnreg` (Triton's option,
     which only its CUDA backend has: the interpreter and ROCm get none, where passing it would be
     refused as an unknown keyword); none when maxnreg is 0 or None."""
-    if not maxnreg or device.type != "cuda" or interpreting() or torch.version.hip:
+    if not maxnreg or not inline_ptx(device):
         return {}
     return {"maxnreg": maxnreg}
+
+
+def inline_ptx(device: torch.device) -> bool:
+    """Whether launches on `device` are compiled by Triton's CUDA backend (not the interpreter,
+    not ROCm): what inline PTX and CUDA-only launch options need."""
+    return device.type == "cuda" and not interpreting() and not torch.version.hip
 
 
 def pair_launch(device: torch.device) -> bool:

@@ -12,7 +12,8 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
    into registers and take as T the sample key ranked TARGET*samples/n (25 bits of it), so about
    TARGET = 2.5k keys of the row lie above T.
 2. filter, several programs per row: one pass appends each (key, position) with key > T to the
-   row's candidate buffer (atomic counter) and counts the keys == T of its chunk.
+   row's candidate buffer (an atomic counter per tile, offsets by a scan within runs of 4
+   positions and one over the runs) and counts the keys == T of its chunk.
 3. refine, one program per row, with G keys > T buffered and E keys == T in the row:
    - k <= G <= cap: exact top-k of the buffer, held in registers (radix select on the key, then
      on the position among the keys tied at the k-th);
@@ -39,7 +40,7 @@ from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.radix_select import (order_key, sample_position, select_from_row, select_kth,
                                                take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
-from k31c.lowering.triton.device import pdl_launch, wait_for_producers
+from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 
 CAP = 8192             # candidate buffer per row (at least 4k; ~2.5k expected, +5 sd at 80 samples above T)
 TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
@@ -54,20 +55,7 @@ ST_CNT = tl.constexpr(0)      # candidates appended
 ST_THRESH = tl.constexpr(1)   # filter threshold key (uint32 bits)
 ST_MODE = tl.constexpr(2)     # 0: select; 1: written by plan (row_len <= k); 2: refine selected from the row
 ST_WORDS = tl.constexpr(ROW_STATE)
-
-
-@triton.jit
-def append_candidates(st_rows, ckey_rows, cpos_rows, key, pos, sel, cap):
-    """Append the selected (key, position) of a [R, T] tile to each row's candidate buffer."""
-    seli = sel.to(tl.int32)
-    nsel = tl.sum(seli, 1)
-    if tl.sum(nsel, 0) > 0:
-        # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
-        base = tl.atomic_add(st_rows + ST_CNT, nsel, mask=nsel > 0, sem="relaxed")
-        idx = base[:, None] + tl.cumsum(seli, 1) - seli
-        ok = sel & (idx < cap)
-        tl.store(ckey_rows[:, None] + idx, key.to(tl.int32, bitcast=True), mask=ok)
-        tl.store(cpos_rows[:, None] + idx, pos + tl.zeros_like(idx), mask=ok)
+RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of fp32 scores
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -98,31 +86,75 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 
 @triton.jit
+def store_where(ptr, val, mask, PTX: tl.constexpr):
+    """Store int32 `val` at `ptr` where `mask`. PTX: as an inline st.global, an elementwise op, so
+    the operands keep their register layout (Triton lays a tl.store whose addresses are data out
+    one element a thread, which costs a trip through shared memory per operand)."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX: tl.constexpr):
+    """Append the selected (key, position) of a [runs, RUN_KEYS] tile to the row's candidate
+    buffer: the offsets are a scan inside each run (a thread's registers) plus a scan over the
+    run totals, not one scan over the tile (which Triton spreads over every lane, one strand of
+    shuffles per register)."""
+    seli = sel.to(tl.int32)
+    run_total = tl.sum(seli, 1)
+    total = tl.sum(run_total, 0)
+    if total > 0:
+        # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
+        base = tl.atomic_add(st + ST_CNT, total, sem="relaxed")
+        idx = base + (tl.cumsum(run_total, 0) - run_total)[:, None] + tl.cumsum(seli, 1) - seli
+        ok = sel & (idx < cap)
+        store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
+        store_where(cpos_row + idx, pos, ok, PTX)
+
+
+@triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False):
-    """One pass over a chunk of a row: append keys > threshold, count keys == threshold."""
+                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+    """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
+    tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
+    so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
+    if any, comes after the loop."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
-    rows = row + tl.zeros([1], tl.int32)
-    st_rows = state_ptr + rows * ST_WORDS
-    if tl.load(state_ptr + row * ST_WORDS + ST_MODE) == 0:
+    st = state_ptr + row * ST_WORDS
+    if tl.load(st + ST_MODE) == 0:
         n = tl.load(row_len_ptr + row)
-        thresh = tl.load(st_rows + ST_THRESH).to(tl.uint32, bitcast=True)
+        thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
         lo = tl.program_id(1) * chunk
-        hi = tl.minimum(lo + chunk, n)
+        hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
         src_row = src_ptr + row.to(tl.int64) * src_stride
-        ties = tl.zeros([1, TILE], tl.int32)
-        nxt = tl.load(src_row + lo + tl.arange(0, TILE), mask=lo + tl.arange(0, TILE) < hi, other=0.0)
+        ckey_row = ckey_ptr + row.to(tl.int64) * cap
+        cpos_row = cpos_ptr + row.to(tl.int64) * cap
+        run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
+        offs = run + tl.arange(0, RUN_KEYS)[None, :]
+        ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
+        nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
         for start in range(lo, hi, TILE):
-            pos = start + tl.arange(0, TILE)
+            pos = start + offs
             x = nxt          # the next tile's load is in flight while this one is filtered
-            nxt = tl.load(src_row + pos + TILE, mask=pos + TILE < hi, other=0.0)
-            key = order_key(x)[None, :]
-            live = (pos < hi)[None, :]
-            ties += (live & (key == thresh[:, None])).to(tl.int32)
-            append_candidates(st_rows, ckey_ptr + rows.to(tl.int64) * cap, cpos_ptr + rows.to(tl.int64) * cap,
-                    key, pos[None, :], live & (key > thresh[:, None]), cap)
-        tl.store(ties_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.sum(ties, 1))
+            nxt = tl.load(src_row + pos + TILE, mask=start + TILE + run + RUN_KEYS <= hi, other=0.0)
+            key = order_key(x)
+            live = start + run + RUN_KEYS <= hi
+            ties += (live & (key == thresh)).to(tl.int32)
+            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
+        n_ties = tl.sum(tl.sum(ties, 1), 0)
+        tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
+        if tail < hi:
+            pos = tail + tl.arange(0, RUN_KEYS)[None, :]
+            live = pos < hi
+            key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
+            n_ties += tl.sum(tl.sum((live & (key == thresh)).to(tl.int32), 1), 0)
+            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
+        tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), n_ties)
 
 
 @triton.jit
@@ -176,7 +208,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
 # ---- launch plan ------------------------------------------------------------------------------
 
 SCORE_TILE, REFINE_TILE = 512, 2048       # positions per filter tile; per refine / row-select tile
-FILTER_WARPS = 2          # 512-key tiles on 2 warps: 96 registers, no spill (try_topk.py regs)
+FILTER_WARPS = 2          # 512-key tiles on 2 warps: 64 registers (as fast as 1024 on 4, BENCHMARKS.md)
 FILTER_PROGRAMS = 4096                    # filter programs in all (about)
 
 
@@ -241,11 +273,12 @@ def sample_count(width: int) -> int:
     return min(SAMPLES, max(min(MIN_SAMPLES, SAMPLES), pow2(triton.cdiv(width, 64))))
 
 
-def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int = SCORE_TILE,
+def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int | None = None,
          programs: int | None = None) -> TopkPlan:
     """The plan of `n_rows` rows of `width` keys (filter programs shared by `groups` row groups,
     default one per row)."""
     width = max(width, 1)
+    tile = SCORE_TILE if tile is None else tile
     programs = FILTER_PROGRAMS if programs is None else programs
     chunk, n_chunks = chunking(width, n_rows if groups is None else groups, tile, programs)
     cap = min(max(CAP, 4 * k), width)
@@ -282,6 +315,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
                                          ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
+                                         **({"PTX": True} if inline_ptx(scores.device) else {}),
                                          **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
@@ -304,12 +338,14 @@ def aot_specs(shapes) -> list:
     ints = dict(src_stride=shapes.context, out_stride=p.k, k=p.k, cap=p.cap, target=p.target,
                 chunk=p.chunk, n_chunks=p.n_chunks)
 
+    ptx = {"PTX": True} if shapes.target.triton_backend == "cuda" else {}   # as `inline_ptx` at launch
+
     def spec(kernel, variant, consts, warps):
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
                            num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
                  _warps(p.samples)),
-            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE), FILTER_WARPS),
+            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, **ptx), FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE), _warps(pow2(p.cap)))]
