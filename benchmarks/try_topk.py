@@ -139,6 +139,8 @@ def filter_regs() -> None:
 
 
 if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("try_topk.py times kernels on a CUDA device; none is visible")
     if sys.argv[1:] == ["regs"]:
         filter_regs()
     else:
