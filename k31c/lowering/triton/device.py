@@ -92,7 +92,7 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch: the kernels' PDL constexpr and Triton's
     launch_pdl option when the target record in force has `pdl` and the device is sm_90+; else
     none (the kernels' PDL defaults to off)."""
-    if device.type != "cuda" or not target_of(device).pdl or interpreting() or torch.version.hip:
+    if device.type != "cuda" or not target_of(device).pdl or not inline_ptx(device):
         return {}        # the record's flag first: launches pay one attribute read when it is off
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _PDL_ON if _sm90(index) else {}
@@ -119,7 +119,7 @@ def inline_ptx(device: torch.device) -> bool:
 def pair_launch(device: torch.device) -> bool:
     """Whether a launcher may launch the second kernel of a pair as a PDL dependent of the first
     (CUDA sm_90+, compiled kernels), whatever the target record's `pdl` says."""
-    if device.type != "cuda" or interpreting() or torch.version.hip:
+    if not inline_ptx(device):
         return False
     return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
