@@ -60,6 +60,11 @@ if [ "$parallel" -gt 0 ]; then
         if [ "$a" = --parallel ]; then skip=1; continue; fi
         own+=("$a")
     done
+    # Each shard's Inductor compile pool gets its share of the cores: N pools of nproc workers each
+    # oversubscribe the machine (a shard stalled in async_compile.wait under 6 x 16 workers).
+    cores=$(nproc)
+    export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( cores / parallel > 1 ? cores / parallel : 1 ))}
+    echo "gpu_check: $parallel shards, $TORCHINDUCTOR_COMPILE_THREADS Inductor compile threads each"
     pids=()
     for i in $(seq 1 "$parallel"); do
         bash "$0" "${own[@]}" --shard "$i/$parallel" > "$logs/gpu-check-$i.log" 2>&1 &
