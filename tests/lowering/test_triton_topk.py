@@ -89,7 +89,7 @@ def test_topk_ties_in_a_chunks_last_partial_run(topk_paths):
     row whose ties at the threshold are just enough, two of them in that partial run, must take
     the tie scan (a lost tail tie would send it to the whole-row select)."""
     gen = torch.Generator().manual_seed(3)
-    k, width, n = 16, 1300, 1234          # chunks of 512: the last one's partial run is [1232, 1234)
+    k, width, n = 16, 1300, 1234          # chunks of 32: the one to n ends in the partial run [1232, 1234)
     row = -1.0 - torch.rand(width, generator=gen)
     runs = topk.SAMPLES // topk.RUN
     sampled = [r * n // runs for r in range(runs)]               # first positions of the sampled runs

@@ -53,10 +53,23 @@ def sample_position(i, n, SAMPLES: tl.constexpr, RUN: tl.constexpr):
 
 
 @triton.jit
-def write_selected(out_row, base, pos, sel):
+def store_where(ptr, val, mask, PTX: tl.constexpr):
+    """Store int32 `val` at `ptr` where `mask`. PTX: as an inline st.global, an elementwise op, so
+    the operands keep their register layout (Triton lays a tl.store whose addresses are data out
+    one element a thread, which costs a trip through shared memory per operand)."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def write_selected(out_row, base, pos, sel, PTX: tl.constexpr = False):
     """Write the selected positions of a tile to out_row[base:], in order; returns how many."""
     seli = sel.to(tl.int32)
-    tl.store(out_row + base + tl.cumsum(seli, 0) - seli, pos, mask=sel)
+    store_where(out_row + base + tl.cumsum(seli, 0) - seli, pos, sel, PTX)
     return tl.sum(seli, 0)
 
 

@@ -38,7 +38,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.radix_select import (order_key, sample_position, select_from_row, select_kth,
-                                               take_top_ties, write_selected)
+                                               store_where, take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 
@@ -86,19 +86,6 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 
 @triton.jit
-def store_where(ptr, val, mask, PTX: tl.constexpr):
-    """Store int32 `val` at `ptr` where `mask`. PTX: as an inline st.global, an elementwise op, so
-    the operands keep their register layout (Triton lays a tl.store whose addresses are data out
-    one element a thread, which costs a trip through shared memory per operand)."""
-    if PTX:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
-            "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptr, val, mask=mask)
-
-
-@triton.jit
 def _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX: tl.constexpr):
     """Append the selected (key, position) of a [runs, RUN_KEYS] tile to the row's candidate
     buffer: the offsets are a scan inside each run (a thread's registers) plus a scan over the
@@ -117,8 +104,27 @@ def _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX: tl.constexpr):
 
 
 @triton.jit
+def _reserve_runs(st, sel):
+    """Slots for the selected keys of a [runs, RUN_KEYS] tile: each run with any reserves its own
+    with one atomic (a thread's, so no scan or barrier across the tile). Returns each run's base."""
+    run_total = tl.sum(sel.to(tl.int32), 1)
+    return tl.atomic_add(st + ST_CNT + tl.zeros_like(run_total), run_total, mask=run_total > 0, sem="relaxed")
+
+
+@triton.jit
+def _store_runs(ckey_row, cpos_row, key, pos, sel, base, cap, PTX: tl.constexpr):
+    """Store a tile's selected (key, position) at its runs' reserved slots."""
+    seli = sel.to(tl.int32)
+    idx = base[:, None] + tl.cumsum(seli, 1) - seli
+    ok = sel & (idx < cap)
+    store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
+    store_where(cpos_row + idx, pos, ok, PTX)
+
+
+@triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
+                   APPEND: tl.constexpr = 0):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
@@ -138,6 +144,9 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         offs = run + tl.arange(0, RUN_KEYS)[None, :]
         ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
         nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
+        pkey = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.uint32)      # APPEND 2: the tile before
+        psel = pkey != pkey
+        pbase = tl.zeros([TILE // RUN_KEYS], tl.int32)
         for start in range(lo, hi, TILE):
             pos = start + offs
             x = nxt          # the next tile's load is in flight while this one is filtered
@@ -145,7 +154,17 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             key = order_key(x)
             live = start + run + RUN_KEYS <= hi
             ties += (live & (key == thresh)).to(tl.int32)
-            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
+            sel = live & (key > thresh)
+            if APPEND == 0:
+                _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX)
+            elif APPEND == 1:
+                _store_runs(ckey_row, cpos_row, key, pos, sel, _reserve_runs(st, sel), cap, PTX)
+            else:            # this tile's atomics in flight while the tile before is stored
+                base = _reserve_runs(st, sel)
+                _store_runs(ckey_row, cpos_row, pkey, pos - TILE, psel, pbase, cap, PTX)
+                pkey, psel, pbase = key, sel, base
+        if APPEND == 2:
+            _store_runs(ckey_row, cpos_row, pkey, lo + (hi - lo - 1) // TILE * TILE + offs, psel, pbase, cap, PTX)
         n_ties = tl.sum(tl.sum(ties, 1), 0)
         tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
         if tail < hi:
@@ -153,14 +172,18 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             live = pos < hi
             key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
             n_ties += tl.sum(tl.sum((live & (key == thresh)).to(tl.int32), 1), 0)
-            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
+            sel = live & (key > thresh)
+            if APPEND == 0:
+                _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX)
+            else:
+                _store_runs(ckey_row, cpos_row, key, pos, sel, _reserve_runs(st, sel), cap, PTX)
         tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), n_ties)
 
 
 @triton.jit
 def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, ckey_ptr,
                    cpos_ptr, ties_ptr, k, cap, chunk, n_chunks, CP: tl.constexpr, BUF: tl.constexpr,
-                   TILE: tl.constexpr, PDL: tl.constexpr = False):
+                   TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """Per row, with G keys > threshold T in the buffer and E keys == T in the row:
     k <= G <= cap: exact top-k of the buffer (key digits, then positions among ties);
     G < k <= G + E: the whole buffer plus the k - G highest positions at T, found by reading
@@ -191,7 +214,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied, krem, 7)
             pos = tl.load(cpos, mask=live, other=0)
             sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
-            base = write_selected(out_row, 0, pos, sel)
+            base = write_selected(out_row, 0, pos, sel, PTX)
             j = n_chunks - 1     # chunks from the top, each giving its highest positions at T
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
@@ -210,6 +233,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
 SCORE_TILE, REFINE_TILE = 512, 2048       # positions per filter tile; per refine / row-select tile
 FILTER_WARPS = 2          # 512-key tiles on 2 warps: 64 registers (as fast as 1024 on 4, BENCHMARKS.md)
 FILTER_PROGRAMS = 4096                    # filter programs in all (about)
+FILTER_APPEND = 2
 
 
 def pow2(x: int) -> int:
@@ -308,18 +332,18 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
+    ptx = {"PTX": True} if inline_ptx(scores.device) else {}
     _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
                             SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples),
                             **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
-                                         **({"PTX": True} if inline_ptx(scores.device) else {}),
-                                         **pdl)
+                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, APPEND=FILTER_APPEND,
+                                         num_warps=FILTER_WARPS, **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)), **pdl)
+                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)), **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
@@ -346,6 +370,6 @@ def aot_specs(shapes) -> list:
                            num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
                  _warps(p.samples)),
-            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, **ptx), FILTER_WARPS),
+            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, APPEND=FILTER_APPEND, **ptx), FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
-                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE), _warps(pow2(p.cap)))]
+                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx), _warps(pow2(p.cap)))]
