@@ -91,7 +91,7 @@ def _planned(scores: torch.Tensor, **plan_args):
     ws = p.workspace("cuda")
     topk._plan_kernel[(n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
                                  p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
-                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples))
+                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples, topk.PLAN_KEYS))
     return row_len, p, ws
 
 

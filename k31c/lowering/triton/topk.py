@@ -104,27 +104,8 @@ def _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX: tl.constexpr):
 
 
 @triton.jit
-def _reserve_runs(st, sel):
-    """Slots for the selected keys of a [runs, RUN_KEYS] tile: each run with any reserves its own
-    with one atomic (a thread's, so no scan or barrier across the tile). Returns each run's base."""
-    run_total = tl.sum(sel.to(tl.int32), 1)
-    return tl.atomic_add(st + ST_CNT + tl.zeros_like(run_total), run_total, mask=run_total > 0, sem="relaxed")
-
-
-@triton.jit
-def _store_runs(ckey_row, cpos_row, key, pos, sel, base, cap, PTX: tl.constexpr):
-    """Store a tile's selected (key, position) at its runs' reserved slots."""
-    seli = sel.to(tl.int32)
-    idx = base[:, None] + tl.cumsum(seli, 1) - seli
-    ok = sel & (idx < cap)
-    store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
-    store_where(cpos_row + idx, pos, ok, PTX)
-
-
-@triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
-                   APPEND: tl.constexpr = 0):
+                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
@@ -144,9 +125,6 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         offs = run + tl.arange(0, RUN_KEYS)[None, :]
         ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
         nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
-        pkey = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.uint32)      # APPEND 2: the tile before
-        psel = pkey != pkey
-        pbase = tl.zeros([TILE // RUN_KEYS], tl.int32)
         for start in range(lo, hi, TILE):
             pos = start + offs
             x = nxt          # the next tile's load is in flight while this one is filtered
@@ -154,17 +132,7 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             key = order_key(x)
             live = start + run + RUN_KEYS <= hi
             ties += (live & (key == thresh)).to(tl.int32)
-            sel = live & (key > thresh)
-            if APPEND == 0:
-                _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX)
-            elif APPEND == 1:
-                _store_runs(ckey_row, cpos_row, key, pos, sel, _reserve_runs(st, sel), cap, PTX)
-            else:            # this tile's atomics in flight while the tile before is stored
-                base = _reserve_runs(st, sel)
-                _store_runs(ckey_row, cpos_row, pkey, pos - TILE, psel, pbase, cap, PTX)
-                pkey, psel, pbase = key, sel, base
-        if APPEND == 2:
-            _store_runs(ckey_row, cpos_row, pkey, lo + (hi - lo - 1) // TILE * TILE + offs, psel, pbase, cap, PTX)
+            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
         n_ties = tl.sum(tl.sum(ties, 1), 0)
         tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
         if tail < hi:
@@ -172,11 +140,7 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             live = pos < hi
             key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
             n_ties += tl.sum(tl.sum((live & (key == thresh)).to(tl.int32), 1), 0)
-            sel = live & (key > thresh)
-            if APPEND == 0:
-                _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX)
-            else:
-                _store_runs(ckey_row, cpos_row, key, pos, sel, _reserve_runs(st, sel), cap, PTX)
+            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
         tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), n_ties)
 
 
@@ -233,7 +197,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
 SCORE_TILE, REFINE_TILE = 512, 2048       # positions per filter tile; per refine / row-select tile
 FILTER_WARPS = 2          # 512-key tiles on 2 warps: 64 registers (as fast as 1024 on 4, BENCHMARKS.md)
 FILTER_PROGRAMS = 4096                    # filter programs in all (about)
-FILTER_APPEND = 2
+PLAN_KEYS, REFINE_KEYS = 16, 32          # keys a thread holds: the sample's, the candidate buffer's
 
 
 def pow2(x: int) -> int:
@@ -310,9 +274,11 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
                     TARGET_NUM * k // TARGET_DEN)
 
 
-def _warps(elements: int) -> int:
-    """Warps for a program holding `elements` keys in registers (about 16 a thread)."""
-    return max(4, min(16, elements // 512))
+def _warps(elements: int, per_thread: int) -> int:
+    """Warps for a program holding `elements` keys in registers, about `per_thread` a thread. The
+    refine holds 32 (8 warps for its 8,192 keys): its levels cost barriers across the warps, and
+    8 warps beat 16 and 4 (BENCHMARKS.md); the plan's sample selects fastest at 16."""
+    return max(4, min(16, elements // (32 * per_thread)))
 
 
 # ---- launcher ---------------------------------------------------------------------------------
@@ -334,16 +300,16 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     pdl = pdl_launch(scores.device)
     ptx = {"PTX": True} if inline_ptx(scores.device) else {}
     _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
-                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples),
+                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples, PLAN_KEYS),
                             **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, APPEND=FILTER_APPEND,
-                                         num_warps=FILTER_WARPS, **ptx, **pdl)
+                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
+                                         **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap)), **ptx, **pdl)
+                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap), REFINE_KEYS), **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
@@ -369,7 +335,7 @@ def aot_specs(shapes) -> list:
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
                            num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
-                 _warps(p.samples)),
-            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, APPEND=FILTER_APPEND, **ptx), FILTER_WARPS),
+                 _warps(p.samples, PLAN_KEYS)),
+            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, **ptx), FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
-                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx), _warps(pow2(p.cap)))]
+                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx), _warps(pow2(p.cap), REFINE_KEYS))]
