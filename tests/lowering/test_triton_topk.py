@@ -230,3 +230,52 @@ def test_fused_real_shapes(cache_kind):
     row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
     row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
     _check_fused(args, row_len, k)
+
+
+# ---- radix_select.select_kth --------------------------------------------------------------------
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from k31c.lowering.triton.radix_select import select_kth  # noqa: E402
+
+
+@triton.jit
+def _select_probe(val_ptr, n, k, out_ptr, N: tl.constexpr, SKIP: tl.constexpr):
+    offs = tl.arange(0, N)
+    live = offs < n
+    v = tl.load(val_ptr + offs, mask=live, other=0).to(tl.uint32)
+    t, krem, exact = select_kth(v, live, k, 7, SKIP)
+    tl.store(out_ptr, t.to(tl.int64))
+    tl.store(out_ptr + 1, krem.to(tl.int64))
+    tl.store(out_ptr + 2, exact.to(tl.int64))
+
+
+def _select(vals, k, skip):
+    N = triton.next_power_of_2(max(len(vals), 16))
+    v = torch.zeros(N, dtype=torch.int64)
+    v[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
+    out = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, N=N, SKIP=skip)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_select_kth_with_and_without_the_common_prefix(skip):
+    """Exact semantics of select_kth at 32-bit depth: exact → exactly k of the values are >= t;
+    else t is the k-th largest value and krem of the values equal to it complete the k. Values
+    that share their high bits (the case SKIP_COMMON starts below), all equal, differing only in
+    the last bit, and spanning all 32 bits."""
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda n, lo, hi: torch.randint(lo, hi, (n,), generator=gen).tolist()  # noqa: E731
+    cases = [rand(50, 0, 2 ** 32), [0xBF800000 + x for x in rand(60, 0, 4096)],
+             [0xBF800000 + x for x in rand(40, 0, 3)], [0xC0000000] * 20,
+             [0x80000000, 0x80000001] * 9, [0, 0xFFFFFFFF, 5, 5, 7], [0xBF812345]]
+    for vals in cases:
+        for k in sorted({1, min(2, len(vals)), len(vals) // 2 or 1, len(vals)}):
+            t, krem, exact = _select(vals, k, skip)
+            above = sum(x > t for x in vals)
+            if exact:
+                assert sum(x >= t for x in vals) == k, (vals[:4], k)
+            else:
+                assert t == sorted(vals, reverse=True)[k - 1] and above == k - krem, (vals[:4], k)

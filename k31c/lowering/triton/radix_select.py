@@ -21,18 +21,37 @@ def order_key(x):
 
 
 @triton.jit
-def select_kth(val, live, krem, LEVELS: tl.constexpr):
+def bit_length(x):
+    """Bits the uint32 scalar x needs (0 for 0)."""
+    n = tl.zeros((), tl.int32)
+    for s in tl.static_range(5):        # steps of 16, 8, 4, 2, 1 bits
+        n = tl.where((x >> (n + (16 >> s)).to(tl.uint32)) != 0, n + (16 >> s), n)
+    return tl.where(x != 0, n + 1, 0)
+
+
+@triton.jit
+def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr = False):
     """Radix select over a register tensor of uint32 values, 5-bit digits from the top, LEVELS
     levels (5: the top 25 bits; 7: all 32). Returns (t, krem, exact): exact → exactly krem of
     the live values are >= t (t a digit boundary); else t is the value to LEVELS digits and krem
-    of the live values equal to it (to those digits) are still to take. Needs krem <= #live."""
+    of the live values equal to it (to those digits) are still to take. Needs krem <= #live.
+    SKIP_COMMON: the digits start below the highest bit where the live values differ (a min and
+    a max first; the bits above it are every live value's, so their levels would keep all)."""
     bins = tl.arange(0, 32)
+    top = tl.full((), 32, tl.int32)            # the low bits the digits cover
     prefix = tl.zeros((), tl.uint32)
+    if SKIP_COMMON:
+        lo = tl.min(tl.where(live, val, tl.full(val.shape, 0xFFFFFFFF, tl.uint32)), 0)
+        hi = tl.max(tl.where(live, val, tl.zeros_like(val)), 0)
+        top = bit_length(lo ^ hi)
+        sh = tl.minimum(top, 31).to(tl.uint32)
+        prefix = tl.where(top >= 32, tl.zeros_like(lo), (lo >> sh) << sh)
+    levels = tl.minimum((top + 4) // 5, LEVELS)
     level = 0
     exact = level < 0
-    while (level < LEVELS) & (exact == 0):
-        shift = tl.maximum(27 - 5 * level, 0)           # the 7th level holds the last 2 bits
-        mask = (1 << (32 - 5 * level - shift)) - 1
+    while (level < levels) & (exact == 0):
+        shift = tl.maximum(top - 5 * (level + 1), 0)    # the last level may hold fewer bits
+        mask = (1 << (top - 5 * level - shift)) - 1
         digit = ((val >> shift.to(tl.uint32)) & mask.to(tl.uint32)).to(tl.int32)
         hist = tl.histogram(digit, 32, mask=live)
         suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # live values with digit >= d

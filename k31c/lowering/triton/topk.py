@@ -172,10 +172,11 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth(key, live, k, 7)
+                key_t, krem, exact = select_kth(key, live, k, 7, SKIP_COMMON=True)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
-                    pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied, krem, 7)
+                    pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
+                                             krem, 7, SKIP_COMMON=True)
             pos = tl.load(cpos, mask=live, other=0)
             sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
             base = write_selected(out_row, 0, pos, sel, PTX)
