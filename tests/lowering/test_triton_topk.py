@@ -63,6 +63,14 @@ def test_topk_many_rows_fresh_inputs(topk_paths):
     assert set(paths) == {"ties", "sampled", "all"}
 
 
+def test_topk_of_one(topk_paths):
+    """k = 1: the JIT passes an integer 1 as a constant, which the selects' loops must take."""
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(3, 700, generator=gen)
+    _check_topk(scores.to(DEVICE), torch.tensor([1, 90, 700], dtype=torch.int32, device=DEVICE), 1)
+    assert topk_paths() == ["direct", "all", "sampled"]
+
+
 @pytest.mark.parametrize("path", ["sampled", "fallback"])
 def test_topk_tie_heavy_rows(path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: all long rows fall back

@@ -38,6 +38,7 @@ def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr 
     SKIP_COMMON: the digits start below the highest bit where the live values differ (a min and
     a max first; the bits above it are every live value's, so their levels would keep all)."""
     bins = tl.arange(0, 32)
+    krem = tl.zeros((), tl.int32) + krem       # a tensor: the JIT passes an integer 1 as a constant
     top = tl.full((), 32, tl.int32)            # the low bits the digits cover
     prefix = tl.zeros((), tl.uint32)
     if SKIP_COMMON:
