@@ -10,10 +10,13 @@ On CUDA the real constants also run at the real shapes (64 rows, k = 2048, L up 
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
 from k31c.lowering.triton import indexer_topk, topk
+from k31c.lowering.triton.radix_select import select_kth
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -241,12 +244,6 @@ def test_fused_real_shapes(cache_kind):
 
 
 # ---- radix_select.select_kth --------------------------------------------------------------------
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from k31c.lowering.triton.radix_select import select_kth  # noqa: E402
-
 
 @triton.jit
 def _select_probe(val_ptr, n, k, out_ptr, N: tl.constexpr, SKIP: tl.constexpr):

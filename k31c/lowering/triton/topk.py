@@ -23,7 +23,8 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
      itself (4 histogram passes of 8-bit digits, then the output pass), so no launch waits for
      a case that almost never happens.
 
-The selection helpers are in `radix_select.py`. `plan` picks the chunking, buffer and sample sizes once; the launcher and `aot_specs` read it.
+The selection helpers are in `radix_select.py`. `plan` picks the chunking, buffer and sample sizes
+once; the launcher and `aot_specs` read it.
 """
 from __future__ import annotations
 
@@ -278,7 +279,7 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
 def _warps(elements: int, per_thread: int) -> int:
     """Warps for a program holding `elements` keys in registers, about `per_thread` a thread. The
     refine holds 32 (8 warps for its 8,192 keys): its levels cost barriers across the warps, and
-    8 warps beat 16 and 4 (BENCHMARKS.md); the plan's sample selects fastest at 16."""
+    8 warps beat 16 and 4; the plan's sample, 16 (fewer warps were slower; BENCHMARKS.md)."""
     return max(4, min(16, elements // (32 * per_thread)))
 
 
@@ -301,8 +302,8 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     pdl = pdl_launch(scores.device)
     ptx = {"PTX": True} if inline_ptx(scores.device) else {}
     _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
-                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, num_warps=_warps(p.samples, PLAN_KEYS),
-                            **pdl)
+                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE,
+                            num_warps=_warps(p.samples, PLAN_KEYS), **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
@@ -310,7 +311,8 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
                                          **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap), REFINE_KEYS), **ptx, **pdl)
+                              BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap), REFINE_KEYS),
+                              **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = row_paths(ws, row_len, k, p.cap)
     return out
@@ -339,4 +341,5 @@ def aot_specs(shapes) -> list:
                  _warps(p.samples, PLAN_KEYS)),
             spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, **ptx), FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
-                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx), _warps(pow2(p.cap), REFINE_KEYS))]
+                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx),
+                 _warps(pow2(p.cap), REFINE_KEYS))]
