@@ -95,18 +95,24 @@ def _planned(scores: torch.Tensor, **plan_args):
     return row_len, p, ws
 
 
+def _filter(scores, row_len, p, ws, q, tile: int, warps: int, **extra):
+    """One filter launch of plan `q` on the workspace of plan `p`, its rows' candidate counters
+    reset first (so it appends as the real launch does); returns the compiled kernel."""
+    ws["state"].view(scores.shape[0], topk.ROW_STATE)[:, 0].zero_()
+    return topk._filter_kernel[(scores.shape[0], q.n_chunks)](
+        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
+        p.cap, q.chunk, TILE=tile, PTX=True, num_warps=warps, **extra)
+
+
 def filter_sweep() -> None:
     for ctx in (128 << 10, 1 << 20):
         scores = torch.randn(64, ctx, device="cuda")
         row_len, p, ws = _planned(scores)
-        cnt = ws["state"].view(64, topk.ROW_STATE)[:, 0]
         for programs in (1024, 4096, 16384):
             for tile in (256, 512, 1024, 2048):
                 q = topk.plan(64, ctx, 2048, tile=tile, programs=programs)
                 for warps in (2, 4, 8):
-                    us = graph_us(lambda: (cnt.zero_(), topk._filter_kernel[(64, q.n_chunks)](
-                        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
-                        p.cap, q.chunk, TILE=tile, PTX=True, num_warps=warps)), launches=10)
+                    us = graph_us(lambda: _filter(scores, row_len, p, ws, q, tile, warps), launches=10)
                     print(f"filter 64x{ctx >> 10}K: {programs} programs, tile {tile}, {warps} warps "
                           f"(chunk {q.chunk}): {us:.1f} us")
 
@@ -117,17 +123,13 @@ def filter_regs() -> None:
     for ctx in (128 << 10, 1 << 20):
         scores = torch.randn(64, ctx, device="cuda")
         row_len, p, ws = _planned(scores)
-        cnt = ws["state"].view(64, topk.ROW_STATE)[:, 0]
         for tile, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
             q = topk.plan(64, ctx, 2048, tile=tile)
             for cap in (None, 96, 72, 64, 48, 40):
                 extra = {} if cap is None else {"maxnreg": cap}
 
                 def launch():
-                    cnt.zero_()
-                    return topk._filter_kernel[(64, q.n_chunks)](
-                        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
-                        p.cap, q.chunk, TILE=tile, PTX=True, num_warps=warps, **extra)
+                    return _filter(scores, row_len, p, ws, q, tile, warps, **extra)
                 try:
                     ck = launch()
                     us = graph_us(launch, launches=10)

@@ -92,7 +92,7 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch: the kernels' PDL constexpr and Triton's
     launch_pdl option when the target record in force has `pdl` and the device is sm_90+; else
     none (the kernels' PDL defaults to off)."""
-    if device.type != "cuda" or not target_of(device).pdl or not inline_ptx(device):
+    if not target_of(device).pdl or not inline_ptx(device):
         return {}        # the record's flag first: launches pay one attribute read when it is off
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _PDL_ON if _sm90(index) else {}
