@@ -96,12 +96,14 @@ def _planned(scores: torch.Tensor, **plan_args):
 
 
 def _filter(scores, row_len, p, ws, q, tile: int, warps: int, **extra):
-    """One filter launch of plan `q` on the workspace of plan `p`, its rows' candidate counters
-    reset first (so it appends as the real launch does); returns the compiled kernel."""
+    """One filter launch of plan `q` on the state and candidate buffers of plan `p` (its programs'
+    own slots and tie counts at q's chunking), the rows' candidate counters reset first (so it
+    appends as the real launch does); returns the compiled kernel."""
     ws["state"].view(scores.shape[0], topk.ROW_STATE)[:, 0].zero_()
+    own = q.workspace("cuda")
     return topk._filter_kernel[(scores.shape[0], q.n_chunks)](
-        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], ws["ties"],
-        p.cap, q.chunk, TILE=tile, PTX=True, num_warps=warps, **extra)
+        scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], own["hkey"], own["hpos"],
+        own["ties"], p.cap, q.chunk, TILE=tile, SLOTS=q.slots, PTX=True, num_warps=warps, **extra)
 
 
 def filter_sweep() -> None:

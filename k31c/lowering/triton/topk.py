@@ -47,6 +47,7 @@ CAP = 8192             # candidate buffer per row (at least 4k; ~2.5k expected, 
 TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 adjacent positions
 MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
+MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
 ROW_STATE = 4                   # int32 words of per-row state
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
 last_paths: list[str] = []
@@ -87,26 +88,50 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 
 @triton.jit
-def _append_tile(st, ckey_row, cpos_row, key, pos, sel, cap, PTX: tl.constexpr):
-    """Append the selected (key, position) of a [runs, RUN_KEYS] tile to the row's candidate
-    buffer: the offsets are a scan inside each run (a thread's registers) plus a scan over the
-    run totals, not one scan over the tile (which Triton spreads over every lane, one strand of
-    shuffles per register)."""
+def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, sel, cap, SLOTS: tl.constexpr,
+                 PTX: tl.constexpr):
+    """Append the selected (key, position) of a [runs, RUN_KEYS] tile: to the program's own SLOTS
+    slots while they hold it (no round trip to the row's counter on the tile's critical path),
+    else straight to the row's candidate buffer at slots taken from its counter. Offsets are a
+    scan inside each run (a thread's registers) plus a scan over the run totals, not one scan
+    over the tile (which Triton spreads over every lane, one strand of shuffles per register).
+    Returns how many slots the program now holds."""
     seli = sel.to(tl.int32)
     run_total = tl.sum(seli, 1)
     total = tl.sum(run_total, 0)
     if total > 0:
-        # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
-        base = tl.atomic_add(st + ST_CNT, total, sem="relaxed")
-        idx = base + (tl.cumsum(run_total, 0) - run_total)[:, None] + tl.cumsum(seli, 1) - seli
-        ok = sel & (idx < cap)
-        store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
-        store_where(cpos_row + idx, pos, ok, PTX)
+        offs = (tl.cumsum(run_total, 0) - run_total)[:, None] + tl.cumsum(seli, 1) - seli
+        if held + total <= SLOTS:
+            store_where(hkey + held + offs, key.to(tl.int32, bitcast=True), sel, PTX)
+            store_where(hpos + held + offs, pos, sel, PTX)
+            held += total
+        else:
+            # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
+            idx = tl.atomic_add(st + ST_CNT, total, sem="relaxed") + offs
+            ok = sel & (idx < cap)
+            store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
+            store_where(cpos_row + idx, pos, ok, PTX)
+    return held
 
 
 @triton.jit
-def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, ties_ptr, cap,
-                   chunk, TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+def _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS: tl.constexpr, PTX: tl.constexpr):
+    """Move the program's `held` candidates to the row's buffer: one counter atomic per program."""
+    if held > 0:
+        tl.debug_barrier()       # every thread's held stores are visible to the block
+        base = tl.atomic_add(st + ST_CNT, held, sem="relaxed")
+        i = tl.arange(0, SLOTS)
+        ok = (i < held) & (base + i < cap)
+        key = tl.load(hkey + i, mask=ok, other=0, cache_modifier=".cg")
+        pos = tl.load(hpos + i, mask=ok, other=0, cache_modifier=".cg")
+        store_where(ckey_row + base + i, key, ok, PTX)
+        store_where(cpos_row + base + i, pos, ok, PTX)
+
+
+@triton.jit
+def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
+                   ties_ptr, cap, chunk, TILE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
+                   PTX: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
@@ -122,6 +147,10 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         src_row = src_ptr + row.to(tl.int64) * src_stride
         ckey_row = ckey_ptr + row.to(tl.int64) * cap
         cpos_row = cpos_ptr + row.to(tl.int64) * cap
+        prog = row * tl.num_programs(1) + tl.program_id(1)
+        hkey = hkey_ptr + prog.to(tl.int64) * SLOTS      # the program's own candidate slots
+        hpos = hpos_ptr + prog.to(tl.int64) * SLOTS
+        held = tl.zeros((), tl.int32)
         run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
         offs = run + tl.arange(0, RUN_KEYS)[None, :]
         ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
@@ -133,7 +162,8 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             key = order_key(x)
             live = start + run + RUN_KEYS <= hi
             ties += (live & (key == thresh)).to(tl.int32)
-            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
+            held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, live & (key > thresh),
+                                cap, SLOTS, PTX)
         n_ties = tl.sum(tl.sum(ties, 1), 0)
         tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
         if tail < hi:
@@ -141,8 +171,10 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
             live = pos < hi
             key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
             n_ties += tl.sum(tl.sum((live & (key == thresh)).to(tl.int32), 1), 0)
-            _append_tile(st, ckey_row, cpos_row, key, pos, live & (key > thresh), cap, PTX)
-        tl.store(ties_ptr + row * tl.num_programs(1) + tl.program_id(1), n_ties)
+            held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, live & (key > thresh),
+                                cap, SLOTS, PTX)
+        _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS, PTX)
+        tl.store(ties_ptr + prog, n_ties)
 
 
 @triton.jit
@@ -223,16 +255,18 @@ class TopkPlan:
     chunk: int           # positions per filter program
     n_chunks: int        # filter programs per row
     cap: int             # candidate buffer per row
+    slots: int           # candidate slots of a filter program's own
     samples: int         # sampled keys per long row
     run: int
     target: int          # expected candidates above the threshold
 
     def workspace(self, device) -> dict:
-        """Scratch for one call (one int32 allocation): per-row state, candidate buffers and
-        per-chunk tie counts."""
+        """Scratch for one call (one int32 allocation): per-row state, candidate buffers, the
+        filter programs' own slots and per-chunk tie counts."""
         n = self.n_rows
-        sizes = {"state": n * ROW_STATE, "ckey": n * self.cap, "cpos": n * self.cap,
-                 "ties": n * self.n_chunks}
+        held = n * self.n_chunks * self.slots
+        sizes = {"state": n * ROW_STATE, "ckey": n * self.cap, "cpos": n * self.cap, "hkey": held,
+                 "hpos": held, "ties": n * self.n_chunks}
         flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
         return dict(zip(sizes, flat.split(list(sizes.values()))))
 
@@ -272,8 +306,11 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
     programs = FILTER_PROGRAMS if programs is None else programs
     chunk, n_chunks = chunking(width, n_rows if groups is None else groups, tile, programs)
     cap = min(max(CAP, 4 * k), width)
-    return TopkPlan(n_rows, width, k, chunk, n_chunks, cap, sample_count(width), RUN,
-                    TARGET_NUM * k // TARGET_DEN)
+    target = TARGET_NUM * k // TARGET_DEN
+    # twice a chunk's expected candidates in a full-width row; denser chunks (short rows, a
+    # cluster of high scores) go on to append to the row's buffer directly
+    slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
+    return TopkPlan(n_rows, width, k, chunk, n_chunks, cap, slots, sample_count(width), RUN, target)
 
 
 def _warps(elements: int, per_thread: int) -> int:
@@ -307,8 +344,8 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE, num_warps=FILTER_WARPS,
-                                         **ptx, **pdl)
+                                         ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE,
+                                         SLOTS=p.slots, num_warps=FILTER_WARPS, **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
                               BUF=pow2(p.cap), TILE=REFINE_TILE, num_warps=_warps(pow2(p.cap), REFINE_KEYS),
@@ -324,8 +361,8 @@ def aot_specs(shapes) -> list:
     op = "k31c::topk_select"
     p = plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
     f32, i32 = torch.float32, torch.int32
-    ws = dict(state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, ties_ptr=i32, out_ptr=i32, row_len_ptr=i32,
-              src_ptr=f32)
+    ws = dict(state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32, out_ptr=i32,
+              row_len_ptr=i32, src_ptr=f32)
 
     # the launches' integers: scores [rows, context] (the indexer's output), out [rows, k]
     ints = dict(src_stride=shapes.context, out_stride=p.k, k=p.k, cap=p.cap, target=p.target,
@@ -339,7 +376,8 @@ def aot_specs(shapes) -> list:
                            num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
                  _warps(p.samples, PLAN_KEYS)),
-            spec(_filter_kernel, "scores", dict(TILE=SCORE_TILE, **ptx), FILTER_WARPS),
+            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=SCORE_TILE, SLOTS=p.slots, **ptx),
+                 FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx),
                  _warps(pow2(p.cap), REFINE_KEYS))]
