@@ -12,8 +12,10 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
    into registers and take as T the sample key ranked TARGET*samples/n (25 bits of it), so about
    TARGET = 2.5k keys of the row lie above T.
 2. filter, several programs per row: one pass appends each (key, position) with key > T to the
-   row's candidate buffer (an atomic counter per tile, offsets by a scan within runs of 4
-   positions and one over the runs) and counts the keys == T of its chunk.
+   row's candidate buffer and counts the keys == T of its chunk. Offsets within a tile are a scan
+   within runs of 4 positions and one over the runs; a program appends to slots of its own
+   first (one atomic on the row's counter when it ends, to copy them over), and a tile that
+   would overflow them appends straight to the row's buffer (an atomic per tile).
 3. refine, one program per row, with G keys > T buffered and E keys == T in the row:
    - k <= G <= cap: exact top-k of the buffer, held in registers (radix select on the key, then
      on the position among the keys tied at the k-th);
@@ -228,9 +230,11 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
 
 # ---- launch plan ------------------------------------------------------------------------------
 
-SCORE_TILE, REFINE_TILE = 512, 2048       # positions per filter tile; per refine / row-select tile
-FILTER_WARPS = 2          # 512-key tiles on 2 warps: 64 registers (as fast as 1024 on 4, BENCHMARKS.md)
-FILTER_PROGRAMS = 4096                    # filter programs in all (about)
+SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refine / row-select tile
+# a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
+# tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
+FILTER_WARPS = 1
+FILTER_PROGRAMS = 8192                    # filter programs in all (about)
 PLAN_KEYS, REFINE_KEYS = 16, 32          # keys a thread holds: the sample's, the candidate buffer's
 
 
