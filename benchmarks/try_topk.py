@@ -89,9 +89,7 @@ def _planned(scores: torch.Tensor, **plan_args):
     out = torch.empty(n_rows, 2048, dtype=torch.int32, device="cuda")
     p = topk.plan(n_rows, ctx, 2048, **plan_args)
     ws = p.workspace("cuda")
-    topk._plan_kernel[(n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"],
-                                 p.k, p.cap, p.target, SAMPLES=p.samples, RUN=p.run,
-                                 TILE=topk.REFINE_TILE, num_warps=topk._warps(p.samples, topk.PLAN_KEYS))
+    topk.launch_plan(scores, row_len, out, p, ws, PTX=True)
     return row_len, p, ws
 
 

@@ -49,6 +49,7 @@ CAP = 8192             # candidate buffer per row (at least 4k; ~2.5k expected, 
 TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 adjacent positions
 MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
+PLAN_GROUP, PLAN_FEW = 32, 1024  # the plan's bound: maxima of groups of 32 sampled keys; keys it selects from after
 MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
 ROW_STATE = 4                   # int32 words of per-row state
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
@@ -65,8 +66,40 @@ RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of 
 # ---- kernels ----------------------------------------------------------------------------------
 
 @triton.jit
-def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, k, cap, target,
-                 SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr = False):
+def _sample_threshold(key, rank, few_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
+                      PTX: tl.constexpr):
+    """The sample's key ranked `rank` from the top (25 bits of it). The radix levels cost per key
+    held, so a large sample is narrowed first: the rank-th largest of the maxima of groups of
+    GROUP keys is a lower bound (at least `rank` keys reach it), and if at most FEW keys reach
+    it, those are gathered (through `few_ptr`) and selected from alone."""
+    reach = tl.zeros_like(key) != 0
+    n_reach = FEW + 1
+    bound = tl.zeros((), tl.uint32)
+    if SAMPLES // GROUP > 1:
+        if rank <= SAMPLES // GROUP:
+            peak = tl.max(tl.reshape(key, [SAMPLES // GROUP, GROUP], can_reorder=True), 1)  # any grouping bounds it
+            bound, _, _ = select_kth(peak, tl.arange(0, SAMPLES // GROUP) < SAMPLES // GROUP, rank, 5)
+            reach = key >= bound
+            n_reach = tl.sum(reach.to(tl.int32), 0)
+    if n_reach <= FEW:
+        r = reach.to(tl.int32)
+        store_where(few_ptr + tl.cumsum(r, 0) - r, key.to(tl.int32, bitcast=True), reach, PTX)
+        tl.debug_barrier()       # every thread's gathered keys are visible to the block
+        j = tl.arange(0, FEW)
+        few = tl.load(few_ptr + j, mask=j < n_reach, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        t, _, _ = select_kth(few, j < n_reach, rank, 5)
+        # an exact t is a digit boundary: exactly `rank` of the few reach it, but keys below the
+        # bound might too; no key below the bound is in the top `rank`, so t rises to it
+        t = tl.maximum(t, bound)
+    else:
+        t, _, _ = select_kth(key, tl.arange(0, SAMPLES) < SAMPLES, rank, 5)
+    return t
+
+
+@triton.jit
+def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, few_ptr, k, cap, target,
+                 SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
+                 FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
@@ -85,7 +118,7 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
             i = tl.arange(0, SAMPLES)
             key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n, SAMPLES, RUN)))
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh, _, _ = select_kth(key, i < SAMPLES, rank, 5)
+            thresh = _sample_threshold(key, rank, few_ptr + row.to(tl.int64) * FEW, SAMPLES, GROUP, FEW, PTX)
     tl.store(st + ST_THRESH, thresh.to(tl.int32, bitcast=True))
 
 
@@ -235,7 +268,7 @@ SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refin
 # tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
 FILTER_WARPS = 1
 FILTER_PROGRAMS = 8192                    # filter programs in all (about)
-PLAN_KEYS, REFINE_KEYS = 16, 32          # keys a thread holds: the sample's, the candidate buffer's
+PLAN_KEYS, REFINE_KEYS = 8, 32           # keys a thread holds: the sample's, the candidate buffer's
 
 
 def pow2(x: int) -> int:
@@ -265,12 +298,12 @@ class TopkPlan:
     target: int          # expected candidates above the threshold
 
     def workspace(self, device) -> dict:
-        """Scratch for one call (one int32 allocation): per-row state, candidate buffers, the
-        filter programs' own slots and per-chunk tie counts."""
+        """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
+        keys, candidate buffers, the filter programs' own slots and per-chunk tie counts."""
         n = self.n_rows
         held = n * self.n_chunks * self.slots
-        sizes = {"state": n * ROW_STATE, "ckey": n * self.cap, "cpos": n * self.cap, "hkey": held,
-                 "hpos": held, "ties": n * self.n_chunks}
+        sizes = {"state": n * ROW_STATE, "few": n * PLAN_FEW, "ckey": n * self.cap, "cpos": n * self.cap,
+                 "hkey": held, "hpos": held, "ties": n * self.n_chunks}
         flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
         return dict(zip(sizes, flat.split(list(sizes.values()))))
 
@@ -320,11 +353,18 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
 def _warps(elements: int, per_thread: int) -> int:
     """Warps for a program holding `elements` keys in registers, about `per_thread` a thread. The
     refine holds 32 (8 warps for its 8,192 keys): its levels cost barriers across the warps, and
-    8 warps beat 16 and 4; the plan's sample, 16 (fewer warps were slower; BENCHMARKS.md)."""
+    8 warps beat 16 and 4; the plan's sample, 8 (fewer warps were slower; BENCHMARKS.md)."""
     return max(4, min(16, elements // (32 * per_thread)))
 
 
 # ---- launcher ---------------------------------------------------------------------------------
+
+def launch_plan(scores, row_len, out, p: TopkPlan, ws: dict, **flags):
+    """The plan launch of `p` on workspace `ws` (flags: PDL, PTX)."""
+    _plan_kernel[(p.n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"], ws["few"], p.k,
+                              p.cap, p.target, SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, GROUP=PLAN_GROUP,
+                              FEW=PLAN_FEW, num_warps=_warps(p.samples, PLAN_KEYS), **flags)
+
 
 @register("k31c::topk_select", GPU_TARGETS)
 def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
@@ -342,9 +382,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
     ptx = {"PTX": True} if inline_ptx(scores.device) else {}
-    _plan_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], p.k, p.cap, p.target,
-                            SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE,
-                            num_warps=_warps(p.samples, PLAN_KEYS), **pdl)
+    launch_plan(scores, row_len, out, p, ws, **ptx, **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
@@ -365,8 +403,8 @@ def aot_specs(shapes) -> list:
     op = "k31c::topk_select"
     p = plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
     f32, i32 = torch.float32, torch.int32
-    ws = dict(state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32, out_ptr=i32,
-              row_len_ptr=i32, src_ptr=f32)
+    ws = dict(state_ptr=i32, few_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32,
+              out_ptr=i32, row_len_ptr=i32, src_ptr=f32)
 
     # the launches' integers: scores [rows, context] (the indexer's output), out [rows, k]
     ints = dict(src_stride=shapes.context, out_stride=p.k, k=p.k, cap=p.cap, target=p.target,
@@ -378,7 +416,8 @@ def aot_specs(shapes) -> list:
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
                            num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
-    return [spec(_plan_kernel, f"scores,S={p.samples}", dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE),
+    return [spec(_plan_kernel, f"scores,S={p.samples}",
+                 dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, GROUP=PLAN_GROUP, FEW=PLAN_FEW, **ptx),
                  _warps(p.samples, PLAN_KEYS)),
             spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=SCORE_TILE, SLOTS=p.slots, **ptx),
                  FILTER_WARPS),
