@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k31c.runtime.graphs import capture_guard
+
 
 @dataclass
 class Machine:
@@ -49,7 +51,7 @@ def graphed(fn, calls: int = 1):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_guard(), torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
     return graph.replay

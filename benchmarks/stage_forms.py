@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k31c.runtime.graphs import capture_guard
+
 FORMS = "ABCN"
 
 
@@ -39,7 +41,7 @@ def capture(form: str, host, dev, body):
         copy_words[grid](host, dev, dev.numel(), BLOCK=1024)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
+    with capture_guard(), torch.cuda.graph(g, stream=s):
         if form == "A":
             copy_words[grid](host, dev, dev.numel(), BLOCK=1024)
             ev.record()

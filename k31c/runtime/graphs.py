@@ -10,7 +10,8 @@ than every bucket runs uncaptured, counted.
 
 Capture: the bucket's buffers are filled with padding, the staging kernel and the program run once
 on the capture stream (so autotuning, lazy allocation and kernel compilation happen outside the
-capture), then `torch.cuda.graph` records it; side streams fork from and join into the capturing
+capture), then `torch.cuda.graph` records it with Python's garbage collector held off
+(`capture_guard`); side streams fork from and join into the capturing
 stream (the executor's events). All buckets and step kinds of a compiled model share one memory
 pool. The same code captures HIP graphs under a ROCm build of torch; there the target asks for
 one stream, and the staging buffer is copied to the device by a memcpy node before the staging
@@ -18,6 +19,8 @@ kernel (staging.py).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 import sympy
@@ -29,6 +32,22 @@ from .executor import Executor
 from .staging import StagedInputs, StepInputs
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@contextlib.contextmanager
+def capture_guard():
+    """Python's cyclic garbage collector held off for a capture. A collection that frees an
+    earlier CUDAGraph (held in a dead cycle) destroys it mid-capture, an operation a capturing
+    stream forbids: the capture is invalidated ("operation failed due to a previous error during
+    capture"). So dead cycles are collected before, and none during."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def check_buckets(buckets) -> tuple[int, ...]:
@@ -111,7 +130,7 @@ class DecodeGraphs:
             self.executor(run)
         torch.cuda.current_stream(self.executor.device).wait_stream(capture_stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
+        with capture_guard(), torch.cuda.graph(graph, pool=self.pool, stream=capture_stream):
             statics.stage()
             statics.staged.record()             # the host may rewrite the staging buffer after this
             out = self.executor(run)[0]

@@ -2,6 +2,7 @@
 padding, fallback counting, and the h200 program running its Triton kernels under the
 interpreter (TRITON_INTERPRET=1, set by tests/conftest.py on a machine without CUDA) against eager."""
 import dataclasses
+import gc
 import operator
 
 import pytest
@@ -19,7 +20,7 @@ from k31c.passes.graph_utils import dense_runs, is_marker_node, region_of, strea
 from k31c.passes.partition import is_piece_call, partition
 from k31c.runtime.engine import Engine
 from k31c.runtime.executor import WeightsPiece
-from k31c.runtime.graphs import DecodeGraphs, check_buckets
+from k31c.runtime.graphs import DecodeGraphs, capture_guard, check_buckets
 from tiny_model import close, engine_scenario, make_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the GPU program")
@@ -266,6 +267,32 @@ def test_buckets():
             check_buckets(bad)
     with pytest.raises(ValueError, match="buckets"):
         k31c_api.compile(make_model(), target="h200", options={"buckets": [0, 2]})
+
+
+def test_capture_guard_holds_off_collection():
+    """A dead cycle is collected before a capture and none during it (a collection that frees an
+    old CUDAGraph mid-capture invalidates the capture); the collector's state comes back after."""
+    freed = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            freed.append(1)
+
+    gc_was = gc.isenabled()
+    gc.enable()
+    try:
+        Cycle()
+        with capture_guard():
+            assert freed == [1] and not gc.isenabled()
+            Cycle()
+            junk = [[i] for i in range(100 * gc.get_threshold()[0])]   # would trigger collections
+            assert freed == [1] and junk
+        assert gc.isenabled()
+    finally:
+        gc.enable() if gc_was else gc.disable()
 
 
 def test_gpu_target_without_a_gpu_or_interpreter_is_an_error(model, monkeypatch):
