@@ -14,10 +14,12 @@ k31c and the Triton peers are timed as CUDA-graph replays (how the model runs th
 overhead); "k31c eager" is the same call launched from Python. Every row also checks that the
 selected sets equal the reference op's.
 
-    PYTHONPATH=. python benchmarks/bench_topk.py [--quick]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--quick | --pair]
 
 --quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
-then each kernel's device time from the profiler. Besides randn scores ("random"), each run
+then each kernel's device time from the profiler. --pair: the scan + select pair alone at 128K
+and 1M, beside the scan alone (with the scan's maxima on, `indexer_topk.GROUP`, also the scan
+writing them and the pair without them). Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
@@ -104,7 +106,7 @@ class IndexPool:
 
 def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
-    from k31c.lowering.triton import indexer, indexer_topk
+    from k31c.lowering.triton import indexer, indexer_topk, topk
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -127,6 +129,10 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
                  "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
+        if indexer_topk.GROUP:     # the scan's maxima on: what they cost and what they save
+            peers["scan + maxima"] = graph_ms(lambda: indexer.launch_indexer(*args, group=indexer_topk.GROUP))
+            peers["scan, select without maxima"] = graph_ms(
+                lambda: topk.topk_select(indexer.lightning_indexer(*args), row_len, K))
         ms = graph_ms(pair)
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")
@@ -168,5 +174,7 @@ if __name__ == "__main__":
         print(markdown(topk_rows(m, (128 << 10, 1 << 20), compile_peer=False), m))
         print()
         print(kernel_times())
+    elif "--pair" in sys.argv:   # the scan + select pair alone at 128K and 1M
+        print(markdown(indexer_topk_rows(m, (128 << 10, 1 << 20)), m))
     else:
         print(markdown(run(m), m))
