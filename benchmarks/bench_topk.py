@@ -18,8 +18,7 @@ selected sets equal the reference op's.
 
 --quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
 then each kernel's device time from the profiler. --pair: the scan + select pair alone at 128K
-and 1M, beside the scan alone (with the scan's maxima on, `indexer_topk.GROUP`, also the scan
-writing them and the pair without them). Besides randn scores ("random"), each run
+and 1M, beside the scan alone. Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
@@ -106,7 +105,7 @@ class IndexPool:
 
 def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
-    from k31c.lowering.triton import indexer, indexer_topk, topk
+    from k31c.lowering.triton import indexer, indexer_topk
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
@@ -129,10 +128,6 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
                  "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
-        if indexer_topk.GROUP:     # the scan's maxima on: what they cost and what they save
-            peers["scan + maxima"] = graph_ms(lambda: indexer.launch_indexer(*args, group=indexer_topk.GROUP))
-            peers["scan, select without maxima"] = graph_ms(
-                lambda: topk.topk_select(indexer.lightning_indexer(*args), row_len, K))
         ms = graph_ms(pair)
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")

@@ -101,7 +101,7 @@ def _filter(scores, row_len, p, ws, q, tile: int, warps: int, **extra):
     own = q.workspace("cuda")
     return topk._filter_kernel[(scores.shape[0], q.n_chunks)](
         scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], own["hkey"], own["hpos"],
-        own["ties"], row_len, 1, p.cap, q.chunk, TILE=tile, SLOTS=q.slots, PTX=True, num_warps=warps, **extra)
+        own["ties"], p.cap, q.chunk, TILE=tile, SLOTS=q.slots, PTX=True, num_warps=warps, **extra)
 
 
 def filter_sweep() -> None:

@@ -69,86 +69,24 @@ def test_rows_of_mixed_requests(topk_paths):
 
 
 def test_pair_is_the_two_launchers_and_not_the_reference(monkeypatch):
-    """The registered launcher runs indexer.py's scan (with its group maxima) then topk.py's
-    select on its scores and maxima (their own launchers, so their tests and tuning apply) and
-    never the reference ops."""
+    """The registered launcher runs indexer.py's scan then topk.py's select on its scores (their
+    own launchers, so their tests and tuning apply) and never the reference ops."""
     gen = torch.Generator().manual_seed(16)
     args = [a.to(DEVICE) for a in _indexer_inputs(gen, 2, 2, 4, 16, 8, 12, torch.float32, "fp8")]
     row_len = torch.tensor([96, 95, 40, 90], dtype=torch.int32, device=DEVICE)
     ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, 8)
     calls = []
-    scan, select = indexer.launch_indexer, topk.select
-    monkeypatch.setattr(indexer, "launch_indexer", lambda *a, **kw: calls.append(("scan", kw)) or scan(*a, **kw))
-    monkeypatch.setattr(topk, "select", lambda s, n, k, m=None, g=0: calls.append(
-        ("select", s.shape, None if m is None else m.shape, g)) or select(s, n, k, m, g))
+    scan, select = indexer.lightning_indexer, topk.topk_select
+    monkeypatch.setattr(indexer, "lightning_indexer", lambda *a: calls.append("scan") or scan(*a))
+    monkeypatch.setattr(topk, "topk_select", lambda s, n, k: calls.append(("select", s.shape)) or select(s, n, k))
 
     def refuse(*a, **kw):
         raise AssertionError("the kernel called the reference op")
     for name in ("indexer_scores", "select_topk"):
         monkeypatch.setattr(k31c.graph.ops.indexer, name, refuse)
     got = indexer_topk.lightning_indexer_topk(*args, row_len, 8)
-    g = indexer_topk.GROUP
-    assert calls == ([("scan", {"group": g}), ("select", (4, 96), (4, 96 // g), g)] if g
-                     else [("scan", {}), ("select", (4, 96), None, 0)])
+    assert calls == ["scan", ("select", (4, 96))]
     _same_sets(got, ref)
-
-
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """radix_select.order_key in torch (int64 holding the uint32)."""
-    bits = x.view(torch.int32).long() & 0xFFFFFFFF
-    bits = torch.where(bits == 0x80000000, 0, bits)
-    key = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-    return torch.where(x.isnan(), 0xFFFFFFFF, key)
-
-
-def _group_maxima(scores: torch.Tensor, group: int) -> torch.Tensor:
-    keys = _order_keys(scores)
-    keys = torch.nn.functional.pad(keys, (0, -scores.shape[1] % group))
-    peak = keys.view(scores.shape[0], -1, group).amax(2)
-    return torch.where(peak >= 1 << 31, peak - (1 << 32), peak).int()
-
-
-@pytest.mark.parametrize("cache_kind, group, variant", [("fp8", 8, "tma"), (torch.float32, 8, "tma"),
-                                                         ("fp8", 16, "tma"), ("fp8", 8, "gather"),
-                                                         ("fp8", 32, "gather")])
-def test_scan_writes_group_maxima(cache_kind, group, variant):
-    """Each row's maxima, over the groups it can see, are the largest order keys of its scores
-    (the groups past a row's length are not read and not checked); 16 is the block size (one
-    maximum a TMA step), 32 one a gather step on the CPU."""
-    gen = torch.Generator().manual_seed(18)
-    args = [a.to(DEVICE) for a in _indexer_inputs(gen, 3, 2, 4, 32, 16, 10, torch.float32, cache_kind)]
-    row_len = torch.tensor([160, 151, 9, 70, 1, 100], dtype=torch.int32, device=DEVICE)
-    scores, maxima = indexer.launch_indexer(*args, row_len, group=group, variant=variant)
-    assert maxima is not None
-    assert torch.equal(scores, indexer.launch_indexer(*args, row_len, variant=variant))
-    want = _group_maxima(scores, group)
-    for r, n in enumerate(row_len.tolist()):
-        seen = -(-n // group)
-        assert torch.equal(maxima[r, :seen].cpu(), want[r, :seen].cpu()), f"row {r}"
-
-
-def test_select_reads_only_groups_that_reach(topk_paths):
-    """topk.select with maxima: exact sets on random rows, rows whose high scores cluster in a few
-    groups, and rows of odd lengths; with maxima that understate the groups the candidates are
-    lost (the maxima are what the filter reads, not an optional hint)."""
-    gen = torch.Generator().manual_seed(19)
-    k, width, group = 16, 1000, 8
-    scores = torch.randn(6, width, generator=gen)
-    scores[1, 400:440] += 5.0                      # the candidates packed into 5 groups
-    scores[2] = scores[2].round()                  # ties at the threshold
-    row_len = torch.tensor([width, width, width, 999, 333, 517], dtype=torch.int32)
-    scores, row_len = scores.to(DEVICE), row_len.to(DEVICE)
-    ref = torch.ops.k31c.topk_select(scores, row_len, k)
-    maxima = _group_maxima(scores, group).to(DEVICE)
-    _same_sets(topk.select(scores, row_len, k, maxima, group), ref)
-    assert topk_paths() == ["sampled", "sampled", "ties", "sampled", "sampled", "sampled"]
-    low = maxima.clone()
-    low[:, 50:] = 0                                # groups from position 400 on look empty
-    assert topk.select(scores, row_len, k, low, group).sort(1).values.tolist() != ref.sort(1).values.tolist()
-    with pytest.raises(ValueError, match="maxima"):
-        topk.select(scores, row_len, k, maxima[:, 1:], group)
-    with pytest.raises(ValueError, match="maxima"):
-        topk.select(scores, row_len, k, maxima, 6)
 
 
 def test_rejects_bad_arguments():

@@ -72,13 +72,13 @@ _TMA_PROGRAMS_PER_SM = 3    # tma grid target (with q_rcp=False sm_90a gives 255
 @triton.jit
 def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
                     cache_ptr, cache_f32_ptr, block_stride, table_ptr, table_stride,
-                    row_req_ptr, row_len_ptr, out_ptr, max_ptr, max_stride, n_rows, n_req, capacity, n_splits,
+                    row_req_ptr, row_len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
                     ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
                     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     KEYS: tl.constexpr, TAIL: tl.constexpr, FP8_CACHE: tl.constexpr,
                     QUANT_Q: tl.constexpr, DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr,
                     HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    HW_CVT: tl.constexpr, GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
+                    HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
     """HW_CVT: quantise q with the hardware e4m3 conversion (GPU only) rather than the bit-exact
     fp32 emulation (same values: both round x / scale to nearest-even).
     HEAD_DOT: the weighted head sum as a second tl.dot, ReLU(logits) [KEYS, M] (HEAD_DTYPE) x
@@ -102,7 +102,6 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
     row_ok, req_of_row, len_of_row, out_row = rows_of_tile(row_req_ptr, row_len_ptr, out_ptr,
                                                            first_row, n_rows, capacity, ROWS, OUT)
     minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
-    max_row = max_ptr + (first_row + tl.arange(0, OUT)).to(tl.int64) * max_stride   # GROUP > 0
 
     for j in range(ROWS):
         row = first_row + j
@@ -133,8 +132,8 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                                           mask=key_ok, other=0.0)
                     else:
                         k_scale = offset                                 # unused without FP8
-                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, max_row, KEYS,
-                               ROWS_PAD, H_PAD, FP8_CACHE, DOT_DTYPE, HEAD_DOT, HEAD_DTYPE, GROUP)
+                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, KEYS,
+                               ROWS_PAD, H_PAD, FP8_CACHE, DOT_DTYPE, HEAD_DOT, HEAD_DTYPE)
                 fill_tail(out_row, sel, capacity, n_steps * KEYS, split, n_splits, minus_inf, TAIL)
 
 
@@ -246,7 +245,7 @@ def mx_plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: in
 def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, keys_per_step=None,
                    splits=None, quant_q=None, exact_dot=False, head_dot=False, num_warps=None,
                    num_stages=5, variant=None, hw_quant=False,
-                   programs_per_sm=None, q_rcp=False, maxnreg=None, group: int = 0):
+                   programs_per_sm=None, q_rcp=False, maxnreg=None) -> torch.Tensor:
     """The lightning_indexer launcher with its tuning knobs exposed (benchmarks and tests).
 
     quant_q: quantise q to e4m3 (default: FP8 cache on the GPU); exact_dot: force the fp32 dot
@@ -257,10 +256,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     the layout does not allow it); keys_per_step is then the block size. None: the target's
     default (`Target.variant`). hw_quant: the gather kernel quantises q with the hardware
     conversion (the tma kernel always does on the GPU). programs_per_sm: the grid target when
-    splits is None. q_rcp, maxnreg: tma only (see indexer_tma.launch_indexer_tma).
-    group > 0: returns (scores, maxima), maxima the int32 [N, ceil(L / group)] largest order key
-    of each `group` positions (`topk.select` reads them), or None where the kernel that runs
-    writes none (the MXFP8 gather kernel; a step of keys that `group` does not divide)."""
+    splits is None. q_rcp, maxnreg: tma only (see indexer_tma.launch_indexer_tma)."""
     if variant is not None and variant not in ("gather", "tma"):
         raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
     block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
@@ -279,46 +275,45 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
                          "(unaligned fp32 scales)")
     capacity = block_table.shape[1] * block_size
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
-    maxima = None
     if n == 0 or capacity == 0:
-        return (scores, maxima) if group else scores
-    mx = is_mxfp8_index_cache(index_cache)
-    tma_ok = indexer_tma.tma_supported(index_cache, d, block_size)
-    if mx:
+        return scores
+    if is_mxfp8_index_cache(index_cache):
         indexer_mxfp8.check_mx_width(d)
         p = mx_plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
-                    tma_ok=tma_ok, variant=variant, keys_per_step=keys_per_step, splits=splits,
-                    exact_dot=exact_dot, head_dot=head_dot, num_warps=num_warps, num_stages=num_stages,
+                    tma_ok=indexer_tma.tma_supported(index_cache, d, block_size), variant=variant,
+                    keys_per_step=keys_per_step, splits=splits, exact_dot=exact_dot,
+                    head_dot=head_dot, num_warps=num_warps, num_stages=num_stages,
                     programs_per_sm=programs_per_sm)
-    else:
-        p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
-                 index_cache.dtype, tma_ok=tma_ok, keys_per_step=keys_per_step, splits=splits,
-                 quant_q=quant_q, exact_dot=exact_dot, head_dot=head_dot, num_warps=num_warps,
-                 num_stages=num_stages, variant=variant, hw_quant=hw_quant, programs_per_sm=programs_per_sm)
-    if group and p.keys % group == 0 and not (mx and p.variant == "gather"):
-        maxima = torch.empty((n, triton.cdiv(capacity, group)), dtype=torch.int32, device=q.device)
-    if mx and p.variant == "gather":
-        indexer_mxfp8.launch_indexer_mx(
+        if p.variant == "tma":
+            return indexer_tma.launch_indexer_tma(
+                q, weights, index_cache, block_table, row_req, row_len, scores,
+                block_size=block_size, rows=p.rows, rows_pad=p.rows_pad, splits=p.splits,
+                quant_q=False, dot_dtype=p.dot_dtype, head_dot=p.head_dot, num_warps=p.num_warps,
+                num_stages=p.num_stages, maxnreg=maxnreg)
+        return indexer_mxfp8.launch_indexer_mx(
             q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
             rows=p.rows, rows_pad=p.rows_pad, keys=p.keys, splits=p.splits, num_warps=p.num_warps,
             num_stages=p.num_stages, exact_dot=exact_dot)
-    elif p.variant == "tma":
-        indexer_tma.launch_indexer_tma(
+    p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
+             index_cache.dtype, tma_ok=indexer_tma.tma_supported(index_cache, d, block_size),
+             keys_per_step=keys_per_step, splits=splits, quant_q=quant_q, exact_dot=exact_dot,
+             head_dot=head_dot, num_warps=num_warps, num_stages=num_stages, variant=variant,
+             hw_quant=hw_quant, programs_per_sm=programs_per_sm)
+    if p.variant == "tma":
+        return indexer_tma.launch_indexer_tma(
             q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
-            rows=p.rows, rows_pad=p.rows_pad, splits=p.splits, quant_q=False if mx else p.quant_q,
-            dot_dtype=p.dot_dtype, head_dot=p.head_dot, num_warps=p.num_warps, num_stages=p.num_stages,
-            q_rcp=q_rcp and not mx, maxnreg=maxnreg, maxima=maxima, group=group)
-    else:
-        cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
-        if fp8 and p.on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
-            index_cache = index_cache.view(torch.float8_e4m3fn)
-        _indexer_kernel[(triton.cdiv(n, p.rows), p.splits)](
-            q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
-            index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
-            row_req, row_len, scores, *indexer_tma.maxima_args(maxima, row_len), n, block_table.shape[0],
-            capacity, p.splits, **p.gather_constexprs(block_size), GROUP=group if maxima is not None else 0,
-            num_warps=p.num_warps, **pdl_launch(q.device))
-    return (scores, maxima) if group else scores
+            rows=p.rows, rows_pad=p.rows_pad, splits=p.splits, quant_q=p.quant_q,
+            dot_dtype=p.dot_dtype, head_dot=p.head_dot, num_warps=p.num_warps,
+            num_stages=p.num_stages, q_rcp=q_rcp, maxnreg=maxnreg)
+    cache_f32 = index_cache.view(torch.float32) if fp8 else index_cache
+    if fp8 and p.on_gpu:   # e4m3 loads straight into shared memory feed the tensor cores (no bitcast)
+        index_cache = index_cache.view(torch.float8_e4m3fn)
+    _indexer_kernel[(triton.cdiv(n, p.rows), p.splits)](
+        q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
+        index_cache, cache_f32, index_cache.stride(0), block_table, block_table.stride(0),
+        row_req, row_len, scores, n, block_table.shape[0], capacity, p.splits,
+        **p.gather_constexprs(block_size), num_warps=p.num_warps, **pdl_launch(q.device))
+    return scores
 
 
 @register(_OP, GPU_TARGETS)
@@ -328,39 +323,35 @@ def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch
     return launch_indexer(q, weights, index_cache, block_table, row_req, row_len)
 
 
-def aot_specs(shapes, group: int = 0) -> list:
+def aot_specs(shapes) -> list:
     """The launches of `lightning_indexer` on the GPU at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build: FP8 (uint8, viewed as e4m3) and BF16 index caches, decode batches of
     R rows per request; constexprs from `plan` with the launcher's defaults: the tma kernel
-    where the target's default variant is tma, else the gather kernel; group: writing the
-    maxima of `group` positions too (`launch_indexer(group=...)`)."""
+    where the target's default variant is tma, else the gather kernel."""
     from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
     heads, d, bs = cfg.index_n_heads, cfg.index_head_dim, shapes.block_size
 
     def ints(n: int, p, block_stride: int) -> dict:
-        return _launch_ints(shapes, n, p, block_stride, heads, d, table_width(shapes), group)
+        return _launch_ints(shapes, n, p, block_stride, heads, d, table_width(shapes))
     specs = []
     for fp8 in (True, False):
         cache_dt = torch.float8_e4m3fn if fp8 else torch.bfloat16   # FP8: the e4m3 view on the GPU
         ptrs = dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32,
                     cache_f32_ptr=torch.float32 if fp8 else cache_dt, table_ptr=torch.int32,
-                    row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32,
-                    max_ptr=torch.int32)
+                    row_req_ptr=torch.int32, row_len_ptr=torch.int32, out_ptr=torch.float32)
         tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
             n = shapes.batch * r
             p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs,
                      torch.uint8 if fp8 else torch.bfloat16)
             at = ints(n, p, bs * (d + 4 if fp8 else d))
-            name = f"{tag},R={r}" + (f",GROUP={group}" if group else "")
             if p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
-                specs.append(indexer_tma.aot_spec(p, bs, ptrs, name, _OP, at, group=group))
+                specs.append(indexer_tma.aot_spec(p, bs, ptrs, f"{tag},R={r}", _OP, at))
             else:
-                specs.append(kernel_spec(_indexer_kernel, _OP, name, dict(p.gather_constexprs(bs), GROUP=group),
+                specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}", p.gather_constexprs(bs),
                                          dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps, ints=at))
-    if not group:
-        specs += mx_aot_specs(shapes, MX_VARIANT)
+    specs += mx_aot_specs(shapes, MX_VARIANT)
     return specs
 
 
@@ -379,21 +370,16 @@ def mx_aot_specs(shapes, variant: str) -> list:
         p = mx_plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs, variant=variant)
         at = _launch_ints(shapes, n, p, bs * mx_row_bytes(d), heads, d, table_width(shapes))
         if p.variant == "tma":
-            specs.append(indexer_tma.aot_spec(p, bs, dict(ptrs, cache_f32_ptr=torch.float8_e4m3fn,
-                                                          max_ptr=torch.int32),
+            specs.append(indexer_tma.aot_spec(p, bs, dict(ptrs, cache_f32_ptr=torch.float8_e4m3fn),
                                               f"mxfp8,R={r}", _OP, at, mx=True))
         else:
-            at.pop("max_stride")            # the MX gather kernel writes no maxima
             specs.append(indexer_mxfp8.aot_spec(p, bs, ptrs, f"mxfp8,R={r}", _OP, at))
     return specs
 
 
-def _launch_ints(shapes, n: int, p, block_stride: int, heads: int, d: int, table_stride: int,
-                 group: int = 0) -> dict:
+def _launch_ints(shapes, n: int, p, block_stride: int, heads: int, d: int, table_stride: int) -> dict:
     """The launch's integers: q [n, heads, d] and weights [n, heads] contiguous, the cache
-    [blocks, block_stride], the block table [batch, table width], scores [n, context], maxima
-    [n, context / group] (without them row_len stands in, stride 1)."""
+    [blocks, block_stride], the block table [batch, table width], scores [n, context]."""
     return dict(q_row_stride=heads * d, q_head_stride=d, q_col_stride=1, w_row_stride=heads,
                 w_head_stride=1, block_stride=block_stride, table_stride=table_stride,
-                n_rows=n, n_req=shapes.batch, capacity=shapes.context, n_splits=p.splits,
-                max_stride=triton.cdiv(shapes.context, group) if group else 1)
+                n_rows=n, n_req=shapes.batch, capacity=shapes.context, n_splits=p.splits)

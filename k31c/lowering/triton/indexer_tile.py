@@ -1,15 +1,13 @@
 """What both lightning-indexer kernels share (indexer.py gathers keys row by row; indexer_tma.py
 bulk-copies whole cache blocks): the hardware e4m3 quantisation of q, the query tile loaded once
 per program, the tile's rows and requests, and the scoring of one block of keys against it (ReLU,
-head weights, key scale, row-length mask, store, and optionally the group maxima the top-k reads).
-Inlined into each kernel by Triton."""
+head weights, key scale, row-length mask, store). Inlined into each kernel by Triton."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
 from k31c.lowering.triton.cache_write import e4m3_scale, quantize_e4m3
-from k31c.lowering.triton.radix_select import order_key
 
 
 @triton.jit
@@ -96,15 +94,12 @@ def head_weights(w, ROWS_PAD: tl.constexpr, H_PAD: tl.constexpr, OUT: tl.constex
 
 
 @triton.jit
-def score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, max_row, KEYS: tl.constexpr,
+def score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, KEYS: tl.constexpr,
                ROWS_PAD: tl.constexpr, H_PAD: tl.constexpr, FP8_CACHE: tl.constexpr,
-               DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr,
-               GROUP: tl.constexpr = 0):
-    """Scores of KEYS keys (k [KEYS, D_PAD], positions pos, consecutive from a multiple of
-    GROUP) for the tile's rows: ReLU(k·q) times the head weights summed per row, times the key's
-    scale (FP8), -inf at or past each row's length, stored to the selected rows (sel) of
-    out_row. GROUP > 0: also the largest order key (radix_select.order_key) of each GROUP
-    positions, to max_row (int32, position // GROUP), which lets the top-k skip the rest."""
+               DOT_DTYPE: tl.constexpr, HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr):
+    """Scores of KEYS keys (k [KEYS, D_PAD], positions pos) for the tile's rows: ReLU(k·q) times
+    the head weights summed per row, times the key's scale (FP8), -inf at or past each row's
+    length, stored to the selected rows (sel) of out_row."""
     if DOT_DTYPE == tl.float32:
         logits = tl.dot(k.to(tl.float32), q_t, input_precision="ieee")
     else:
@@ -122,15 +117,6 @@ def score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, max
         scores = scores * k_scale[:, None]
     scores = tl.where(pos[:, None] < lens[None, :], scores, float("-inf"))
     tl.store(out_row[None, :] + pos[:, None], scores, mask=sel[None, :] & (pos < capacity)[:, None])
-    if GROUP == KEYS:      # one maximum a step: a plain reduction over the keys
-        group = tl.min(pos, 0) // GROUP
-        tl.store(max_row + group, tl.max(order_key(scores), 0).to(tl.int32, bitcast=True),
-                 mask=sel & (group * GROUP < capacity))
-    elif GROUP > 0:
-        peak = tl.max(tl.reshape(order_key(scores), (KEYS // GROUP, GROUP, scores.shape[1])), 1)
-        group = tl.max(tl.reshape(pos, (KEYS // GROUP, GROUP)), 1) // GROUP
-        tl.store(max_row[None, :] + group[:, None], peak.to(tl.int32, bitcast=True),
-                 mask=sel[None, :] & (group * GROUP < capacity)[:, None])
 
 
 @triton.jit

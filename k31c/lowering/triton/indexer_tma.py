@@ -49,14 +49,14 @@ from k31c.lowering.triton.device import pdl_launch, register_cap, wait_for_produ
 @triton.jit
 def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_row_stride, w_head_stride,
                         k_desc, cache_f32_ptr, cache_u8_ptr, block_stride, table_ptr, table_stride,
-                        row_req_ptr, row_len_ptr, out_ptr, max_ptr, max_stride, n_rows, n_req, capacity, n_splits,
+                        row_req_ptr, row_len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
                         ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr,
                         D: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr,
                         TAIL: tl.constexpr, FP8_CACHE: tl.constexpr, MX_CACHE: tl.constexpr,
                         QUANT_Q: tl.constexpr,
                         HW_CVT: tl.constexpr, Q_RCP: tl.constexpr, DOT_DTYPE: tl.constexpr,
                         HEAD_DOT: tl.constexpr, HEAD_DTYPE: tl.constexpr, OUT: tl.constexpr,
-                        NUM_STAGES: tl.constexpr, GROUP: tl.constexpr = 0, PDL: tl.constexpr = False):
+                        NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -78,7 +78,6 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
     row_ok, req_of_row, len_of_row, out_row = rows_of_tile(row_req_ptr, row_len_ptr, out_ptr,
                                                            first_row, n_rows, capacity, ROWS, OUT)
     minus_inf = tl.full((OUT, TAIL), float("-inf"), tl.float32)
-    max_row = max_ptr + (first_row + tl.arange(0, OUT)).to(tl.int64) * max_stride   # GROUP > 0
     offs = tl.arange(0, BLOCK_SIZE)
 
     for j in range(ROWS):
@@ -111,9 +110,9 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
                         k_scale = offs                                   # unused
                     else:
                         k_scale = offs                                   # unused without FP8
-                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity, max_row,
+                    score_keys(k, q_t, w, w_mat, k_scale, pos, lens, out_row, sel, capacity,
                                BLOCK_SIZE, ROWS_PAD, H_PAD, FP8_CACHE, DOT_DTYPE, HEAD_DOT,
-                               HEAD_DTYPE, GROUP)
+                               HEAD_DTYPE)
                 fill_tail(out_row, sel, capacity, n_steps * BLOCK_SIZE, split, n_splits, minus_inf,
                           TAIL)
 
@@ -131,12 +130,10 @@ def tma_supported(index_cache: torch.Tensor, d: int, block_size: int) -> bool:
 def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, scores, *, block_size: int,
                        rows: int, rows_pad: int, splits: int, quant_q: bool, dot_dtype, head_dot: bool,
                        num_warps: int | None, num_stages: int, q_rcp: bool = False,
-                       maxnreg: int | None = None, maxima: torch.Tensor | None = None,
-                       group: int = 0) -> torch.Tensor:
+                       maxnreg: int | None = None) -> torch.Tensor:
     """Launch on checked arguments (`indexer.launch_indexer(..., variant="tma")` derives them).
     q_rcp: see `e4m3_hw`; maxnreg: register cap (default on the GPU: 168 for an MXFP8 cache or with
-    q_rcp, at 4 warps and at most 128 query rows a tile, so 3 programs fit an SM; 0: none);
-    maxima: also write the group maxima of `group` positions there (indexer_tile.score_keys)."""
+    q_rcp, at 4 warps and at most 128 query rows a tile, so 3 programs fit an SM; 0: none)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, heads, d = q.shape
@@ -161,16 +158,11 @@ def launch_indexer_tma(q, weights, index_cache, block_table, row_req, row_len, s
     _indexer_tma_kernel[(triton.cdiv(n, rows), splits)](
         q, q.stride(0), q.stride(1), q.stride(2), weights, weights.stride(0), weights.stride(1),
         k_desc, cache_f32, cache_u8, index_cache.stride(0), block_table, block_table.stride(0),
-        row_req, row_len, scores, *maxima_args(maxima, row_len), n, block_table.shape[0], capacity, splits,
+        row_req, row_len, scores, n, block_table.shape[0], capacity, splits,
         **_constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_gpu, fp8,
-                      quant_q, q_rcp, dot_dtype, head_dot, num_stages, mx), GROUP=group if maxima is not None else 0,
+                      quant_q, q_rcp, dot_dtype, head_dot, num_stages, mx),
         num_warps=num_warps, **extra, **pdl_launch(q.device))
     return scores
-
-
-def maxima_args(maxima: torch.Tensor | None, row_len: torch.Tensor) -> tuple:
-    """The kernels' (max_ptr, max_stride): without maxima, row_len stands in (never read)."""
-    return (row_len, 1) if maxima is None else (maxima, maxima.stride(0))
 
 
 def default_maxnreg(mx: bool, q_rcp: bool, num_warps: int, rows_pad: int, h_pad: int) -> int:
@@ -197,18 +189,18 @@ def _constexprs(rows, rows_pad, heads, h_pad, d, block_size, rows_per_block, on_
 
 
 def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict | None = None,
-             mx: bool = False, group: int = 0):
+             mx: bool = False):
     """The AOT build of the launch `indexer.plan` describes (p, an IndexerPlan for the GPU) with
     q_rcp off: the [blocks, block_stride] cache viewed as [rows, D], one box = one block's keys
     (mx: an MXFP8 cache, 4 B of group exponents a key after the values); `ints`: the launch's
-    integers (aot_spec.kernel_spec); group: the maxima of `group` positions written too."""
+    integers (aot_spec.kernel_spec)."""
     stride = block_size * (p.d + 4 if p.fp8 else p.d + p.d // 32 if mx else p.d)
     num_warps = _num_warps(p.rows_pad, p.h_pad, p.num_warps)
     desc = f"tensordesc<{'fp8e4nv' if p.fp8 or mx else 'bf16'}[{block_size},{p.d}]>"
     return kernel_spec(
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
-                    p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages, mx) | dict(GROUP=group),
+                    p.fp8, p.quant_q, False, p.dot_dtype, p.head_dot, p.num_stages, mx),
         dict(ptrs, k_desc=desc, cache_u8_ptr=torch.uint8 if mx else ptrs["cache_f32_ptr"]),
         num_warps=num_warps, ints=ints,
         maxnreg=default_maxnreg(mx, False, num_warps, p.rows_pad, p.h_pad))

@@ -164,26 +164,13 @@ def _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS: tl.constex
 
 
 @triton.jit
-def _group_peak(max_row, run_pos, hi, GROUP: tl.constexpr):
-    """The largest order key of each run's group (runs starting at run_pos; 0 past hi); all
-    ones without maxima (GROUP = 0: every run is read)."""
-    if GROUP > 0:
-        peak = tl.load(max_row + run_pos // GROUP, mask=run_pos < hi, other=0).to(tl.uint32, bitcast=True)
-    else:
-        peak = tl.full(run_pos.shape, 0xFFFFFFFF, tl.uint32)
-    return peak
-
-
-@triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
-                   ties_ptr, max_ptr, max_stride, cap, chunk, TILE: tl.constexpr, SLOTS: tl.constexpr,
-                   GROUP: tl.constexpr = 0, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                   ties_ptr, cap, chunk, TILE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
+                   PTX: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
-    if any, comes after the loop. GROUP > 0: max_ptr holds the largest order key of each GROUP
-    positions (the scan wrote them), and only runs whose group reaches the threshold are read
-    (the rest hold no key >= it); the maxima are loaded two tiles ahead, the keys one."""
+    if any, comes after the loop."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
@@ -202,19 +189,13 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
         offs = run + tl.arange(0, RUN_KEYS)[None, :]
         ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
-        max_row = max_ptr + row.to(tl.int64) * max_stride
-        reach_nxt = _group_peak(max_row, lo + run, hi, GROUP) >= thresh
-        far = _group_peak(max_row, lo + TILE + run, hi, GROUP)
-        nxt = tl.load(src_row + lo + offs, mask=(lo + run + RUN_KEYS <= hi) & reach_nxt, other=0.0)
+        nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
         for start in range(lo, hi, TILE):
             pos = start + offs
             x = nxt          # the next tile's load is in flight while this one is filtered
-            reach = reach_nxt
-            reach_nxt = far >= thresh
-            far = _group_peak(max_row, start + 2 * TILE + run, hi, GROUP)
-            nxt = tl.load(src_row + pos + TILE, mask=(start + TILE + run + RUN_KEYS <= hi) & reach_nxt, other=0.0)
+            nxt = tl.load(src_row + pos + TILE, mask=start + TILE + run + RUN_KEYS <= hi, other=0.0)
             key = order_key(x)
-            live = (start + run + RUN_KEYS <= hi) & reach
+            live = start + run + RUN_KEYS <= hi
             ties += (live & (key == thresh)).to(tl.int32)
             held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, live & (key > thresh),
                                 cap, SLOTS, PTX)
@@ -396,14 +377,6 @@ def launch_plan(scores, row_len, out, p: TopkPlan, ws: dict, **flags):
 @register("k31c::topk_select", GPU_TARGETS)
 def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Tensor:
     """The k best visible positions of each row (any order; -1 fills rows with row_len < k)."""
-    return select(scores, row_len, k)
-
-
-def select(scores: torch.Tensor, row_len: torch.Tensor, k: int, maxima: torch.Tensor | None = None,
-           group: int = 0) -> torch.Tensor:
-    """`topk_select`; with `maxima` (int32 [rows, ceil(width / group)], the largest order key of
-    each `group` positions, as the indexer scan writes them) the filter reads only the groups
-    that reach a row's threshold."""
     check_topk(scores, row_len, k)
     require_unit_stride(row_len=row_len)
     n_rows, width = scores.shape
@@ -412,13 +385,6 @@ def select(scores: torch.Tensor, row_len: torch.Tensor, k: int, maxima: torch.Te
         return out
     if width and scores.stride(1) != 1:
         scores = scores.contiguous()
-    if maxima is None:
-        maxima, group = row_len, 0            # not read
-    elif (group <= 0 or group % RUN_KEYS.value or maxima.dtype != torch.int32 or maxima.stride(1) != 1
-          or maxima.shape != (n_rows, triton.cdiv(width, group))):
-        raise ValueError(f"maxima: expected int32 [{n_rows}, ceil({width} / group)] (unit stride) with group "
-                         f"a positive multiple of {RUN_KEYS.value}, got {maxima.dtype} "
-                         f"{tuple(maxima.shape)} and group {group}")
     p = plan(n_rows, width, k)
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
@@ -428,9 +394,8 @@ def select(scores: torch.Tensor, row_len: torch.Tensor, k: int, maxima: torch.Te
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["hkey"], ws["hpos"], ws["ties"], maxima, maxima.stride(0), p.cap,
-                                         p.chunk, TILE=SCORE_TILE, SLOTS=p.slots, GROUP=group,
-                                         num_warps=FILTER_WARPS, **ptx, **pdl)
+                                         ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE,
+                                         SLOTS=p.slots, num_warps=FILTER_WARPS, **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
                               BUF=pow2(p.cap), TILE=REFINE_TILE,
@@ -440,20 +405,18 @@ def select(scores: torch.Tensor, row_len: torch.Tensor, k: int, maxima: torch.Te
     return out
 
 
-def aot_specs(shapes, group: int = 0) -> list:
+def aot_specs(shapes) -> list:
     """The launches of `topk_select` on the GPU at `shapes` (aot_spec.AotShapes), for the
-    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from `plan`; group:
-    the filter reads the scan's maxima of `group` positions (`select`)."""
+    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from `plan`."""
     op = "k31c::topk_select"
     p = plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
     f32, i32 = torch.float32, torch.int32
     ws = dict(state_ptr=i32, few_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32,
-              max_ptr=i32, out_ptr=i32, row_len_ptr=i32, src_ptr=f32)
+              out_ptr=i32, row_len_ptr=i32, src_ptr=f32)
 
     # the launches' integers: scores [rows, context] (the indexer's output), out [rows, k]
     ints = dict(src_stride=shapes.context, out_stride=p.k, k=p.k, cap=p.cap, target=p.target,
-                chunk=p.chunk, n_chunks=p.n_chunks,
-                max_stride=triton.cdiv(shapes.context, group) if group else 1)   # else row_len stands in
+                chunk=p.chunk, n_chunks=p.n_chunks)
 
     ptx = {"PTX": True} if shapes.target.triton_backend == "cuda" else {}   # as `inline_ptx` at launch
 
@@ -464,8 +427,8 @@ def aot_specs(shapes, group: int = 0) -> list:
     return [spec(_plan_kernel, f"scores,S={p.samples}",
                  dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, GROUP=PLAN_GROUP, FEW=PLAN_FEW, **ptx),
                  _warps(p.samples, PLAN_KEYS)),
-            spec(_filter_kernel, f"scores,SLOTS={p.slots},GROUP={group}",
-                 dict(TILE=SCORE_TILE, SLOTS=p.slots, GROUP=group, **ptx), FILTER_WARPS),
+            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=SCORE_TILE, SLOTS=p.slots, **ptx),
+                 FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx),
                  _warps(pow2(p.cap), REFINE_KEYS))]
