@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.lowering.triton import topk
+from k31c.lowering.triton import topk, topk_plan
 from k31c.lowering.triton.radix_select import select_kth
 try:
     from benchmarks.harness import graph_ms
@@ -87,7 +87,7 @@ def _planned(scores: torch.Tensor, **plan_args):
     n_rows, ctx = scores.shape
     row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty(n_rows, 2048, dtype=torch.int32, device="cuda")
-    p = topk.plan(n_rows, ctx, 2048, **plan_args)
+    p = topk_plan.plan(n_rows, ctx, 2048, **plan_args)
     ws = p.workspace("cuda")
     topk.launch_plan(scores, row_len, out, p, ws, PTX=True)
     return row_len, p, ws
@@ -97,7 +97,7 @@ def _filter(scores, row_len, p, ws, q, tile: int, warps: int, **extra):
     """One filter launch of plan `q` on the state and candidate buffers of plan `p` (its programs'
     own slots and tie counts at q's chunking), the rows' candidate counters reset first (so it
     appends as the real launch does); returns the compiled kernel."""
-    ws["state"].view(scores.shape[0], topk.ROW_STATE)[:, 0].zero_()
+    ws["state"].view(scores.shape[0], topk_plan.ROW_STATE)[:, 0].zero_()
     own = q.workspace("cuda")
     return topk._filter_kernel[(scores.shape[0], q.n_chunks)](
         scores, scores.stride(0), row_len, ws["state"], ws["ckey"], ws["cpos"], own["hkey"], own["hpos"],
@@ -110,7 +110,7 @@ def filter_sweep() -> None:
         row_len, p, ws = _planned(scores)
         for programs in (1024, 4096, 16384):
             for tile in (256, 512, 1024, 2048):
-                q = topk.plan(64, ctx, 2048, tile=tile, programs=programs)
+                q = topk_plan.plan(64, ctx, 2048, tile=tile, programs=programs)
                 for warps in (2, 4, 8):
                     us = graph_us(lambda: _filter(scores, row_len, p, ws, q, tile, warps), launches=10)
                     print(f"filter 64x{ctx >> 10}K: {programs} programs, tile {tile}, {warps} warps "
@@ -124,7 +124,7 @@ def filter_regs() -> None:
         scores = torch.randn(64, ctx, device="cuda")
         row_len, p, ws = _planned(scores)
         for tile, warps in ((512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 8)):
-            q = topk.plan(64, ctx, 2048, tile=tile)
+            q = topk_plan.plan(64, ctx, 2048, tile=tile)
             for cap in (None, 96, 72, 64, 48, 40):
                 extra = {} if cap is None else {"maxnreg": cap}
 

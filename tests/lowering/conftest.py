@@ -11,24 +11,24 @@ def small_topk_constants(monkeypatch):
     """Top-k's buffer and sample shrunk, on every device, so that a few hundred
     positions already run the sampled threshold, the refine and the exact fallback, and each
     test's rows take the same paths everywhere. Returns the real values."""
-    from k31c.lowering.triton import topk
-    real = {name: getattr(topk, name) for name in SMALL_TOPK}
+    from k31c.lowering.triton import topk_plan
+    real = {name: getattr(topk_plan, name) for name in SMALL_TOPK}
     for name, value in SMALL_TOPK.items():
-        monkeypatch.setattr(topk, name, value)
+        monkeypatch.setattr(topk_plan, name, value)
     return real
 
 
 @pytest.fixture
 def real_topk_constants(small_topk_constants, monkeypatch):
     """The real constants back, for the tests at K3.1 Pro shapes (after small_topk_constants)."""
-    from k31c.lowering.triton import topk
+    from k31c.lowering.triton import topk_plan
     for name, value in small_topk_constants.items():
-        monkeypatch.setattr(topk, name, value)
+        monkeypatch.setattr(topk_plan, name, value)
 
 
 @pytest.fixture
 def topk_paths(monkeypatch):
-    """After a top-k launch, `topk_paths()` is the path each row took (topk.row_paths)."""
+    """After a top-k launch, `topk_paths()` is the path each row took (topk_plan.row_paths)."""
     from k31c.lowering.triton import topk
     monkeypatch.setattr(topk, "DEBUG_PATHS", True)
     monkeypatch.setattr(topk, "last_paths", [])

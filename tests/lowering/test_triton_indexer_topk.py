@@ -11,7 +11,7 @@ import torch
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
-from k31c.lowering.triton import indexer, indexer_topk, topk
+from k31c.lowering.triton import indexer, indexer_topk, topk, topk_plan
 from test_triton_topk import _indexer_inputs, _same_sets   # the exact-grid input builder
 
 CUDA = torch.cuda.is_available()
@@ -42,7 +42,7 @@ def test_op_lowers_to_the_pair(target):
                                               ("fp8", "fallback")])
 def test_matches_reference(cache_kind, path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: long rows fall back
-        monkeypatch.setattr(topk, "TARGET_NUM", 0)
+        monkeypatch.setattr(topk_plan, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(14)
     B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
     args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)

@@ -3,7 +3,7 @@
 Sets are compared exactly (the tie rule makes the selected set unique). On every device the
 kernel's constants are shrunk (candidate buffer 96, 64 samples) so a few thousand positions
 already exercise every path, and each test asserts the path every row took
-(topk.row_paths): direct (row_len <= k), all (row_len <= buffer), the sampled threshold, the
+(topk_plan.row_paths): direct (row_len <= k), all (row_len <= buffer), the sampled threshold, the
 tie scan, and the exact selection from the whole row (sample misjudged, or masses of ties at the
 threshold).
 On CUDA the real constants also run at the real shapes (64 rows, k = 2048, L up to 1M).
@@ -15,7 +15,7 @@ import triton.language as tl
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
-from k31c.lowering.triton import indexer_topk, topk
+from k31c.lowering.triton import indexer_topk, topk, topk_plan
 from k31c.lowering.triton.radix_select import select_kth
 
 CUDA = torch.cuda.is_available()
@@ -77,7 +77,7 @@ def test_topk_of_one(topk_paths):
 @pytest.mark.parametrize("path", ["sampled", "fallback"])
 def test_topk_tie_heavy_rows(path, monkeypatch, topk_paths):
     if path == "fallback":   # a zero sample target puts T above every key: all long rows fall back
-        monkeypatch.setattr(topk, "TARGET_NUM", 0)
+        monkeypatch.setattr(topk_plan, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(1)
     k, width = 16, 2000
     rows = [
@@ -102,14 +102,14 @@ def test_topk_ties_in_a_chunks_last_partial_run(topk_paths):
     gen = torch.Generator().manual_seed(3)
     k, width, n = 16, 1300, 1234          # chunks of 32: the one to n ends in the partial run [1232, 1234)
     row = -1.0 - torch.rand(width, generator=gen)
-    runs = topk.SAMPLES // topk.RUN
+    runs = topk_plan.SAMPLES // topk_plan.RUN
     sampled = [r * n // runs for r in range(runs)]               # first positions of the sampled runs
     # the sample's 3rd key (its rank for 40 expected candidates) among 5 equal ones: T = key(1.0)
     row[sampled[:5]] = 1.0
     row[[1232, 1233]] = 1.0       # 7 ties in all
     above = torch.tensor([30, 60, 90, 120, 200, 250, 350, 400, 500, 550])
     row[above] = 5.0 + torch.arange(10.0)                        # 10 keys above T: need 6 ties
-    assert all(not (s <= p < s + topk.RUN) for p in above.tolist() + [1232, 1233] for s in sampled)
+    assert all(not (s <= p < s + topk_plan.RUN) for p in above.tolist() + [1232, 1233] for s in sampled)
     scores = row[None].to(DEVICE)
     row_len = torch.tensor([n], dtype=torch.int32, device=DEVICE)
     _check_topk(scores, row_len, k)
@@ -123,7 +123,7 @@ def test_topk_sample_misjudged(topk_paths):
     k, width = 16, 3000
     scores = torch.rand(2, width, generator=gen)
     sampled = torch.zeros(width, dtype=torch.bool)
-    n, runs, run = width, topk.SAMPLES // topk.RUN, topk.RUN
+    n, runs, run = width, topk_plan.SAMPLES // topk_plan.RUN, topk_plan.RUN
     for i in range(runs):
         sampled[i * n // runs: i * n // runs + run] = True
     scores[0, ~sampled] += 10.0
@@ -205,7 +205,7 @@ def _check_fused(args, row_len, k):
                                               ("fp8", "fallback")])
 def test_fused_matches_reference(cache_kind, path, monkeypatch, topk_paths):
     if path == "fallback":
-        monkeypatch.setattr(topk, "TARGET_NUM", 0)
+        monkeypatch.setattr(topk_plan, "TARGET_NUM", 0)
     gen = torch.Generator().manual_seed(4)
     B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
     args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)

@@ -25,12 +25,10 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
      itself (4 histogram passes of 8-bit digits, then the output pass), so no launch waits for
      a case that almost never happens.
 
-The selection helpers are in `radix_select.py`. `plan` picks the chunking, buffer and sample sizes
-once; the launcher and `aot_specs` read it.
+The selection helpers are in `radix_select.py`. `topk_plan.plan` picks the chunking, buffer and
+sample sizes once; the launcher and `aot_specs` read it.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,22 +42,11 @@ from k31c.lowering.triton.radix_select import (order_key, sample_position, selec
                                                store_where, take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
+from k31c.lowering.triton import topk_plan
+from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
-CAP = 8192             # candidate buffer per row (at least 4k; ~2.5k expected, +5 sd at 80 samples above T)
-TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
-SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 adjacent positions
-MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
-PLAN_GROUP, PLAN_FEW = 32, 1024  # the plan's bound: maxima of groups of 32 sampled keys; keys it selects from after
-MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
-ROW_STATE = 4                   # int32 words of per-row state
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
 last_paths: list[str] = []
-
-# per-row state words
-ST_CNT = tl.constexpr(0)      # candidates appended
-ST_THRESH = tl.constexpr(1)   # filter threshold key (uint32 bits)
-ST_MODE = tl.constexpr(2)     # 0: select; 1: written by plan (row_len <= k); 2: refine selected from the row
-ST_WORDS = tl.constexpr(ROW_STATE)
 RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of fp32 scores
 
 
@@ -213,27 +200,6 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
 
 
 @triton.jit
-def _buffer_top(ckey_row, cpos_row, count, k, out_row, BUF: tl.constexpr, PTX: tl.constexpr):
-    """Write the exact top-k of a row's `count` buffered candidates to out_row (all of them when
-    count <= k: the rest come from the ties); returns how many were written. BUF >= count slots
-    are held in registers."""
-    offs = tl.arange(0, BUF)
-    live = offs < count
-    key = tl.load(ckey_row + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
-    key_t = tl.zeros((), tl.uint32)
-    pos_t = tl.zeros((), tl.uint32)
-    if count > k:
-        key_t, krem, exact = select_kth(key, live, k, 7, SKIP_COMMON=True)
-        if exact == 0:       # krem of the keys equal to the k-th: the highest positions
-            tied = live & (key == key_t)
-            pos_t, _, _ = select_kth(tl.load(cpos_row + offs, mask=tied, other=0).to(tl.uint32), tied,
-                                     krem, 7, SKIP_COMMON=True)
-    pos = tl.load(cpos_row + offs, mask=live, other=0)
-    sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
-    return write_selected(out_row, 0, pos, sel, PTX)
-
-
-@triton.jit
 def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, ckey_ptr,
                    cpos_ptr, ties_ptr, k, cap, chunk, n_chunks, CP: tl.constexpr, BUF: tl.constexpr,
                    TILE: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
@@ -254,8 +220,21 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
         out_row = out_ptr + row.to(tl.int64) * out_stride
         use_ties = (need > 0) & (need <= tl.sum(ties, 0)) & (count <= cap)
         if ((count >= k) & (count <= cap)) | use_ties:
-            base = _buffer_top(ckey_ptr + row.to(tl.int64) * cap, cpos_ptr + row.to(tl.int64) * cap, count, k,
-                               out_row, BUF, PTX)
+            offs = tl.arange(0, BUF)
+            live = offs < count
+            key = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            cpos = cpos_ptr + row.to(tl.int64) * cap + offs
+            key_t = tl.zeros((), tl.uint32)
+            pos_t = tl.zeros((), tl.uint32)
+            if need <= 0:
+                key_t, krem, exact = select_kth(key, live, k, 7, SKIP_COMMON=True)
+                if exact == 0:       # krem of the keys equal to the k-th: the highest positions
+                    tied = live & (key == key_t)
+                    pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
+                                             krem, 7, SKIP_COMMON=True)
+            pos = tl.load(cpos, mask=live, other=0)
+            sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
+            base = write_selected(out_row, 0, pos, sel, PTX)
             j = n_chunks - 1     # chunks from the top, each giving its highest positions at T
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
@@ -269,109 +248,14 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
 
 
-# ---- launch plan ------------------------------------------------------------------------------
-
-SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refine / row-select tile
-# a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
-# tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
-FILTER_WARPS = 1
-FILTER_PROGRAMS = 8192                    # filter programs in all (about)
-PLAN_KEYS, REFINE_KEYS = 8, 32           # keys a thread holds: the sample's, the candidate buffer's
-
-
-def pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def chunking(width: int, groups: int, tile: int, programs: int) -> tuple[int, int]:
-    """Positions per filter program (whole tiles) and programs per row group, ~`programs` in all."""
-    per_group = max(1, programs // max(groups, 1))
-    chunk = max(tile, triton.cdiv(triton.cdiv(width, per_group), tile) * tile)
-    return chunk, triton.cdiv(width, chunk)
-
-
-@dataclass(frozen=True)
-class TopkPlan:
-    """How one call splits its rows: filter chunks, the candidate buffer and the sample (the
-    constants are read when planned, so tests may shrink them)."""
-    n_rows: int
-    width: int
-    k: int
-    chunk: int           # positions per filter program
-    n_chunks: int        # filter programs per row
-    cap: int             # candidate buffer per row
-    slots: int           # candidate slots of a filter program's own
-    samples: int         # sampled keys per long row
-    run: int
-    target: int          # expected candidates above the threshold
-
-    def workspace(self, device) -> dict:
-        """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
-        keys, candidate buffers, the filter programs' own slots and per-chunk tie counts."""
-        n = self.n_rows
-        held = n * self.n_chunks * self.slots
-        sizes = {"state": n * ROW_STATE, "few": n * PLAN_FEW, "ckey": n * self.cap, "cpos": n * self.cap,
-                 "hkey": held, "hpos": held, "ties": n * self.n_chunks}
-        flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
-        return dict(zip(sizes, flat.split(list(sizes.values()))))
-
-
-def row_paths(ws, row_len, k: int, cap: int) -> list[str]:
-    """The path each row of a finished call took, read back from its workspace: "direct"
-    (row_len <= k), "all" (row_len <= cap: every position a candidate), "sampled" (a sampled
-    threshold, settled from the buffer), "ties" (the buffer plus keys at the threshold),
-    "fallback" (selected from the whole row)."""
-    state = ws["state"].view(-1, ROW_STATE).cpu()
-    paths = []
-    for row, n in enumerate(row_len.tolist()):
-        mode = int(state[row, ST_MODE.value])
-        if mode == 1:
-            paths.append("direct")
-        elif mode == 2:
-            paths.append("fallback")
-        elif int(state[row, ST_CNT.value]) < k:           # fewer candidates than k
-            paths.append("ties")
-        else:
-            paths.append("all" if n <= cap else "sampled")
-    return paths
-
-
-def sample_count(width: int) -> int:
-    """Sampled keys for rows of `width`: ~width/64 (about 80 of them above the threshold), within
-    [MIN_SAMPLES, SAMPLES]."""
-    return min(SAMPLES, max(min(MIN_SAMPLES, SAMPLES), pow2(triton.cdiv(width, 64))))
-
-
-def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int | None = None,
-         programs: int | None = None) -> TopkPlan:
-    """The plan of `n_rows` rows of `width` keys (filter programs shared by `groups` row groups,
-    default one per row)."""
-    width = max(width, 1)
-    tile = SCORE_TILE if tile is None else tile
-    programs = FILTER_PROGRAMS if programs is None else programs
-    chunk, n_chunks = chunking(width, n_rows if groups is None else groups, tile, programs)
-    cap = min(max(CAP, 4 * k), width)
-    target = TARGET_NUM * k // TARGET_DEN
-    # twice a chunk's expected candidates in a full-width row; denser chunks (short rows, a
-    # cluster of high scores) go on to append to the row's buffer directly
-    slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
-    return TopkPlan(n_rows, width, k, chunk, n_chunks, cap, slots, sample_count(width), RUN, target)
-
-
-def _warps(elements: int, per_thread: int) -> int:
-    """Warps for a program holding `elements` keys in registers, about `per_thread` a thread. The
-    refine holds 32 (8 warps for its 8,192 keys): its levels cost barriers across the warps, and
-    8 warps beat 16 and 4; the plan's sample, 8 (fewer warps were slower; BENCHMARKS.md)."""
-    return max(4, min(16, elements // (32 * per_thread)))
-
-
 # ---- launcher ---------------------------------------------------------------------------------
 
 def launch_plan(scores, row_len, out, p: TopkPlan, ws: dict, **flags):
     """The plan launch of `p` on workspace `ws` (flags: PDL, PTX)."""
     _plan_kernel[(p.n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"], ws["few"], p.k,
-                              p.cap, p.target, SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, GROUP=PLAN_GROUP,
-                              FEW=PLAN_FEW, num_warps=_warps(p.samples, PLAN_KEYS), **flags)
+                              p.cap, p.target, SAMPLES=p.samples, RUN=p.run, TILE=topk_plan.REFINE_TILE,
+                              GROUP=p.group, FEW=p.few, num_warps=topk_plan.warps(p.samples, topk_plan.PLAN_KEYS),
+                              **flags)
 
 
 @register("k31c::topk_select", GPU_TARGETS)
@@ -385,7 +269,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
         return out
     if width and scores.stride(1) != 1:
         scores = scores.contiguous()
-    p = plan(n_rows, width, k)
+    p = topk_plan.plan(n_rows, width, k)
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
@@ -394,22 +278,22 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
-                                         ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=SCORE_TILE,
-                                         SLOTS=p.slots, num_warps=FILTER_WARPS, **ptx, **pdl)
+                                         ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=p.tile,
+                                         SLOTS=p.slots, num_warps=topk_plan.FILTER_WARPS, **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], p.k, p.cap, p.chunk, p.n_chunks, CP=pow2(p.n_chunks),
-                              BUF=pow2(p.cap), TILE=REFINE_TILE,
-                              num_warps=_warps(pow2(p.cap), REFINE_KEYS), **ptx, **pdl)
+                              BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE,
+                              num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS), **ptx, **pdl)
     if DEBUG_PATHS:
-        last_paths[:] = row_paths(ws, row_len, k, p.cap)
+        last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)
     return out
 
 
 def aot_specs(shapes) -> list:
     """The launches of `topk_select` on the GPU at `shapes` (aot_spec.AotShapes), for the
-    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from `plan`."""
+    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from the plan."""
     op = "k31c::topk_select"
-    p = plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
+    p = topk_plan.plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
     f32, i32 = torch.float32, torch.int32
     ws = dict(state_ptr=i32, few_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32,
               out_ptr=i32, row_len_ptr=i32, src_ptr=f32)
@@ -419,16 +303,17 @@ def aot_specs(shapes) -> list:
                 chunk=p.chunk, n_chunks=p.n_chunks)
 
     ptx = {"PTX": True} if shapes.target.triton_backend == "cuda" else {}   # as `inline_ptx` at launch
+    refine_tile, warps = topk_plan.REFINE_TILE, topk_plan.warps
 
-    def spec(kernel, variant, consts, warps):
+    def spec(kernel, variant, consts, num_warps):
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
-                           num_warps=warps, ints={n: v for n, v in ints.items() if n in names})
+                           num_warps=num_warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}",
-                 dict(SAMPLES=p.samples, RUN=p.run, TILE=REFINE_TILE, GROUP=PLAN_GROUP, FEW=PLAN_FEW, **ptx),
-                 _warps(p.samples, PLAN_KEYS)),
-            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=SCORE_TILE, SLOTS=p.slots, **ptx),
-                 FILTER_WARPS),
+                 dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx),
+                 warps(p.samples, topk_plan.PLAN_KEYS)),
+            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=p.tile, SLOTS=p.slots, **ptx),
+                 topk_plan.FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
-                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=REFINE_TILE, **ptx),
-                 _warps(pow2(p.cap), REFINE_KEYS))]
+                 dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=refine_tile, **ptx),
+                 warps(pow2(p.cap), topk_plan.REFINE_KEYS))]
