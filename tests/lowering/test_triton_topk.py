@@ -16,7 +16,7 @@ import triton.language as tl
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
 from k31c.lowering.triton import indexer_topk, topk, topk_plan
-from k31c.lowering.triton.radix_select import select_kth
+from k31c.lowering.triton.radix_select import select_kth, select_kth_gathered
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -43,7 +43,11 @@ def _direct(n):
 
 # ---- topk_select --------------------------------------------------------------------------------
 
-def test_topk_random_rows_and_lengths(topk_paths):
+@pytest.mark.parametrize("gather", [False, True], ids=["select", "gathered-select"])
+def test_topk_random_rows_and_lengths(gather, monkeypatch, topk_paths):
+    """Rows around k and the buffer; with `gather` the refine's key select finishes over the
+    candidates it gathers (topk_plan.REFINE_GATHER)."""
+    monkeypatch.setattr(topk_plan, "REFINE_GATHER", gather)
     gen = torch.Generator().manual_seed(0)
     k, width = 16, 1500
     lengths = [0, 1, k - 1, k, k + 1, 95, 97, 700, width, width]   # around k and the buffer (96)
@@ -52,8 +56,10 @@ def test_topk_random_rows_and_lengths(topk_paths):
     assert topk_paths() == _direct(4) + ["all"] * 2 + ["sampled"] * 4
 
 
-def test_topk_many_rows_fresh_inputs(topk_paths):
+@pytest.mark.parametrize("gather", [False, True], ids=["select", "gathered-select"])
+def test_topk_many_rows_fresh_inputs(gather, monkeypatch, topk_paths):
     """Random widths, lengths and values drawn from a few levels (ties near the k-th) or not."""
+    monkeypatch.setattr(topk_plan, "REFINE_GATHER", gather)
     gen = torch.Generator().manual_seed(7)
     k, width = 16, 777
     scores = torch.randn(24, width, generator=gen)
@@ -246,39 +252,45 @@ def test_fused_real_shapes(cache_kind):
 # ---- radix_select.select_kth --------------------------------------------------------------------
 
 @triton.jit
-def _select_probe(val_ptr, n, k, out_ptr, N: tl.constexpr, SKIP: tl.constexpr):
+def _select_probe(val_ptr, n, k, out_ptr, few_ptr, N: tl.constexpr, FORM: tl.constexpr):
     offs = tl.arange(0, N)
     live = offs < n
     v = tl.load(val_ptr + offs, mask=live, other=0).to(tl.uint32)
-    t, krem, exact = select_kth(v, live, k, 7, SKIP)
+    if FORM == 2:
+        t, krem, exact = select_kth_gathered(v, live, k, few_ptr, 8, False)
+    else:
+        t, krem, exact = select_kth(v, live, k, 7, FORM == 1)
     tl.store(out_ptr, t.to(tl.int64))
     tl.store(out_ptr + 1, krem.to(tl.int64))
     tl.store(out_ptr + 2, exact.to(tl.int64))
 
 
-def _select(vals, k, skip):
+def _select(vals, k, form):
     N = triton.next_power_of_2(max(len(vals), 16))
     v = torch.zeros(N, dtype=torch.int64)
     v[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
     out = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, N=N, SKIP=skip)
+    few = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, few, N=N, FORM=form)
     return out.tolist()
 
 
-@pytest.mark.parametrize("skip", [False, True])
-def test_select_kth_with_and_without_the_common_prefix(skip):
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["all-bits", "skip-common", "gathered"])
+def test_select_kth_with_and_without_the_common_prefix(form):
     """Exact semantics of select_kth at 32-bit depth: exact → exactly k of the values are >= t;
     else t is the k-th largest value and krem of the values equal to it complete the k. Values
     that share their high bits (the case SKIP_COMMON starts below), all equal, differing only in
-    the last bit, and spanning all 32 bits."""
+    the last bit, and spanning all 32 bits. `select_kth_gathered` (its levels finished over at
+    most 8 gathered values here) has the same semantics."""
     gen = torch.Generator().manual_seed(5)
     rand = lambda n, lo, hi: torch.randint(lo, hi, (n,), generator=gen).tolist()  # noqa: E731
     cases = [rand(50, 0, 2 ** 32), [0xBF800000 + x for x in rand(60, 0, 4096)],
              [0xBF800000 + x for x in rand(40, 0, 3)], [0xC0000000] * 20,
-             [0x80000000, 0x80000001] * 9, [0, 0xFFFFFFFF, 5, 5, 7], [0xBF812345]]
+             [0x80000000, 0x80000001] * 9, [0, 0xFFFFFFFF, 5, 5, 7], [0xBF812345],
+             [0xBF800000 + x for x in rand(200, 0, 1 << 20)]]
     for vals in cases:
         for k in sorted({1, min(2, len(vals)), len(vals) // 2 or 1, len(vals)}):
-            t, krem, exact = _select(vals, k, skip)
+            t, krem, exact = _select(vals, k, form)
             above = sum(x > t for x in vals)
             if exact:
                 assert sum(x >= t for x in vals) == k, (vals[:4], k)

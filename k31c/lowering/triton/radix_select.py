@@ -30,16 +30,10 @@ def bit_length(x):
 
 
 @triton.jit
-def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr = False):
-    """Radix select over a register tensor of uint32 values, 5-bit digits from the top, LEVELS
-    levels (5: the top 25 bits; 7: all 32). Returns (t, krem, exact): exact → exactly krem of
-    the live values are >= t (t a digit boundary); else t is the value to LEVELS digits and krem
-    of the live values equal to it (to those digits) are still to take. Needs krem <= #live.
-    SKIP_COMMON: the digits start below the highest bit where the live values differ (a min and
-    a max first; the bits above it are every live value's, so their levels would keep all)."""
-    bins = tl.arange(0, 32)
-    krem = tl.zeros((), tl.int32) + krem       # a tensor: the JIT passes an integer 1 as a constant
-    top = tl.full((), 32, tl.int32)            # the low bits the digits cover
+def _common_bits(val, live, SKIP_COMMON: tl.constexpr):
+    """(top, prefix): the low bits the digits must cover and the bits above them, which every
+    live value shares (SKIP_COMMON: found by a min and a max; else all 32 bits, prefix 0)."""
+    top = tl.full((), 32, tl.int32)
     prefix = tl.zeros((), tl.uint32)
     if SKIP_COMMON:
         lo = tl.min(tl.where(live, val, tl.full(val.shape, 0xFFFFFFFF, tl.uint32)), 0)
@@ -47,22 +41,71 @@ def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr 
         top = bit_length(lo ^ hi)
         sh = tl.minimum(top, 31).to(tl.uint32)
         prefix = tl.where(top >= 32, tl.zeros_like(lo), (lo >> sh) << sh)
+    return top, prefix
+
+
+@triton.jit
+def _radix_level(val, live, krem, prefix, top, level):
+    """One 5-bit digit level of `select_kth`: the digit holding the krem-th largest live value.
+    Returns (live, krem, prefix, exact, n_best): the values with that digit, what is still to
+    take among them, the prefix with the digit, whether all of them are taken, how many."""
+    bins = tl.arange(0, 32)
+    shift = tl.maximum(top - 5 * (level + 1), 0)    # the last level may hold fewer bits
+    mask = (1 << (top - 5 * level - shift)) - 1
+    digit = ((val >> shift.to(tl.uint32)) & mask.to(tl.uint32)).to(tl.int32)
+    hist = tl.histogram(digit, 32, mask=live)
+    suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # live values with digit >= d
+    best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
+    krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
+    prefix = prefix | (best.to(tl.uint32) << shift.to(tl.uint32))
+    n_best = tl.sum(tl.where(bins == best, hist, 0), 0)
+    return live & (digit == best), krem, prefix, n_best == krem, n_best
+
+
+@triton.jit
+def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr = False):
+    """Radix select over a register tensor of uint32 values, 5-bit digits from the top, LEVELS
+    levels (5: the top 25 bits; 7: all 32). Returns (t, krem, exact): exact → exactly krem of
+    the live values are >= t (t a digit boundary); else t is the value to LEVELS digits and krem
+    of the live values equal to it (to those digits) are still to take. Needs krem <= #live.
+    SKIP_COMMON: the digits start below the highest bit where the live values differ (a min and
+    a max first; the bits above it are every live value's, so their levels would keep all)."""
+    krem = tl.zeros((), tl.int32) + krem       # a tensor: the JIT passes an integer 1 as a constant
+    top, prefix = _common_bits(val, live, SKIP_COMMON)
     levels = tl.minimum((top + 4) // 5, LEVELS)
     level = 0
     exact = level < 0
     while (level < levels) & (exact == 0):
-        shift = tl.maximum(top - 5 * (level + 1), 0)    # the last level may hold fewer bits
-        mask = (1 << (top - 5 * level - shift)) - 1
-        digit = ((val >> shift.to(tl.uint32)) & mask.to(tl.uint32)).to(tl.int32)
-        hist = tl.histogram(digit, 32, mask=live)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # live values with digit >= d
-        best = tl.max(tl.where(suffix >= krem, bins, 0), 0)
-        krem -= tl.sum(tl.where(bins > best, hist, 0), 0)
-        prefix = prefix | (best.to(tl.uint32) << shift.to(tl.uint32))
-        exact = tl.sum(tl.where(bins == best, hist, 0), 0) == krem
-        live = live & (digit == best)
+        live, krem, prefix, exact, _ = _radix_level(val, live, krem, prefix, top, level)
         level += 1
     return prefix, krem, exact
+
+
+@triton.jit
+def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
+    """`select_kth(val, live, krem, 7, SKIP_COMMON=True)` (a result of the same meaning: an exact
+    t may be another digit boundary), with the levels after the live values first number at
+    most FEW run over those values alone: gathered through `few_ptr` (FEW int32 of scratch)
+    into a FEW-slot tensor, so each later level costs per FEW slots, not per slot of `val` (a
+    level costs per slot held, live or not)."""
+    krem = tl.zeros((), tl.int32) + krem
+    top, prefix = _common_bits(val, live, True)
+    levels = tl.minimum((top + 4) // 5, 7)
+    level = 0
+    exact = level < 0
+    n_live = tl.sum(live.to(tl.int32), 0)
+    while (level < levels) & (exact == 0) & (n_live > FEW):
+        live, krem, prefix, exact, n_live = _radix_level(val, live, krem, prefix, top, level)
+        level += 1
+    t = prefix
+    if (exact == 0) & (level < levels):      # at most FEW values left to tell apart
+        r = live.to(tl.int32)
+        store_where(few_ptr + tl.cumsum(r, 0) - r, val.to(tl.int32, bitcast=True), live, PTX)
+        tl.debug_barrier()       # every thread's gathered values are visible to the block
+        j = tl.arange(0, FEW)
+        few = tl.load(few_ptr + j, mask=j < n_live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+        t, krem, exact = select_kth(few, j < n_live, krem, 7, SKIP_COMMON=True)
+    return t, krem, exact
 
 
 @triton.jit

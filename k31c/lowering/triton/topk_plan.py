@@ -16,6 +16,7 @@ TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 adjacent positions
 MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
 PLAN_GROUP, PLAN_FEW = 32, 1024  # the plan's bound: maxima of groups of 32 sampled keys; keys it selects from after
+REFINE_GATHER = False           # the refine's key select finished over <= PLAN_FEW gathered keys (built, not timed)
 MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
 ROW_STATE = 4                   # int32 words of per-row state
 
