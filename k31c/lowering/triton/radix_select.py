@@ -99,13 +99,21 @@ def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.con
         level += 1
     t = prefix
     if (exact == 0) & (level < levels):      # at most FEW values left to tell apart
-        r = live.to(tl.int32)
-        store_where(few_ptr + tl.cumsum(r, 0) - r, val.to(tl.int32, bitcast=True), live, PTX)
-        tl.debug_barrier()       # every thread's gathered values are visible to the block
-        j = tl.arange(0, FEW)
-        few = tl.load(few_ptr + j, mask=j < n_live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        t, krem, exact = select_kth(few, j < n_live, krem, 7, SKIP_COMMON=True)
+        few, few_live = gather_live(val, live, n_live, few_ptr, FEW, PTX)
+        t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
     return t, krem, exact
+
+
+@triton.jit
+def gather_live(val, live, n_live, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
+    """The n_live <= FEW live uint32 values of a register tensor, compacted through `few_ptr` (FEW
+    int32 of scratch) into a FEW-slot tensor: (values, which slots hold one)."""
+    r = live.to(tl.int32)
+    store_where(few_ptr + tl.cumsum(r, 0) - r, val.to(tl.int32, bitcast=True), live, PTX)
+    tl.debug_barrier()       # every thread's gathered values are visible to the block
+    j = tl.arange(0, FEW)
+    few = tl.load(few_ptr + j, mask=j < n_live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    return few, j < n_live
 
 
 @triton.jit

@@ -38,8 +38,8 @@ from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.radix_select import (order_key, sample_position, select_from_row, select_kth,
-                                               select_kth_gathered, store_where, take_top_ties,
+from k31c.lowering.triton.radix_select import (gather_live, order_key, sample_position, select_from_row,
+                                               select_kth, select_kth_gathered, store_where, take_top_ties,
                                                write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
@@ -70,12 +70,8 @@ def _sample_threshold(key, rank, few_ptr, SAMPLES: tl.constexpr, GROUP: tl.const
             reach = key >= bound
             n_reach = tl.sum(reach.to(tl.int32), 0)
     if n_reach <= FEW:
-        r = reach.to(tl.int32)
-        store_where(few_ptr + tl.cumsum(r, 0) - r, key.to(tl.int32, bitcast=True), reach, PTX)
-        tl.debug_barrier()       # every thread's gathered keys are visible to the block
-        j = tl.arange(0, FEW)
-        few = tl.load(few_ptr + j, mask=j < n_reach, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
-        t, _, _ = select_kth(few, j < n_reach, rank, 5)
+        few, few_live = gather_live(key, reach, n_reach, few_ptr, FEW, PTX)
+        t, _, _ = select_kth(few, few_live, rank, 5)
         # an exact t is a digit boundary: exactly `rank` of the few reach it, but keys below the
         # bound might too; no key below the bound is in the top `rank`, so t rises to it
         t = tl.maximum(t, bound)
@@ -289,8 +285,8 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], ws["few"], p.k, p.cap, p.chunk, p.n_chunks,
                               CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE,
-                              FEW=p.few if topk_plan.REFINE_GATHER else 0,
-                              num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS), **ptx, **pdl)
+                              FEW=p.refine_few, num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS),
+                              **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)
     return out
@@ -323,5 +319,5 @@ def aot_specs(shapes) -> list:
                  topk_plan.FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=refine_tile,
-                      FEW=p.few if topk_plan.REFINE_GATHER else 0, **ptx),
+                      FEW=p.refine_few, **ptx),
                  warps(pow2(p.cap), topk_plan.REFINE_KEYS))]

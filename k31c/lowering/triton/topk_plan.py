@@ -62,6 +62,7 @@ class TopkPlan:
     target: int          # expected candidates above the threshold
     group: int           # the plan's sample narrowed by maxima of groups of `group` keys
     few: int             # to at most `few` keys (gathered in the workspace)
+    refine_few: int      # the refine's key select finished over at most this many (0: not)
 
     def workspace(self, device) -> dict:
         """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
@@ -114,7 +115,7 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
     # cluster of high scores) go on to append to the row's buffer directly
     slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
     return TopkPlan(n_rows, width, k, tile, chunk, n_chunks, cap, slots, sample_count(width), RUN, target, PLAN_GROUP,
-                    PLAN_FEW)
+                    PLAN_FEW, PLAN_FEW if REFINE_GATHER else 0)
 
 
 def warps(elements: int, per_thread: int) -> int:
