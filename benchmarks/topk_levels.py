@@ -1,9 +1,9 @@
 """How many radix levels the top-k refine's key select runs (a host model, no GPU): the candidates
-are a row's top 2.5k = 5,120 order keys, the select is `radix_select.select_kth` with
-SKIP_COMMON (5-bit digits below the bits every candidate shares, stopping when the k-th's digit
-bin holds exactly what is still to take). Per row: the levels run, the bits below the common
-prefix, and the candidates left after the first level (what `select_kth_gathered` would gather
-once at most 1,024 remain).
+are a row's top 2.5k = 5,120 order keys, the select's levels are `radix_select.select_kth`'s
+with SKIP_COMMON (5-bit digits below the bits every candidate shares, stopping when the k-th's
+digit bin holds exactly what is still to take). Per row: the levels run, the bits below the
+common prefix, and the candidates left after the first level (`select_kth_gathered`, the
+refine's form, gathers them once at most 1,024 remain and runs the later levels over those).
 
     python benchmarks/topk_levels.py
 """

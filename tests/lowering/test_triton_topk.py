@@ -43,11 +43,8 @@ def _direct(n):
 
 # ---- topk_select --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gather", [False, True], ids=["select", "gathered-select"])
-def test_topk_random_rows_and_lengths(gather, monkeypatch, topk_paths):
-    """Rows around k and the buffer; with `gather` the refine's key select finishes over the
-    candidates it gathers (topk_plan.REFINE_GATHER)."""
-    monkeypatch.setattr(topk_plan, "REFINE_GATHER", gather)
+def test_topk_random_rows_and_lengths(topk_paths):
+    """Rows around k and the buffer."""
     gen = torch.Generator().manual_seed(0)
     k, width = 16, 1500
     lengths = [0, 1, k - 1, k, k + 1, 95, 97, 700, width, width]   # around k and the buffer (96)
@@ -56,10 +53,8 @@ def test_topk_random_rows_and_lengths(gather, monkeypatch, topk_paths):
     assert topk_paths() == _direct(4) + ["all"] * 2 + ["sampled"] * 4
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["select", "gathered-select"])
-def test_topk_many_rows_fresh_inputs(gather, monkeypatch, topk_paths):
+def test_topk_many_rows_fresh_inputs(topk_paths):
     """Random widths, lengths and values drawn from a few levels (ties near the k-th) or not."""
-    monkeypatch.setattr(topk_plan, "REFINE_GATHER", gather)
     gen = torch.Generator().manual_seed(7)
     k, width = 16, 777
     scores = torch.randn(24, width, generator=gen)

@@ -16,7 +16,7 @@ TARGET_NUM, TARGET_DEN = 5, 2   # expected candidates = 2.5 k
 SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 adjacent positions
 MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
 PLAN_GROUP, PLAN_FEW = 32, 1024  # the plan's bound: maxima of groups of 32 sampled keys; keys it selects from after
-REFINE_GATHER = False           # the refine's key select finished over <= PLAN_FEW gathered keys (built, not timed)
+#                                  (the refine's key select, too, finishes over at most PLAN_FEW gathered keys)
 MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
 ROW_STATE = 4                   # int32 words of per-row state
 
@@ -61,8 +61,7 @@ class TopkPlan:
     run: int
     target: int          # expected candidates above the threshold
     group: int           # the plan's sample narrowed by maxima of groups of `group` keys
-    few: int             # to at most `few` keys (gathered in the workspace)
-    refine_few: int      # the refine's key select finished over at most this many (0: not)
+    few: int             # to at most `few` keys (gathered in the workspace); the refine's select likewise
 
     def workspace(self, device) -> dict:
         """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
@@ -115,7 +114,7 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
     # cluster of high scores) go on to append to the row's buffer directly
     slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
     return TopkPlan(n_rows, width, k, tile, chunk, n_chunks, cap, slots, sample_count(width), RUN, target, PLAN_GROUP,
-                    PLAN_FEW, PLAN_FEW if REFINE_GATHER else 0)
+                    PLAN_FEW)
 
 
 def warps(elements: int, per_thread: int) -> int:
