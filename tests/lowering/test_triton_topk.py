@@ -117,6 +117,27 @@ def test_topk_ties_in_a_chunks_last_partial_run(topk_paths):
     assert topk_paths() == ["ties"]
 
 
+def test_topk_nan_and_inf_rows(topk_paths):
+    """NaN sits above +inf. The filter compares scores as floats while T is at most the key of
+    +inf and as order keys above it (a sample whose T lands among the NaNs): a float compare
+    there would take every key (t is a NaN) and send the row to the whole-row select."""
+    gen = torch.Generator().manual_seed(4)
+    k, width = 16, 2000
+    runs = topk_plan.SAMPLES // topk_plan.RUN
+    sampled = torch.tensor([r * width // runs for r in range(runs)])
+    rows = torch.randn(4, width, generator=gen)
+    rows[0, torch.randperm(width, generator=gen)[:5]] = torch.nan      # a few NaNs: candidates above T
+    nan_heavy = torch.randperm(width, generator=gen)[:36]
+    rows[1, nan_heavy] = torch.nan                                      # 40 NaNs, 4 of them sampled:
+    rows[1, sampled[:4]] = torch.nan                                    # T among the NaN keys
+    rows[2, torch.rand(width, generator=gen) < 0.3] = torch.inf         # T = key(+inf): ties at inf
+    rows[3, torch.rand(width, generator=gen) < 0.3] = -torch.inf
+    rows[3, 7] = torch.nan
+    row_len = torch.full((4,), width, dtype=torch.int32)
+    _check_topk(rows.to(DEVICE), row_len.to(DEVICE), k)
+    assert topk_paths() == ["sampled", "sampled", "ties", "sampled"]
+
+
 def test_topk_sample_misjudged(topk_paths):
     """Large scores only where the sample never looks (too many candidates) or only where it does
     (too few): both rows must still come out exact."""

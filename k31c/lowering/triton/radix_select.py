@@ -21,6 +21,14 @@ def order_key(x):
 
 
 @triton.jit
+def key_float(key):
+    """The fp32 whose order key is the uint32 `key` (order_key's inverse on the keys it yields;
+    the NaN key and the key of no score give a NaN or -0.0)."""
+    bits = tl.where(key >= 0x80000000, key ^ 0x80000000, key ^ 0xFFFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def bit_length(x):
     """Bits the uint32 scalar x needs (0 for 0)."""
     n = tl.zeros((), tl.int32)

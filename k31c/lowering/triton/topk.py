@@ -38,7 +38,7 @@ from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.radix_select import (gather_live, order_key, sample_position, select_from_row,
+from k31c.lowering.triton.radix_select import (gather_live, key_float, order_key, sample_position, select_from_row,
                                                select_kth, select_kth_gathered, store_where, take_top_ties,
                                                write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
@@ -49,6 +49,8 @@ from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_THRESH, ST_WORDS,
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
 last_paths: list[str] = []
 RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of fp32 scores
+INF_KEY = tl.constexpr(0xFF800000)             # order_key(+inf)
+NEG_ZERO_BITS_KEY = tl.constexpr(0x7FFFFFFF)   # ~0x80000000: no score has it (order_key maps -0.0 to +0.0)
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -148,13 +150,60 @@ def _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS: tl.constex
 
 
 @triton.jit
+def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, cap, TILE: tl.constexpr,
+                 SLOTS: tl.constexpr, FLOAT: tl.constexpr, PTX: tl.constexpr):
+    """Filter positions [lo, hi) of a row against `thresh`; returns (slots held, keys == T).
+    FLOAT: `thresh` is the fp32 t with order_key(t) == T (T <= the key of +inf, not the key of
+    -0.0's bits), and the scores are compared as floats: order_key(x) > T exactly when x > t or x
+    is NaN (an unordered >), and order_key(x) == T when x == t (-0.0 == +0.0), one instruction
+    each instead of the order key's seven. Else `thresh` is T and the order keys are compared.
+    The candidates' keys are appended as the scores' bits (the refine takes their order keys)."""
+    run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
+    offs = run + tl.arange(0, RUN_KEYS)[None, :]
+    held = tl.zeros((), tl.int32)
+    ties = tl.zeros([TILE // RUN_KEYS], tl.int32)     # per run: a thread's adds, no carried tile
+    nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
+    for start in range(lo, hi, TILE):
+        pos = start + offs
+        x = nxt          # the next tile's load is in flight while this one is filtered
+        nxt = tl.load(src_row + pos + TILE, mask=start + TILE + run + RUN_KEYS <= hi, other=0.0)
+        live = start + run + RUN_KEYS <= hi
+        above, tie = _compare(x, thresh, FLOAT)
+        ties += tl.sum((live & tie).to(tl.int32), 1)
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
+                            live & above, cap, SLOTS, PTX)
+    n_ties = tl.sum(ties, 0)
+    tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
+    if tail < hi:
+        pos = tail + tl.arange(0, RUN_KEYS)[None, :]
+        live = pos < hi
+        x = tl.load(src_row + pos, mask=live, other=0.0)
+        above, tie = _compare(x, thresh, FLOAT)
+        n_ties += tl.sum(tl.sum((live & tie).to(tl.int32), 1), 0)
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
+                            live & above, cap, SLOTS, PTX)
+    return held, n_ties
+
+
+@triton.jit
+def _compare(x, thresh, FLOAT: tl.constexpr):
+    """(order_key(x) > T, order_key(x) == T) for scores x (see `_filter_span`)."""
+    if FLOAT:
+        return ~(x <= thresh), x == thresh
+    else:
+        key = order_key(x)
+        return key > thresh, key == thresh
+
+
+@triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
                    ties_ptr, cap, chunk, TILE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
                    PTX: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
-    if any, comes after the loop."""
+    if any, comes after the loop. Thresholds up to the key of +inf (all but NaN-heavy rows)
+    compare the scores as floats."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
@@ -169,29 +218,12 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
         prog = row * tl.num_programs(1) + tl.program_id(1)
         hkey = hkey_ptr + prog.to(tl.int64) * SLOTS      # the program's own candidate slots
         hpos = hpos_ptr + prog.to(tl.int64) * SLOTS
-        held = tl.zeros((), tl.int32)
-        run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
-        offs = run + tl.arange(0, RUN_KEYS)[None, :]
-        ties = tl.zeros([TILE // RUN_KEYS, RUN_KEYS], tl.int32)
-        nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0)
-        for start in range(lo, hi, TILE):
-            pos = start + offs
-            x = nxt          # the next tile's load is in flight while this one is filtered
-            nxt = tl.load(src_row + pos + TILE, mask=start + TILE + run + RUN_KEYS <= hi, other=0.0)
-            key = order_key(x)
-            live = start + run + RUN_KEYS <= hi
-            ties += (live & (key == thresh)).to(tl.int32)
-            held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, live & (key > thresh),
-                                cap, SLOTS, PTX)
-        n_ties = tl.sum(tl.sum(ties, 1), 0)
-        tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
-        if tail < hi:
-            pos = tail + tl.arange(0, RUN_KEYS)[None, :]
-            live = pos < hi
-            key = order_key(tl.load(src_row + pos, mask=live, other=0.0))
-            n_ties += tl.sum(tl.sum((live & (key == thresh)).to(tl.int32), 1), 0)
-            held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, live & (key > thresh),
-                                cap, SLOTS, PTX)
+        if (thresh <= INF_KEY) & (thresh != NEG_ZERO_BITS_KEY):
+            held, n_ties = _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, key_float(thresh),
+                                        cap, TILE, SLOTS, True, PTX)
+        else:
+            held, n_ties = _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh,
+                                        cap, TILE, SLOTS, False, PTX)
         _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS, PTX)
         tl.store(ties_ptr + prog, n_ties)
 
@@ -221,7 +253,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
         if ((count >= k) & (count <= cap)) | use_ties:
             offs = tl.arange(0, BUF)
             live = offs < count
-            key = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            key = order_key(tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True))
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
