@@ -3,7 +3,7 @@ import pytest
 
 # 32-key filter tiles and ~64 filter programs: rows of a few hundred keys split into several
 # chunks of several tiles each (the filter's loop and its carried tile run)
-SMALL_TOPK = dict(CAP=96, SAMPLES=64, SCORE_TILE=32, FILTER_PROGRAMS=64, PLAN_GROUP=4, PLAN_FEW=16, REFINE_MID=64)
+SMALL_TOPK = dict(CAP=96, SAMPLES=64, SCORE_TILE=32, FILTER_PROGRAMS=64, PLAN_GROUP=4, PLAN_FEW=16)
 
 
 @pytest.fixture

@@ -90,44 +90,23 @@ def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr 
 
 
 @triton.jit
-def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr, MID: tl.constexpr = 0):
+def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
     """`select_kth(val, live, krem, 7, SKIP_COMMON=True)` (a result of the same meaning: an exact
     t may be another digit boundary), with the levels after the live values first number at
-    most FEW run over those values alone: gathered through `few_ptr` into a FEW-slot tensor, so
-    each later level costs per FEW slots, not per slot of `val` (a level costs per slot held,
-    live or not). MID > 0: a first gather into MID slots once at most MID are live, whose levels
-    run until at most FEW are (scratch: MID + FEW int32 at `few_ptr`, the MID first)."""
+    most FEW run over those values alone: gathered through `few_ptr` (FEW int32 of scratch)
+    into a FEW-slot tensor, so each later level costs per FEW slots, not per slot of `val` (a
+    level costs per slot held, live or not)."""
     krem = tl.zeros((), tl.int32) + krem
     top, prefix = _common_bits(val, live, True)
     levels = tl.minimum((top + 4) // 5, 7)
     level = 0
     exact = level < 0
     n_live = tl.sum(live.to(tl.int32), 0)
-    while (level < levels) & (exact == 0) & (n_live > (MID if MID > 0 else FEW)):
+    while (level < levels) & (exact == 0) & (n_live > FEW):
         live, krem, prefix, exact, n_live = _radix_level(val, live, krem, prefix, top, level)
         level += 1
-    if MID > 0:
-        if (exact == 0) & (level < levels) & (n_live > FEW):
-            mid, mid_live = gather_live(val, live, n_live, few_ptr, MID, PTX)
-            while (level < levels) & (exact == 0) & (n_live > FEW):
-                mid_live, krem, prefix, exact, n_live = _radix_level(mid, mid_live, krem, prefix, top, level)
-                level += 1
-            t, krem, exact = _select_few(mid, mid_live, n_live, krem, prefix, exact, level < levels,
-                                         few_ptr + MID, FEW, PTX)
-        else:
-            t, krem, exact = _select_few(val, live, n_live, krem, prefix, exact, level < levels,
-                                         few_ptr + MID, FEW, PTX)
-    else:
-        t, krem, exact = _select_few(val, live, n_live, krem, prefix, exact, level < levels, few_ptr, FEW, PTX)
-    return t, krem, exact
-
-
-@triton.jit
-def _select_few(val, live, n_live, krem, prefix, exact, more, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
-    """`select_kth_gathered`'s end: unless settled (exact, or no levels left: `more` false), the
-    n_live <= FEW live values gathered and selected from alone."""
     t = prefix
-    if (exact == 0) & more:
+    if (exact == 0) & (level < levels):      # at most FEW values left to tell apart
         few, few_live = gather_live(val, live, n_live, few_ptr, FEW, PTX)
         t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
     return t, krem, exact

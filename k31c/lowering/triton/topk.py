@@ -231,14 +231,13 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
 @triton.jit
 def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, ckey_ptr,
                    cpos_ptr, ties_ptr, few_ptr, k, cap, chunk, n_chunks, CP: tl.constexpr, BUF: tl.constexpr,
-                   TILE: tl.constexpr, FEW: tl.constexpr, MID: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                   TILE: tl.constexpr, FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """Per row, with G keys > threshold T in the buffer and E keys == T in the row:
     k <= G <= cap: exact top-k of the buffer (key digits, then positions among ties);
     G < k <= G + E: the whole buffer plus the k - G highest positions at T, found by reading
     chunks of the scores from the top; anything else: exact selection from the whole row.
-    The key select's levels finish over the at most MID, then FEW, candidates left, gathered
-    through few_ptr (`select_kth_gathered`: later levels cost per gathered slot, not per buffer
-    slot)."""
+    The key select's levels finish over the at most FEW candidates left, gathered through
+    few_ptr (`select_kth_gathered`: later levels cost per FEW slots, not per buffer slot)."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
@@ -259,8 +258,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * (FEW + MID),
-                                                         FEW, PTX, MID)
+                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
@@ -316,7 +314,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], ws["few"], p.k, p.cap, p.chunk, p.n_chunks,
                               CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE,
-                              FEW=p.few, MID=p.mid, num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS),
+                              FEW=p.few, num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS),
                               **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)
@@ -350,5 +348,5 @@ def aot_specs(shapes) -> list:
                  topk_plan.FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=refine_tile,
-                      FEW=p.few, MID=p.mid, **ptx),
+                      FEW=p.few, **ptx),
                  warps(pow2(p.cap), topk_plan.REFINE_KEYS))]

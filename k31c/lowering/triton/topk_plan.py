@@ -17,7 +17,6 @@ SAMPLES, RUN = 16384, 8         # most sampled keys per long row, in runs of 8 a
 MIN_SAMPLES = 2048              # fewest (rows up to 128K keys)
 PLAN_GROUP, PLAN_FEW = 32, 1024  # the plan's bound: maxima of groups of 32 sampled keys; keys it selects from after
 #                                  (the refine's key select, too, finishes over at most PLAN_FEW gathered keys)
-REFINE_MID = 4096                # the refine's first gather (buffers larger than it): levels over 4,096 slots, not 8,192
 MAX_SLOTS = 256                 # most candidate slots a filter program holds (2x its expected count)
 ROW_STATE = 4                   # int32 words of per-row state
 
@@ -63,14 +62,13 @@ class TopkPlan:
     target: int          # expected candidates above the threshold
     group: int           # the plan's sample narrowed by maxima of groups of `group` keys
     few: int             # to at most `few` keys (gathered in the workspace); the refine's select likewise
-    mid: int             # the refine's first gather, into `mid` slots (0: none)
 
     def workspace(self, device) -> dict:
         """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
         keys, candidate buffers, the filter programs' own slots and per-chunk tie counts."""
         n = self.n_rows
         held = n * self.n_chunks * self.slots
-        sizes = {"state": n * ROW_STATE, "few": n * (self.few + self.mid), "ckey": n * self.cap, "cpos": n * self.cap,
+        sizes = {"state": n * ROW_STATE, "few": n * self.few, "ckey": n * self.cap, "cpos": n * self.cap,
                  "hkey": held, "hpos": held, "ties": n * self.n_chunks}
         flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
         return dict(zip(sizes, flat.split(list(sizes.values()))))
@@ -115,9 +113,8 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
     # twice a chunk's expected candidates in a full-width row; denser chunks (short rows, a
     # cluster of high scores) go on to append to the row's buffer directly
     slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
-    mid = REFINE_MID if PLAN_FEW < REFINE_MID < pow2(cap) else 0
     return TopkPlan(n_rows, width, k, tile, chunk, n_chunks, cap, slots, sample_count(width), RUN, target, PLAN_GROUP,
-                    PLAN_FEW, mid)
+                    PLAN_FEW)
 
 
 def warps(elements: int, per_thread: int) -> int:
