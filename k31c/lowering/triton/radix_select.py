@@ -13,9 +13,9 @@ import triton.language as tl
 @triton.jit
 def order_key(x):
     """fp32 → uint32 whose unsigned order is the float order (torch.sort's, NaN above +inf)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = tl.where(bits == 0x80000000, tl.zeros_like(bits), bits)
-    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    bits = x.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) | -0x80000000)).to(tl.uint32, bitcast=True)  # negatives: all bits flipped; else the sign
+    key = tl.where(x == 0.0, tl.full(key.shape, 0x80000000, tl.uint32), key)  # -0.0 ties with +0.0
     return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
 
 

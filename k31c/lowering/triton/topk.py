@@ -109,10 +109,10 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
 
 
 @triton.jit
-def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, sel, cap, SLOTS: tl.constexpr,
+def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos, sel, cap, SLOTS: tl.constexpr,
                  PTX: tl.constexpr):
-    """Append the selected (key, position) of a [runs, RUN_KEYS] tile: to the program's own SLOTS
-    slots while they hold it (no round trip to the row's counter on the tile's critical path),
+    """Append the selected (order key, position) of a [runs, RUN_KEYS] tile of scores x (the
+    keys taken only in tiles that append): to the program's own SLOTS slots while they hold it (no round trip to the row's counter on the tile's critical path),
     else straight to the row's candidate buffer at slots taken from its counter. Offsets are a
     scan inside each run (a thread's registers) plus a scan over the run totals, not one scan
     over the tile (which Triton spreads over every lane, one strand of shuffles per register).
@@ -121,16 +121,17 @@ def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, sel, cap, S
     run_total = tl.sum(seli, 1)
     total = tl.sum(run_total, 0)
     if total > 0:
+        key = order_key(x).to(tl.int32, bitcast=True)
         offs = (tl.cumsum(run_total, 0) - run_total)[:, None] + tl.cumsum(seli, 1) - seli
         if held + total <= SLOTS:
-            store_where(hkey + held + offs, key.to(tl.int32, bitcast=True), sel, PTX)
+            store_where(hkey + held + offs, key, sel, PTX)
             store_where(hpos + held + offs, pos, sel, PTX)
             held += total
         else:
             # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
             idx = tl.atomic_add(st + ST_CNT, total, sem="relaxed") + offs
             ok = sel & (idx < cap)
-            store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
+            store_where(ckey_row + idx, key, ok, PTX)
             store_where(cpos_row + idx, pos, ok, PTX)
     return held
 
@@ -157,7 +158,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
     -0.0's bits), and the scores are compared as floats: order_key(x) > T exactly when x > t or x
     is NaN (an unordered >), and order_key(x) == T when x == t (-0.0 == +0.0), one instruction
     each instead of the order key's seven. Else `thresh` is T and the order keys are compared.
-    The candidates' keys are appended as the scores' bits (the refine takes their order keys)."""
+    A candidate's order key is taken only when its tile appends (`_append_tile`)."""
     run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
     offs = run + tl.arange(0, RUN_KEYS)[None, :]
     held = tl.zeros((), tl.int32)
@@ -170,7 +171,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
         live = start + run + RUN_KEYS <= hi
         above, tie = _compare(x, thresh, FLOAT)
         ties += tl.sum((live & tie).to(tl.int32), 1)
-        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos,
                             live & above, cap, SLOTS, PTX)
     n_ties = tl.sum(ties, 0)
     tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
@@ -180,7 +181,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
         x = tl.load(src_row + pos, mask=live, other=0.0)
         above, tie = _compare(x, thresh, FLOAT)
         n_ties += tl.sum(tl.sum((live & tie).to(tl.int32), 1), 0)
-        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos,
                             live & above, cap, SLOTS, PTX)
     return held, n_ties
 
@@ -253,7 +254,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
         if ((count >= k) & (count <= cap)) | use_ties:
             offs = tl.arange(0, BUF)
             live = offs < count
-            key = order_key(tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True))
+            key = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
