@@ -38,13 +38,13 @@ from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.radix_select import (gather_live, key_float, order_key, sample_position, select_from_row,
-                                               select_kth, select_kth_gathered, store_where, take_top_ties,
-                                               write_selected)
+from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slots, order_key, sample_position,
+                                               select_from_row, select_kth, select_kth_gathered, store_where,
+                                               take_top_ties)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 from k31c.lowering.triton import topk_plan
-from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_THRESH, ST_WORDS, TopkPlan, pow2
+from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
 last_paths: list[str] = []
@@ -56,12 +56,12 @@ NEG_ZERO_BITS_KEY = tl.constexpr(0x7FFFFFFF)   # ~0x80000000: no score has it (o
 # ---- kernels ----------------------------------------------------------------------------------
 
 @triton.jit
-def _sample_threshold(key, rank, few_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
+def _sample_threshold(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
                       PTX: tl.constexpr):
     """The sample's key ranked `rank` from the top (25 bits of it). The radix levels cost per key
     held, so a large sample is narrowed first: the rank-th largest of the maxima of groups of
     GROUP keys is a lower bound (at least `rank` keys reach it), and if at most FEW keys reach
-    it, those are gathered (through `few_ptr`) and selected from alone."""
+    it, those are gathered (through `few_ptr`, slots counted at `ctr_ptr`) and selected from alone."""
     reach = tl.zeros_like(key) != 0
     n_reach = FEW + 1
     bound = tl.zeros((), tl.uint32)
@@ -72,7 +72,7 @@ def _sample_threshold(key, rank, few_ptr, SAMPLES: tl.constexpr, GROUP: tl.const
             reach = key >= bound
             n_reach = tl.sum(reach.to(tl.int32), 0)
     if n_reach <= FEW:
-        few, few_live = gather_live(key, reach, n_reach, few_ptr, FEW, PTX)
+        few, few_live = gather_live(key, reach, n_reach, few_ptr, ctr_ptr, FEW, PTX)
         t, _, _ = select_kth(few, few_live, rank, 5)
         # an exact t is a digit boundary: exactly `rank` of the few reach it, but keys below the
         # bound might too; no key below the bound is in the top `rank`, so t rises to it
@@ -104,15 +104,16 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
             i = tl.arange(0, SAMPLES)
             key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n, SAMPLES, RUN)))
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh = _sample_threshold(key, rank, few_ptr + row.to(tl.int64) * FEW, SAMPLES, GROUP, FEW, PTX)
+            thresh = _sample_threshold(key, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
+                                       PTX)
     tl.store(st + ST_THRESH, thresh.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos, sel, cap, SLOTS: tl.constexpr,
+def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, key, pos, sel, cap, SLOTS: tl.constexpr,
                  PTX: tl.constexpr):
-    """Append the selected (order key, position) of a [runs, RUN_KEYS] tile of scores x (the
-    keys taken only in tiles that append): to the program's own SLOTS slots while they hold it (no round trip to the row's counter on the tile's critical path),
+    """Append the selected (key, position) of a [runs, RUN_KEYS] tile: to the program's own SLOTS
+    slots while they hold it (no round trip to the row's counter on the tile's critical path),
     else straight to the row's candidate buffer at slots taken from its counter. Offsets are a
     scan inside each run (a thread's registers) plus a scan over the run totals, not one scan
     over the tile (which Triton spreads over every lane, one strand of shuffles per register).
@@ -121,17 +122,16 @@ def _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos, sel, cap, SLO
     run_total = tl.sum(seli, 1)
     total = tl.sum(run_total, 0)
     if total > 0:
-        key = order_key(x).to(tl.int32, bitcast=True)
         offs = (tl.cumsum(run_total, 0) - run_total)[:, None] + tl.cumsum(seli, 1) - seli
         if held + total <= SLOTS:
-            store_where(hkey + held + offs, key, sel, PTX)
+            store_where(hkey + held + offs, key.to(tl.int32, bitcast=True), sel, PTX)
             store_where(hpos + held + offs, pos, sel, PTX)
             held += total
         else:
             # relaxed: the default acq_rel would make each tile's atomic wait for the stores before it
             idx = tl.atomic_add(st + ST_CNT, total, sem="relaxed") + offs
             ok = sel & (idx < cap)
-            store_where(ckey_row + idx, key, ok, PTX)
+            store_where(ckey_row + idx, key.to(tl.int32, bitcast=True), ok, PTX)
             store_where(cpos_row + idx, pos, ok, PTX)
     return held
 
@@ -158,7 +158,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
     -0.0's bits), and the scores are compared as floats: order_key(x) > T exactly when x > t or x
     is NaN (an unordered >), and order_key(x) == T when x == t (-0.0 == +0.0), one instruction
     each instead of the order key's seven. Else `thresh` is T and the order keys are compared.
-    A candidate's order key is taken only when its tile appends (`_append_tile`)."""
+    The candidates' keys are appended as the scores' bits (the refine takes their order keys)."""
     run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
     offs = run + tl.arange(0, RUN_KEYS)[None, :]
     held = tl.zeros((), tl.int32)
@@ -171,7 +171,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
         live = start + run + RUN_KEYS <= hi
         above, tie = _compare(x, thresh, FLOAT)
         ties += tl.sum((live & tie).to(tl.int32), 1)
-        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos,
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
                             live & above, cap, SLOTS, PTX)
     n_ties = tl.sum(ties, 0)
     tail = lo + (hi - lo) // RUN_KEYS * RUN_KEYS      # the partial run [tail, hi)
@@ -181,7 +181,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
         x = tl.load(src_row + pos, mask=live, other=0.0)
         above, tie = _compare(x, thresh, FLOAT)
         n_ties += tl.sum(tl.sum((live & tie).to(tl.int32), 1), 0)
-        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x, pos,
+        held = _append_tile(st, ckey_row, cpos_row, hkey, hpos, held, x.to(tl.int32, bitcast=True), pos,
                             live & above, cap, SLOTS, PTX)
     return held, n_ties
 
@@ -254,19 +254,21 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
         if ((count >= k) & (count <= cap)) | use_ties:
             offs = tl.arange(0, BUF)
             live = offs < count
-            key = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.uint32, bitcast=True)
+            key = order_key(tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True))
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
+                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS,
+                                                         FEW, PTX)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
                                              krem, 7, SKIP_COMMON=True)
             pos = tl.load(cpos, mask=live, other=0)
             sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
-            base = write_selected(out_row, 0, pos, sel, PTX)
+            store_where(out_row + live_slots(sel, st + ST_SLOTS, PTX), pos, sel, PTX)   # in no set order
+            base = tl.sum(sel.to(tl.int32), 0)
             j = n_chunks - 1     # chunks from the top, each giving its highest positions at T
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)
