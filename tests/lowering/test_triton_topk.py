@@ -268,12 +268,12 @@ def test_fused_real_shapes(cache_kind):
 # ---- radix_select.select_kth --------------------------------------------------------------------
 
 @triton.jit
-def _select_probe(val_ptr, n, k, out_ptr, few_ptr, ctr_ptr, N: tl.constexpr, FORM: tl.constexpr):
+def _select_probe(val_ptr, n, k, out_ptr, few_ptr, N: tl.constexpr, FORM: tl.constexpr):
     offs = tl.arange(0, N)
     live = offs < n
     v = tl.load(val_ptr + offs, mask=live, other=0).to(tl.uint32)
     if FORM == 2:
-        t, krem, exact = select_kth_gathered(v, live, k, few_ptr, ctr_ptr, 8, False)
+        t, krem, exact = select_kth_gathered(v, live, k, few_ptr, 8, False)
     else:
         t, krem, exact = select_kth(v, live, k, 7, FORM == 1)
     tl.store(out_ptr, t.to(tl.int64))
@@ -287,8 +287,7 @@ def _select(vals, k, form):
     v[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
     out = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     few = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    ctr = torch.full((1,), 12345, dtype=torch.int32, device=DEVICE)   # live_slots zeroes it
-    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, few, ctr, N=N, FORM=form)
+    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, few, N=N, FORM=form)
     return out.tolist()
 
 

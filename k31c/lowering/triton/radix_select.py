@@ -90,11 +90,11 @@ def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr 
 
 
 @triton.jit
-def select_kth_gathered(val, live, krem, few_ptr, ctr_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
+def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
     """`select_kth(val, live, krem, 7, SKIP_COMMON=True)` (a result of the same meaning: an exact
     t may be another digit boundary), with the levels after the live values first number at
-    most FEW run over those values alone: gathered through `few_ptr` (FEW int32 of scratch; an
-    int32 counter at `ctr_ptr`) into a FEW-slot tensor, so each later level costs per FEW slots, not per slot of `val` (a
+    most FEW run over those values alone: gathered through `few_ptr` (FEW int32 of scratch)
+    into a FEW-slot tensor, so each later level costs per FEW slots, not per slot of `val` (a
     level costs per slot held, live or not)."""
     krem = tl.zeros((), tl.int32) + krem
     top, prefix = _common_bits(val, live, True)
@@ -107,21 +107,29 @@ def select_kth_gathered(val, live, krem, few_ptr, ctr_ptr, FEW: tl.constexpr, PT
         level += 1
     t = prefix
     if (exact == 0) & (level < levels):      # at most FEW values left to tell apart
-        few, few_live = gather_live(val, live, n_live, few_ptr, ctr_ptr, FEW, PTX)
+        few, few_live = gather_live(val, live, scan_slots(live), n_live, few_ptr, FEW, PTX)
         t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
     return t, krem, exact
 
 
 @triton.jit
-def gather_live(val, live, n_live, few_ptr, ctr_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
+def gather_live(val, live, slot, n_live, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
     """The n_live <= FEW live uint32 values of a register tensor, compacted through `few_ptr` (FEW
-    int32 of scratch; slots from the counter at `ctr_ptr`) into a FEW-slot tensor, in no set
-    order: (values, which slots hold one)."""
-    store_where(few_ptr + live_slots(live, ctr_ptr, PTX), val.to(tl.int32, bitcast=True), live, PTX)
+    int32 of scratch) into a FEW-slot tensor, each live value to its `slot` (distinct, below
+    n_live: `scan_slots` or `live_slots`): (values, which slots hold one)."""
+    store_where(few_ptr + slot, val.to(tl.int32, bitcast=True), live, PTX)
     tl.debug_barrier()       # every thread's gathered values are visible to the block
     j = tl.arange(0, FEW)
     few = tl.load(few_ptr + j, mask=j < n_live, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
     return few, j < n_live
+
+
+@triton.jit
+def scan_slots(live):
+    """Slots 0 .. (live count - 1) for the live elements of a 1-D tensor, in their order (an
+    exclusive scan)."""
+    r = live.to(tl.int32)
+    return tl.cumsum(r, 0) - r
 
 
 # One ballot ranks a register's live lanes in the warp; the warp's first live lane takes their
@@ -149,9 +157,10 @@ _WARP_SLOTS_PTX = tl.constexpr("""{
 def live_slots(live, ctr_ptr, PTX: tl.constexpr):
     """Distinct slots 0 .. (live count - 1) for the live elements of a tensor, in no set order,
     taken from an int32 counter at `ctr_ptr` that it zeroes first (every thread of the program
-    calls it). Not a scan: a scan's cross-warp step costs per register a thread holds; here each
-    live element costs an atomic add, or under PTX each register one per warp (a ballot ranks
-    the warp's live lanes)."""
+    calls it): an atomic add per live element, or under PTX one per warp and register (a ballot
+    ranks the warp's live lanes). For sparse masks (the plan's ~90 of 16K sampled keys), where
+    `scan_slots`' cross-warp step costs per register held whether live or not; with many live
+    the adds queue on the one address and the scan is faster (BENCHMARKS.md)."""
     tl.store(ctr_ptr, 0)
     tl.debug_barrier()       # the zero reaches every thread's adds
     live_i = live.to(tl.int32)

@@ -40,7 +40,7 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slots, order_key, sample_position,
                                                select_from_row, select_kth, select_kth_gathered, store_where,
-                                               take_top_ties)
+                                               take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 from k31c.lowering.triton import topk_plan
@@ -72,7 +72,7 @@ def _sample_threshold(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP:
             reach = key >= bound
             n_reach = tl.sum(reach.to(tl.int32), 0)
     if n_reach <= FEW:
-        few, few_live = gather_live(key, reach, n_reach, few_ptr, ctr_ptr, FEW, PTX)
+        few, few_live = gather_live(key, reach, live_slots(reach, ctr_ptr, PTX), n_reach, few_ptr, FEW, PTX)
         t, _, _ = select_kth(few, few_live, rank, 5)
         # an exact t is a digit boundary: exactly `rank` of the few reach it, but keys below the
         # bound might too; no key below the bound is in the top `rank`, so t rises to it
@@ -259,16 +259,14 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS,
-                                                         FEW, PTX)
+                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
                                              krem, 7, SKIP_COMMON=True)
             pos = tl.load(cpos, mask=live, other=0)
             sel = live & ((key > key_t) | ((key == key_t) & (pos.to(tl.uint32) >= pos_t)))
-            store_where(out_row + live_slots(sel, st + ST_SLOTS, PTX), pos, sel, PTX)   # in no set order
-            base = tl.sum(sel.to(tl.int32), 0)
+            base = write_selected(out_row, 0, pos, sel, PTX)
             j = n_chunks - 1     # chunks from the top, each giving its highest positions at T
             while (need > 0) & (j >= 0):
                 take = tl.minimum(tl.sum(tl.where(c == j, ties, 0), 0), need)

@@ -24,7 +24,7 @@ ROW_STATE = 4                   # int32 words of per-row state
 ST_CNT = tl.constexpr(0)      # candidates appended
 ST_THRESH = tl.constexpr(1)   # filter threshold key (uint32 bits)
 ST_MODE = tl.constexpr(2)     # 0: select; 1: written by plan (row_len <= k); 2: refine selected from the row
-ST_SLOTS = tl.constexpr(3)    # counter of `radix_select.live_slots` (the gathers, the refine's writes)
+ST_SLOTS = tl.constexpr(3)    # the plan's gather counter (`radix_select.live_slots`)
 ST_WORDS = tl.constexpr(ROW_STATE)
 
 SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refine / row-select tile
