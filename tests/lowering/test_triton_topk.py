@@ -16,7 +16,7 @@ import triton.language as tl
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
 from k31c.lowering.triton import indexer_topk, topk, topk_plan
-from k31c.lowering.triton.radix_select import select_kth, select_kth_gathered
+from k31c.lowering.triton.radix_select import order_key, select_kth, select_kth_bracketed
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -272,13 +272,27 @@ def _select_probe(val_ptr, n, k, out_ptr, few_ptr, N: tl.constexpr, FORM: tl.con
     offs = tl.arange(0, N)
     live = offs < n
     v = tl.load(val_ptr + offs, mask=live, other=0).to(tl.uint32)
-    if FORM == 2:
-        t, krem, exact = select_kth_gathered(v, live, k, few_ptr, 8, False)
+    if FORM == 2:      # the values are the order keys of the floats they hold as bits
+        x = v.to(tl.float32, bitcast=True)
+        t, krem, exact = select_kth_bracketed(x, order_key(x), live, k, few_ptr, 8, False)
     else:
         t, krem, exact = select_kth(v, live, k, 7, FORM == 1)
     tl.store(out_ptr, t.to(tl.int64))
     tl.store(out_ptr + 1, krem.to(tl.int64))
     tl.store(out_ptr + 2, exact.to(tl.int64))
+
+
+def _float_bits(keys: list[int]) -> list[int]:
+    """The fp32 bits whose order key is each key (radix_select.key_float on the host)."""
+    return [k ^ 0x80000000 if k >= 0x80000000 else k ^ 0xFFFFFFFF for k in keys]
+
+
+def _order_keys(bits: list[int]) -> list[int]:
+    """radix_select.order_key of fp32 bits, on the host."""
+    bits = [b & 0xFFFFFFFF for b in bits]
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return [0xFFFFFFFF if f != f else 0x80000000 if f == 0 else (b ^ 0xFFFFFFFF if b >= 0x80000000 else b | 0x80000000)
+            for f, b in zip(x.tolist(), bits)]
 
 
 def _select(vals, k, form):
@@ -291,22 +305,32 @@ def _select(vals, k, form):
     return out.tolist()
 
 
-@pytest.mark.parametrize("form", [0, 1, 2], ids=["all-bits", "skip-common", "gathered"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # the interpreter's inf and NaN scores
+@pytest.mark.parametrize("form", [0, 1, 2], ids=["all-bits", "skip-common", "bracketed"])
 def test_select_kth_with_and_without_the_common_prefix(form):
     """Exact semantics of select_kth at 32-bit depth: exact → exactly k of the values are >= t;
     else t is the k-th largest value and krem of the values equal to it complete the k. Values
     that share their high bits (the case SKIP_COMMON starts below), all equal, differing only in
-    the last bit, and spanning all 32 bits. `select_kth_gathered` (its levels finished over at
-    most 8 gathered values here) has the same semantics."""
+    the last bit, and spanning all 32 bits. `select_kth_bracketed` (on the floats whose order keys
+    the values are: counting passes, then levels until at most 8 are left, gathered) has the same
+    semantics on the keys of its floats, randn scores and their tails too."""
     gen = torch.Generator().manual_seed(5)
     rand = lambda n, lo, hi: torch.randint(lo, hi, (n,), generator=gen).tolist()  # noqa: E731
     cases = [rand(50, 0, 2 ** 32), [0xBF800000 + x for x in rand(60, 0, 4096)],
              [0xBF800000 + x for x in rand(40, 0, 3)], [0xC0000000] * 20,
              [0x80000000, 0x80000001] * 9, [0, 0xFFFFFFFF, 5, 5, 7], [0xBF812345],
              [0xBF800000 + x for x in rand(200, 0, 1 << 20)]]
+    randn = torch.randn(300, generator=gen)
+    cases += [_order_keys(x.view(torch.int32).tolist()) for x in (randn, randn.sort().values[-120:], randn.abs() + 3)]
+    # every k of 40 randn scores: intervals whose exact digit boundary falls below them
+    cases.append(_order_keys(torch.randn(40, generator=torch.Generator().manual_seed(35)).view(torch.int32).tolist()))
     for vals in cases:
-        for k in sorted({1, min(2, len(vals)), len(vals) // 2 or 1, len(vals)}):
-            t, krem, exact = _select(vals, k, form)
+        if form == 2:
+            bits = _float_bits(vals)
+            vals = _order_keys(bits)
+        ks = range(1, 41) if len(vals) == 40 else {1, min(2, len(vals)), len(vals) // 3 or 1, len(vals) // 2 or 1, len(vals)}
+        for k in sorted(ks):
+            t, krem, exact = _select(bits if form == 2 else vals, k, form)
             above = sum(x > t for x in vals)
             if exact:
                 assert sum(x >= t for x in vals) == k, (vals[:4], k)

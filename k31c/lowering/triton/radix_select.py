@@ -19,7 +19,6 @@ def order_key(x):
     return tl.where(x != x, tl.full(key.shape, 0xFFFFFFFF, tl.uint32), key)
 
 
-
 @triton.jit
 def key_float(key):
     """The fp32 whose order key is the uint32 `key` (order_key's inverse on the keys it yields;
@@ -90,26 +89,65 @@ def select_kth(val, live, krem, LEVELS: tl.constexpr, SKIP_COMMON: tl.constexpr 
 
 
 @triton.jit
-def select_kth_gathered(val, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr):
-    """`select_kth(val, live, krem, 7, SKIP_COMMON=True)` (a result of the same meaning: an exact
-    t may be another digit boundary), with the levels after the live values first number at
-    most FEW run over those values alone: gathered through `few_ptr` (FEW int32 of scratch)
-    into a FEW-slot tensor, so each later level costs per FEW slots, not per slot of `val` (a
-    level costs per slot held, live or not)."""
+def _tail_pivot(a, b, ca, cb, beta, t):
+    """The key at or above which about t live keys lie, given ca at or above key a and cb at or
+    above key b > a: log-linear in the count between a and b once cb > 0, else an exponential
+    tail of mean excess beta above a (the excess over a high threshold is near exponential)."""
+    xa = key_float(a.to(tl.uint32))
+    xb = key_float(tl.minimum(b, 0xFFFFFFFF).to(tl.uint32))
+    ln_t = tl.log(ca.to(tl.float32) / t.to(tl.float32))
+    ln_b = tl.log(ca.to(tl.float32) / tl.maximum(cb, 1).to(tl.float32))
+    return order_key(xa + tl.where(cb > 0, (xb - xa) * (ln_t / ln_b), beta * ln_t)).to(tl.int64)
+
+
+@triton.jit
+def select_kth_bracketed(x, key, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr,
+                         PASSES: tl.constexpr = 4):
+    """`select_kth(key, live, krem, 7, SKIP_COMMON=True)` for the order keys `key` of the fp32
+    scores `x` (a result of the same meaning: an exact t may be another digit boundary), priced
+    per candidate buffer slot by counts, not digit histograms. Up to PASSES passes each count
+    the live keys at or above two pivots placed about FEW/3 ranks either side of the krem-th by
+    an exponential-tail model of the scores, narrowing a key interval [a, b) that holds it; once
+    at most FEW live keys lie in it (one pass on the tails tried: BENCHMARKS.md) they are
+    gathered through `few_ptr` (FEW int32 of scratch) and radix-selected; else 5-bit levels
+    narrow them first. A pass costs per slot two compares where a level costs a histogram."""
     krem = tl.zeros((), tl.int32) + krem
-    top, prefix = _common_bits(val, live, True)
+    keym = tl.where(live, key, 0)             # dead slots lie below every pivot (pivots > a >= 0)
+    ca = tl.sum(live.to(tl.int32), 0)         # live keys >= a
+    cb = tl.zeros((), tl.int32)               # live keys >= b
+    a = tl.min(tl.where(live, key, 0xFFFFFFFF), 0).to(tl.int64)
+    b = tl.full((), 1 << 32, tl.int64)
+    beta = tl.sum(tl.where(live, x - key_float(a.to(tl.uint32)), 0.0), 0) / ca.to(tl.float32)
+    n = 0
+    while (ca - cb > FEW) & (n < PASSES):
+        p1 = _tail_pivot(a, b, ca, cb, beta, tl.minimum(krem + FEW // 3, ca))
+        p1 = tl.minimum(tl.maximum(p1, a + 1), b - 1)
+        p2 = _tail_pivot(a, b, ca, cb, beta, tl.maximum(krem - FEW // 3, tl.maximum(cb, 1)))
+        p2 = tl.minimum(tl.maximum(p2, p1), b - 1)
+        c = tl.sum(tl.where(keym >= p1.to(tl.uint32), 1, 0) + tl.where(keym >= p2.to(tl.uint32), 0x10000, 0), 0)
+        c1 = c & 0xFFFF                       # two counts of at most 8,192 in one sum
+        c2 = c >> 16
+        above1 = c1 >= krem
+        above2 = c2 >= krem
+        b, cb = tl.where(above2, b, tl.where(above1, p2, p1)), tl.where(above2, cb, tl.where(above1, c2, c1))
+        a, ca = tl.where(above2, p2, tl.where(above1, p1, a)), tl.where(above2, c2, tl.where(above1, c1, ca))
+        n += 1
+    live = live & (keym >= a.to(tl.uint32)) & (keym <= (b - 1).to(tl.uint32))
+    krem -= cb
+    n_live = ca - cb
+    top, prefix = _common_bits(key, live, True)
     levels = tl.minimum((top + 4) // 5, 7)
     level = 0
     exact = level < 0
-    n_live = tl.sum(live.to(tl.int32), 0)
     while (level < levels) & (exact == 0) & (n_live > FEW):
-        live, krem, prefix, exact, n_live = _radix_level(val, live, krem, prefix, top, level)
+        live, krem, prefix, exact, n_live = _radix_level(key, live, krem, prefix, top, level)
         level += 1
     t = prefix
-    if (exact == 0) & (level < levels):      # at most FEW values left to tell apart
-        few, few_live = gather_live(val, live, scan_slots(live), n_live, few_ptr, FEW, PTX)
+    if (exact == 0) & (level < levels):      # at most FEW keys left to tell apart
+        few, few_live = gather_live(key, live, scan_slots(live), n_live, few_ptr, FEW, PTX)
         t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
-    return t, krem, exact
+    # an exact t is a boundary of the interval's keys alone: keys below a lie below it too
+    return tl.maximum(t, a.to(tl.uint32)), krem, exact
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slots, order_key, sample_position,
-                                               select_from_row, select_kth, select_kth_gathered, store_where,
+                                               select_from_row, select_kth, select_kth_bracketed, store_where,
                                                take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
@@ -237,8 +237,8 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
     k <= G <= cap: exact top-k of the buffer (key digits, then positions among ties);
     G < k <= G + E: the whole buffer plus the k - G highest positions at T, found by reading
     chunks of the scores from the top; anything else: exact selection from the whole row.
-    The key select's levels finish over the at most FEW candidates left, gathered through
-    few_ptr (`select_kth_gathered`: later levels cost per FEW slots, not per buffer slot)."""
+    The key select narrows the buffer by counts at two pivots a pass, then selects among the at
+    most FEW candidates left, gathered through few_ptr (`select_kth_bracketed`)."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
@@ -254,12 +254,13 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
         if ((count >= k) & (count <= cap)) | use_ties:
             offs = tl.arange(0, BUF)
             live = offs < count
-            key = order_key(tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True))
+            x = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True)
+            key = order_key(x)
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth_gathered(key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
+                key_t, krem, exact = select_kth_bracketed(x, key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
