@@ -139,16 +139,6 @@ def wait_for_producers(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptr, n, KEYS: tl.constexpr):
-    """Ask L2 for the 128-byte lines of the first min(n, KEYS) 4-byte words at `ptr` (inline PTX
-    `prefetch.global.L2`: no registers held, nothing waited for). What a PDL dependent may fetch
-    before its wait while the kernel before it runs (CUDA builds only)."""
-    j = tl.arange(0, KEYS // 32) * 32
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptr + j, (j < n).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def let_dependent_start(PDL: tl.constexpr, DEPENDENT: tl.constexpr):
     """The first kernel of a `pair_launch` pair, after its `wait_for_producers(PDL)`: let the
     dependent launch now (with PDL the wait already did)."""

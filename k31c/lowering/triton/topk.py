@@ -42,8 +42,7 @@ from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slot
                                                select_from_row, select_kth, select_kth_bracketed, store_where,
                                                take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
-from k31c.lowering.triton.device import (inline_ptx, let_dependent_start, pair_launch, pdl_launch, prefetch_l2,
-                                        wait_for_producers)
+from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 from k31c.lowering.triton import topk_plan
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
@@ -86,12 +85,9 @@ def _sample_threshold(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP:
 @triton.jit
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, few_ptr, k, cap, target,
                  SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
-                 FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
-                 DEPENDENT: tl.constexpr = False):
-    """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold.
-    DEPENDENT: the filter is launched as this launch's PDL dependent (`topk_select`)."""
+                 FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+    """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
     wait_for_producers(PDL)
-    let_dependent_start(PDL, DEPENDENT)      # the filter may prefetch its scores meanwhile
     row = tl.program_id(0)
     n = tl.load(row_len_ptr + row)
     st = state_ptr + row * ST_WORDS
@@ -203,20 +199,14 @@ def _compare(x, thresh, FLOAT: tl.constexpr):
 @triton.jit
 def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
                    ties_ptr, cap, chunk, TILE: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
-                   PTX: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                   PTX: tl.constexpr = False):
     """One pass over a chunk of a row: append keys > threshold, count keys == threshold. The
     tiles are whole runs of RUN_KEYS positions ([TILE / RUN_KEYS, RUN_KEYS], a run masked as one,
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
     if any, comes after the loop. Thresholds up to the key of +inf (all but NaN-heavy rows)
-    compare the scores as floats. PREFETCH (launched as the plan's PDL dependent): the first
-    PREFETCH keys of the chunk are prefetched to L2 before the wait for the plan's threshold (the
-    scores and row lengths were written before the plan ran), so HBM streams while it selects."""
-    row = tl.program_id(0)
-    if PREFETCH:
-        n = tl.load(row_len_ptr + row)
-        prefetch_l2(src_ptr + row.to(tl.int64) * src_stride + tl.program_id(1) * chunk,
-                    tl.minimum(chunk, n - tl.program_id(1) * chunk), PREFETCH)
+    compare the scores as floats."""
     wait_for_producers(PDL)
+    row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
     if tl.load(st + ST_MODE) == 0:
         n = tl.load(row_len_ptr + row)
@@ -317,14 +307,12 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
     ptx = {"PTX": True} if inline_ptx(scores.device) else {}
-    pair = pair_launch(scores.device) and width > 0      # the filter as the plan's PDL dependent
-    launch_plan(scores, row_len, out, p, ws, **ptx, **pdl, **({"DEPENDENT": True} if pair else {}))
+    launch_plan(scores, row_len, out, p, ws, **ptx, **pdl)
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
                                          ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=p.tile,
-                                         SLOTS=p.slots, num_warps=topk_plan.FILTER_WARPS, **ptx,
-                                         **(p.filter_pair() if pair else pdl))
+                                         SLOTS=p.slots, num_warps=topk_plan.FILTER_WARPS, **ptx, **pdl)
     _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
                               ws["cpos"], ws["ties"], ws["few"], p.k, p.cap, p.chunk, p.n_chunks,
                               CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE,
@@ -355,15 +343,11 @@ def aot_specs(shapes) -> list:
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
                            num_warps=num_warps, ints={n: v for n, v in ints.items() if n in names})
-    # the filter is the plan's PDL dependent where the hardware has PDL (`device.pair_launch`)
-    pair = shapes.target.pdl_capable
-    plan_pair = {"DEPENDENT": True} if pair else {}
-    filter_pair = {k: v for k, v in p.filter_pair().items() if k != "launch_pdl"} if pair else {}
-    return [spec(_plan_kernel, f"scores,S={p.samples}{',paired' if pair else ''}",
-                 dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx, **plan_pair),
+    return [spec(_plan_kernel, f"scores,S={p.samples}",
+                 dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx),
                  warps(p.samples, topk_plan.PLAN_KEYS)),
-            spec(_filter_kernel, f"scores,SLOTS={p.slots}{f',PREFETCH={p.prefetch}' if pair else ''}",
-                 dict(TILE=p.tile, SLOTS=p.slots, **ptx, **filter_pair), topk_plan.FILTER_WARPS),
+            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=p.tile, SLOTS=p.slots, **ptx),
+                 topk_plan.FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=refine_tile,
                       FEW=p.few, **ptx),

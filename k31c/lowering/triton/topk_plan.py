@@ -32,8 +32,6 @@ SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refin
 # tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
 FILTER_WARPS = 1
 FILTER_PROGRAMS = 8192                    # filter programs in all (about)
-PREFETCH_KEYS = 2048     # most keys of its chunk a filter program prefetches to L2 while the plan runs
-#                          (~4,200 programs resident then: ~34 MB, inside the 50 MB L2)
 PLAN_KEYS, REFINE_KEYS = 8, 32           # keys a thread holds: the sample's, the candidate buffer's
 
 
@@ -65,11 +63,6 @@ class TopkPlan:
     target: int          # expected candidates above the threshold
     group: int           # the plan's sample narrowed by maxima of groups of `group` keys
     few: int             # to at most `few` keys (gathered in the workspace); the refine's select likewise
-    prefetch: int        # keys of its chunk a filter program prefetches to L2 (as the plan's dependent)
-
-    def filter_pair(self) -> dict:
-        """The filter's launch arguments as the plan's PDL dependent (`device.pair_launch`)."""
-        return {"PDL": True, "launch_pdl": True, "PREFETCH": self.prefetch}
 
     def workspace(self, device) -> dict:
         """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
@@ -122,7 +115,7 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
     # cluster of high scores) go on to append to the row's buffer directly
     slots = min(MAX_SLOTS, max(16, pow2(triton.cdiv(2 * target * chunk, width))))
     return TopkPlan(n_rows, width, k, tile, chunk, n_chunks, cap, slots, sample_count(width), RUN, target, PLAN_GROUP,
-                    PLAN_FEW, min(pow2(chunk), PREFETCH_KEYS))
+                    PLAN_FEW)
 
 
 def warps(elements: int, per_thread: int) -> int:
