@@ -268,13 +268,13 @@ def test_fused_real_shapes(cache_kind):
 # ---- radix_select.select_kth --------------------------------------------------------------------
 
 @triton.jit
-def _select_probe(val_ptr, n, k, out_ptr, few_ptr, N: tl.constexpr, FORM: tl.constexpr):
+def _select_probe(val_ptr, n, k, lo, out_ptr, few_ptr, N: tl.constexpr, FORM: tl.constexpr):
     offs = tl.arange(0, N)
     live = offs < n
     v = tl.load(val_ptr + offs, mask=live, other=0).to(tl.uint32)
     if FORM == 2:      # the values are the order keys of the floats they hold as bits
         x = v.to(tl.float32, bitcast=True)
-        t, krem, exact = select_kth_bracketed(x, order_key(x), live, k, few_ptr, 8, False)
+        t, krem, exact = select_kth_bracketed(x, order_key(x), live, n, lo, k, few_ptr, 8, False)
     else:
         t, krem, exact = select_kth(v, live, k, 7, FORM == 1)
     tl.store(out_ptr, t.to(tl.int64))
@@ -295,13 +295,13 @@ def _order_keys(bits: list[int]) -> list[int]:
             for f, b in zip(x.tolist(), bits)]
 
 
-def _select(vals, k, form):
+def _select(vals, k, form, lo=0):
     N = triton.next_power_of_2(max(len(vals), 16))
     v = torch.zeros(N, dtype=torch.int64)
     v[:len(vals)] = torch.tensor(vals, dtype=torch.int64)
     out = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     few = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    _select_probe[(1,)](v.to(DEVICE), len(vals), k, out, few, N=N, FORM=form)
+    _select_probe[(1,)](v.to(DEVICE), len(vals), k, lo, out, few, N=N, FORM=form)
     return out.tolist()
 
 
@@ -313,7 +313,8 @@ def test_select_kth_with_and_without_the_common_prefix(form):
     that share their high bits (the case SKIP_COMMON starts below), all equal, differing only in
     the last bit, and spanning all 32 bits. `select_kth_bracketed` (on the floats whose order keys
     the values are: counting passes, then levels until at most 8 are left, gathered) has the same
-    semantics on the keys of its floats, randn scores and their tails too."""
+    semantics on the keys of its floats, randn scores and their tails too, with a lower bound on
+    the keys given or its own minimum."""
     gen = torch.Generator().manual_seed(5)
     rand = lambda n, lo, hi: torch.randint(lo, hi, (n,), generator=gen).tolist()  # noqa: E731
     cases = [rand(50, 0, 2 ** 32), [0xBF800000 + x for x in rand(60, 0, 4096)],
@@ -330,7 +331,9 @@ def test_select_kth_with_and_without_the_common_prefix(form):
             vals = _order_keys(bits)
         ks = range(1, 41) if len(vals) == 40 else {1, min(2, len(vals)), len(vals) // 3 or 1, len(vals) // 2 or 1, len(vals)}
         for k in sorted(ks):
-            t, krem, exact = _select(bits if form == 2 else vals, k, form)
+            # the bracketed select with a lower bound given (the minimum, or one below), or found
+            lo = 0 if k % 2 or form != 2 else min(vals) - (k % 4 == 0)
+            t, krem, exact = _select(bits if form == 2 else vals, k, form, lo)
             above = sum(x > t for x in vals)
             if exact:
                 assert sum(x >= t for x in vals) == k, (vals[:4], k)

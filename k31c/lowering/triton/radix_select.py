@@ -101,23 +101,27 @@ def _tail_pivot(a, b, ca, cb, beta, t):
 
 
 @triton.jit
-def select_kth_bracketed(x, key, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr,
+def select_kth_bracketed(x, key, live, n_live, lo, krem, few_ptr, FEW: tl.constexpr, PTX: tl.constexpr,
                          PASSES: tl.constexpr = 4):
     """`select_kth(key, live, krem, 7, SKIP_COMMON=True)` for the order keys `key` of the fp32
-    scores `x` (a result of the same meaning: an exact t may be another digit boundary), priced
-    per candidate buffer slot by counts, not digit histograms. Up to PASSES passes each count
-    the live keys at or above two pivots placed about FEW/3 ranks either side of the krem-th by
-    an exponential-tail model of the scores, narrowing a key interval [a, b) that holds it; once
-    at most FEW live keys lie in it (one pass on the tails tried: BENCHMARKS.md) they are
-    gathered through `few_ptr` (FEW int32 of scratch) and radix-selected; else 5-bit levels
-    narrow them first. A pass costs per slot two compares where a level costs a histogram."""
+    scores `x`, n_live of them live, all at or above the key `lo` (int64; 0: not known, their
+    minimum is taken) (a result of the same meaning: an exact t may be another digit boundary),
+    priced per candidate buffer slot by counts, not digit histograms. Up to PASSES passes each
+    count the live keys at or above two pivots placed about FEW/3 ranks either side of the
+    krem-th by an exponential-tail model of the scores (their mean excess over lo), narrowing a
+    key interval [a, b) that holds it; once at most FEW live keys lie in it (one pass on the
+    tails tried: BENCHMARKS.md) they are gathered through `few_ptr` (FEW int32 of scratch) and
+    radix-selected; else 5-bit levels narrow them first. A pass costs per slot two compares where
+    a level costs a histogram."""
     krem = tl.zeros((), tl.int32) + krem
     keym = tl.where(live, key, 0)             # dead slots lie below every pivot (pivots > a >= 0)
-    ca = tl.sum(live.to(tl.int32), 0)         # live keys >= a
+    ca = tl.zeros((), tl.int32) + n_live      # live keys >= a
     cb = tl.zeros((), tl.int32)               # live keys >= b
-    a = tl.min(tl.where(live, key, 0xFFFFFFFF), 0).to(tl.int64)
+    a = tl.zeros((), tl.int64) + lo
+    if a == 0:
+        a = tl.min(tl.where(live, key, 0xFFFFFFFF), 0).to(tl.int64)
     b = tl.full((), 1 << 32, tl.int64)
-    beta = tl.sum(tl.where(live, x - key_float(a.to(tl.uint32)), 0.0), 0) / ca.to(tl.float32)
+    beta = tl.sum(tl.where(live, x, 0.0), 0) / ca.to(tl.float32) - key_float(a.to(tl.uint32))
     n = 0
     while (ca - cb > FEW) & (n < PASSES):
         p1 = _tail_pivot(a, b, ca, cb, beta, tl.minimum(krem + FEW // 3, ca))
@@ -135,15 +139,19 @@ def select_kth_bracketed(x, key, live, krem, few_ptr, FEW: tl.constexpr, PTX: tl
     live = live & (keym >= a.to(tl.uint32)) & (keym <= (b - 1).to(tl.uint32))
     krem -= cb
     n_live = ca - cb
-    top, prefix = _common_bits(key, live, True)
-    levels = tl.minimum((top + 4) // 5, 7)
-    level = 0
-    exact = level < 0
-    while (level < levels) & (exact == 0) & (n_live > FEW):
-        live, krem, prefix, exact, n_live = _radix_level(key, live, krem, prefix, top, level)
-        level += 1
-    t = prefix
-    if (exact == 0) & (level < levels):      # at most FEW keys left to tell apart
+    t = tl.zeros((), tl.uint32)
+    exact = n_live < 0
+    gather = n_live <= FEW
+    if n_live > FEW:                          # the passes left too many: levels first
+        top, prefix = _common_bits(key, live, True)
+        levels = tl.minimum((top + 4) // 5, 7)
+        level = 0
+        while (level < levels) & (exact == 0) & (n_live > FEW):
+            live, krem, prefix, exact, n_live = _radix_level(key, live, krem, prefix, top, level)
+            level += 1
+        t = prefix
+        gather = (exact == 0) & (level < levels)
+    if gather:                                # at most FEW keys left to tell apart
         few, few_live = gather_live(key, live, scan_slots(live), n_live, few_ptr, FEW, PTX)
         t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
     # an exact t is a boundary of the interval's keys alone: keys below a lie below it too

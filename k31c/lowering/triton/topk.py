@@ -260,7 +260,10 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
             key_t = tl.zeros((), tl.uint32)
             pos_t = tl.zeros((), tl.uint32)
             if need <= 0:
-                key_t, krem, exact = select_kth_bracketed(x, key, live, k, few_ptr + row.to(tl.int64) * FEW, FEW, PTX)
+                # every candidate of a sampled row lies above the threshold (else thresh is 0)
+                lo = tl.where(thresh > 0, thresh.to(tl.int64) + 1, 0)
+                key_t, krem, exact = select_kth_bracketed(x, key, live, count, lo, k, few_ptr + row.to(tl.int64) * FEW,
+                                                          FEW, PTX)
                 if exact == 0:       # krem of the keys equal to the k-th: the highest positions
                     tied = live & (key == key_t)
                     pos_t, _, _ = select_kth(tl.load(cpos, mask=tied, other=0).to(tl.uint32), tied,
