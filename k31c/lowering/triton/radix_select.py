@@ -1,10 +1,13 @@
-"""In-register radix selection for top-k (`topk.py`): the order-preserving key of a float score,
-a 5-bit-digit select over a register tensor, and the one-program exact select over a whole row.
+"""In-register selection for top-k (`topk.py`): the order-preserving key of a float score, a
+5-bit-digit radix select over a register tensor, the candidate buffer's select by counting
+passes before it (`select_kth_bracketed`), the gathers that compact live values, and the
+one-program exact select over a whole row.
 
 The in-register selects use 5-bit digits: tl.histogram costs about one ballot per bit and one
-popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256. The whole-row
-select (the rare case where a sampled threshold misjudged the row) reads the row in tiles and
-uses 8-bit digits, 4 passes.
+popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256; a counting
+pass costs two compares a key, so the large buffer is narrowed by passes and only the few keys
+left pay digit levels. The whole-row select (the rare case where a sampled threshold misjudged
+the row) reads the row in tiles and uses 8-bit digits, 4 passes.
 """
 import triton
 import triton.language as tl
