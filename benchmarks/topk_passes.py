@@ -3,7 +3,8 @@ candidates are a row's top ~2.5k = 5,120 scores (the keys above the plan's thres
 
 `radix_select.select_kth_bracketed` counts the candidates at or above two pivots a pass, placed
 FEW/3 ranks either side of the k-th by an exponential-tail model (the mean excess over the
-threshold, then log-linear in the count between the interval's ends), until at most FEW = 1,024
+threshold, here the candidates' minimum, then log-linear in the count between the interval's
+ends), until at most FEW = 1,024
 lie in the interval; the radix select it replaced ran 5-bit digit levels below the bits every
 candidate shares. Per score distribution: the passes run (4 at most; more left means levels
 follow), the keys left for the gathered select, and the levels the digit select ran over the

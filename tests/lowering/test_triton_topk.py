@@ -323,14 +323,16 @@ def test_select_kth_with_and_without_the_common_prefix(form):
              [0xBF800000 + x for x in rand(200, 0, 1 << 20)]]
     randn = torch.randn(300, generator=gen)
     cases += [_order_keys(x.view(torch.int32).tolist()) for x in (randn, randn.sort().values[-120:], randn.abs() + 3)]
-    # every k of 40 randn scores: intervals whose exact digit boundary falls below them
+    # every k of the 40-value cases, 40 randn scores among them: intervals whose exact digit
+    # boundary falls below them
     cases.append(_order_keys(torch.randn(40, generator=torch.Generator().manual_seed(35)).view(torch.int32).tolist()))
-    for vals in cases:
+    every_k = {2, len(cases) - 1}
+    for i, vals in enumerate(cases):
         if form == 2:
             bits = _float_bits(vals)
             vals = _order_keys(bits)
-        ks = range(1, 41) if len(vals) == 40 else {1, min(2, len(vals)), len(vals) // 3 or 1, len(vals) // 2 or 1, len(vals)}
-        for k in sorted(ks):
+        n = len(vals)
+        for k in range(1, n + 1) if i in every_k else sorted({1, min(2, n), n // 3 or 1, n // 2 or 1, n}):
             # the bracketed select with a lower bound given (the minimum, or one below), or found
             lo = 0 if k % 2 or form != 2 else min(vals) - (k % 4 == 0)
             t, krem, exact = _select(bits if form == 2 else vals, k, form, lo)

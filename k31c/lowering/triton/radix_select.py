@@ -112,9 +112,9 @@ def select_kth_bracketed(x, key, live, n_live, lo, krem, few_ptr, FEW: tl.conste
     priced per candidate buffer slot by counts, not digit histograms. Up to PASSES passes each
     count the live keys at or above two pivots placed about FEW/3 ranks either side of the
     krem-th by an exponential-tail model of the scores (their mean excess over lo), narrowing a
-    key interval [a, b) that holds it; once at most FEW live keys lie in it (one pass on the
-    tails tried: BENCHMARKS.md) they are gathered through `few_ptr` (FEW int32 of scratch) and
-    radix-selected; else 5-bit levels narrow them first. A pass costs per slot two compares where
+    key interval [a, b) that holds it; once at most FEW live keys lie in it (usually after one
+    pass: benchmarks/topk_passes.py) they are gathered through `few_ptr` (FEW int32 of scratch)
+    and radix-selected; else 5-bit levels narrow them first. A pass costs per slot two compares where
     a level costs a histogram."""
     krem = tl.zeros((), tl.int32) + krem
     keym = tl.where(live, key, 0)             # dead slots lie below every pivot (pivots > a >= 0)
