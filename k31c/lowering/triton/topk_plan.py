@@ -32,7 +32,7 @@ SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refin
 # tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
 FILTER_WARPS = 1
 FILTER_PROGRAMS = 8192                    # filter programs in all (about)
-PLAN_KEYS, REFINE_KEYS = 8, 32           # keys a thread holds: the sample's, the candidate buffer's
+PLAN_KEYS, REFINE_KEYS = 8, 16           # keys a thread holds: the sample's, the candidate buffer's
 
 
 def pow2(x: int) -> int:
