@@ -120,6 +120,6 @@ def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int |
 
 def warps(elements: int, per_thread: int) -> int:
     """Warps for a program holding `elements` keys in registers, about `per_thread` a thread. The
-    refine holds 32 (8 warps for its 8,192 keys): its levels cost barriers across the warps, and
-    8 warps beat 16 and 4; the plan's sample, 8 (fewer warps were slower; BENCHMARKS.md)."""
+    refine holds 16 (16 warps for its 8,192 keys): at 32 a thread its straight-line code stalled
+    on instruction fetch; the plan's sample, 8 (fewer warps were slower; BENCHMARKS.md)."""
     return max(4, min(16, elements // (32 * per_thread)))
