@@ -200,6 +200,7 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     ({}, {"group": 1, "splits": 2}),                   # one row a group
     ({"heads": 5}, {"splits": 2}),                     # tiles cut across rows (5 heads, bm 16)
     ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2}),   # a step = one cache block
+    ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2, "tma": True}),  # ... a TMA box
     ({"width": 64}, None),                             # dv == Dl: no rope columns
     ({"rows": 4, "requests": 2}, {"bm": 32, "splits": 2}),
     ({"rows": 7, "requests": 2}, None),                # prefill-like: many rows a request
@@ -216,6 +217,8 @@ def test_split_dense_matches_reference_small(case, cfg):
     got = split_dense.launch(*dense_args(c), config=cfg, stats=stats)
     if cfg and "splits" in cfg:
         assert stats["splits"] == cfg["splits"]
+    if cfg and "tma" in cfg:                          # the interpreter defaults to pointer loads
+        assert stats["tma_used"] == cfg["tma"]
     assert_close(got, want, torch.float32)
 
 
@@ -240,7 +243,9 @@ def test_split_dense_rows_of_several_requests_in_one_tile():
 
 
 @pytest.mark.parametrize("case,cfg", [({}, None),                       # keys across blocks
-                                      ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2})])
+                                      ({"block_size": 16, "max_blocks": 4}, {"bn": 16, "splits": 2}),
+                                      ({"block_size": 16, "max_blocks": 4},   # -1 block: a box of zeros
+                                       {"bn": 16, "splits": 2, "tma": True})])
 def test_split_dense_skips_unused_blocks(case, cfg):
     """A -1 block-table entry inside a row's visible positions holds no keys (as in the one-pass
     kernel); oracle: the reference sparse_mla over the visible positions outside that block."""
@@ -344,7 +349,7 @@ def test_split_dense_bad_arguments():
 
 @cuda_only
 @pytest.mark.parametrize("rows,cfg", [(4, None), (1, None), (4, {"splits": 1}), (4, {"splits": 5}),
-                                      (4, {"bn": 32, "num_stages": 3})])
+                                      (4, {"bn": 32, "num_stages": 3}), (4, {"tma": False})])
 def test_split_dense_k31_shapes_bf16(rows, cfg):
     c = make_case(**{**K31, "rows": rows, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
                   seed=46 + rows)

@@ -9,7 +9,10 @@ A program owns (tile, key split, group). It streams its split of the request's p
 BN keys at a time; with BN dividing the cache block size those BN keys are one contiguous
 [BN, Dl] slice of one paged block (one block-table load per step). Each slice serves all BM
 M-rows, as keys (every Dl column) and as values (the first dv). The tiles of one (group, split)
-are adjacent in the grid, so they read the same slice together and HBM sees it once.
+are adjacent in the grid, so they read the same slice together and HBM sees it once. On the GPU,
+with a contiguous cache, the steps below every row's length load that slice as two TMA boxes
+(values, rope) of the cache viewed as [blocks x block size, width]; the masked last steps use
+pointer loads.
 
 Online softmax in fp32 (log2 domain). Each split writes its normalised partial output and LSE
 to a workspace [splits, N, Hq, dv] (fp32); `mla_common.merge_splits` combines them by LSE (with
@@ -30,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import Target, targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
@@ -41,14 +44,16 @@ VARIANT = "split"          # the `Target.variant` name of this kernel (mla.py's:
 
 
 @triton.jit
-def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit, sel, len_m,
-                 scale_log2, stride_cb, stride_cs, BM: tl.constexpr,
+def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, start, stop, limit,
+                 sel, len_m, scale_log2, stride_cb, stride_cs, BM: tl.constexpr,
                  BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                  BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr,
-                 STAGES: tl.constexpr, PRECISION: tl.constexpr):
+                 STAGES: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key steps start, start + BN, .. < stop of one request. MASKED: keys at
     or past each M-row's length (and past `limit`, the longest) are excluded; unmasked steps lie
-    below every selected row's length (only the row selection applies).
+    below every selected row's length (only the row selection applies). TMA: the unmasked steps
+    load their keys as two boxes (values and rope parts) through the descriptors instead of
+    pointer tensors (fewer registers: 255 with 2 spilled vs 22 at R = 4; BENCHMARKS.md).
 
     Two things here are for Triton's layout choice, not for the math. A dot whose result reaches
     another dot is laid out with all warps along M; with 64 M-rows on 8 warps that makes both
@@ -70,7 +75,14 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
         else:
             in_range = offs_n >= 0
         # a key in a -1 (unused) block is no key: its block reads as block 0, masked to zeros
-        if BLOCK_SIZE % BN == 0:         # j is a multiple of BN: the BN keys are one block's rows
+        if TMA and not MASKED:   # one box a part; a -1 block's rows are negative: read as zeros
+            blk = tl.load(bt_row + j // BLOCK_SIZE)
+            ok = in_range & (blk >= 0)
+            first = blk * BLOCK_SIZE + j % BLOCK_SIZE
+            k_v = kv_desc.load([first, 0]).to(dt)
+            if DR > 0:
+                k_r = kr_desc.load([first, 0]).to(dt)
+        elif BLOCK_SIZE % BN == 0:       # j is a multiple of BN: the BN keys are one block's rows
             blk = tl.load(bt_row + j // BLOCK_SIZE)
             ok = in_range & (blk >= 0)
             rows = (cache_ptr + tl.maximum(blk, 0).to(tl.int64) * stride_cb
@@ -80,13 +92,15 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
             ok = in_range & (blk >= 0)
             rows = (cache_ptr + tl.maximum(blk, 0).to(tl.int64) * stride_cb
                     + (pos % BLOCK_SIZE) * stride_cs)
-        # keys past the longest row or in no block read as zeros (unwritten slots may hold NaN,
-        # and p = 0 there must not meet one)
-        k_v = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_mask[None, :],
-                      other=0.0).to(dt)
-        if DR > 0:
-            k_r = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None] & r_mask[None, :],
+        if not (TMA and not MASKED):
+            # keys past the longest row or in no block read as zeros (unwritten slots may hold
+            # NaN, and p = 0 there must not meet one)
+            k_v = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None] & v_mask[None, :],
                           other=0.0).to(dt)
+            if DR > 0:
+                k_r = tl.load(rows[:, None] + DV + offs_r[None, :],
+                              mask=ok[:, None] & r_mask[None, :], other=0.0).to(dt)
+        if DR > 0:
             # both dots issued before either result is used: one wait for the pair
             s_r = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
             s_v = tl.dot(q_v, tl.trans(k_v), input_precision=PRECISION)
@@ -116,7 +130,7 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, start, stop, limit,
 
 
 @triton.jit
-def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_ptr, lse_ptr,
+def _dense_split_kernel(q_ptr, cache_ptr, kv_desc, kr_desc, bt_ptr, row_req_ptr, row_len_ptr, out_ptr, lse_ptr,
                         n_rows, n_heads, n_req, keys_per_split, scale_log2,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                         stride_os, stride_on, stride_oh, stride_ls, stride_ln,
@@ -124,7 +138,7 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
                         BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PASSES: tl.constexpr,
                         STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, FINAL: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                        PRECISION: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,12 +179,14 @@ def _dense_split_kernel(q_ptr, cache_ptr, bt_ptr, row_req_ptr, row_len_ptr, out_
         shortest = tl.min(tl.where(sel, len_m, 2147483647), 0)
         full_end = tl.maximum(lo + (tl.minimum(hi, shortest) - lo) // BN * BN, lo)
         bt_row = bt_ptr + tl.maximum(b, 0).to(tl.int64) * stride_btb
-        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, lo, full_end, hi,
-                                     sel, len_m, scale_log2, stride_cb, stride_cs, BM, BN, BLOCK_SIZE,
-                                     DV, DR, BLOCK_V, BLOCK_R, False, STAGES, PRECISION)
-        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, bt_row, full_end, hi, hi,
-                                     sel, len_m, scale_log2, stride_cb, stride_cs, BM, BN, BLOCK_SIZE,
-                                     DV, DR, BLOCK_V, BLOCK_R, True, TAIL_STAGES, PRECISION)
+        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row,
+                                     lo, full_end, hi, sel, len_m, scale_log2, stride_cb, stride_cs,
+                                     BM, BN, BLOCK_SIZE, DV, DR, BLOCK_V, BLOCK_R, False, STAGES,
+                                     PRECISION, TMA)
+        m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row,
+                                     full_end, hi, hi, sel, len_m, scale_log2, stride_cb, stride_cs,
+                                     BM, BN, BLOCK_SIZE, DV, DR, BLOCK_V, BLOCK_R, True, TAIL_STAGES,
+                                     PRECISION, False)
         todo = todo & (sel == 0)
 
     has_key = l_i > 0.0
@@ -249,6 +265,7 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
     # the masked last steps too: an unpipelined loop loads each tile through registers (spills)
     cfg.setdefault("tail_stages", cfg["num_stages"])
     cfg.setdefault("programs_per_sm", 1)
+    cfg.setdefault("tma", not small)           # full key steps as TMA boxes where the layout allows
     g = cfg.setdefault("group", rows_per_group(n_rows, n_req))
     if g < 1:
         raise ValueError(f"config group: expected >= 1 rows per group, got {g}")
@@ -267,12 +284,33 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
 
 
 def _constexprs(cfg: dict, dv: int, width: int, block_size: int, final: bool,
-                precision: str) -> dict:
+                precision: str, tma: bool) -> dict:
     return dict(G=cfg["group"], BM=cfg["bm"], BN=cfg["bn"], BLOCK_SIZE=block_size, DV=dv,
                 DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),      # tl.dot: K >= 16
                 BLOCK_R=max(16, triton.next_power_of_2(max(width - dv, 1))),
                 PASSES=cfg["passes"], STAGES=cfg["num_stages"], TAIL_STAGES=cfg["tail_stages"],
-                FINAL=final, PRECISION=precision)
+                FINAL=final, PRECISION=precision, TMA=tma)
+
+
+def tma_fits(width: int, dv: int, block_size: int, bn: int, elem: int, row_stride: int,
+             block_stride: int) -> bool:
+    """Whether the full key steps can load their [BN, dv] and [BN, width - dv] parts as boxes of
+    the cache viewed as [blocks x block_size, width]: both parts powers of two of 16-byte
+    multiples, the cache contiguous, BN keys within one block."""
+    parts = all(x > 0 and x & (x - 1) == 0 and x * elem % 16 == 0 for x in (dv, width - dv))
+    return parts and row_stride == width and block_stride == block_size * width and block_size % bn == 0
+
+
+def key_descriptors(latent_cache: torch.Tensor, dv: int, bn: int):
+    """TMA descriptors of the values part [rows, dv] and the rope part [rows, width - dv] of the
+    cache, one [BN, part] box per key step."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    blocks, block_size, width = latent_cache.shape
+    rows = blocks * block_size
+    flat = latent_cache.view(rows, width)
+    return (TensorDescriptor(flat, [rows, dv], [width, 1], [bn, dv]),
+            TensorDescriptor(flat[:, dv:], [rows, width - dv], [width, 1], [bn, width - dv]))
 
 
 def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=None,
@@ -303,14 +341,17 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
         part = q.new_empty((splits, n, n_heads, dv), dtype=torch.float32)
         part_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
     precision = target_of(q.device).dot_precision(fast=q.dtype != torch.float32)
+    tma = cfg["tma"] and latent_cache.data_ptr() % 16 == 0 and tma_fits(
+        width, dv, block_size, bn, q.element_size(), latent_cache.stride(1), latent_cache.stride(0))
+    kv_desc, kr_desc = key_descriptors(latent_cache, dv, bn) if tma else (latent_cache, latent_cache)
     try:
         compiled = _dense_split_kernel[(cfg["tiles"], splits, cfg["groups"])](
-            q, latent_cache, block_table, row_req, row_len, part, part_lse,
+            q, latent_cache, kv_desc, kr_desc, block_table, row_req, row_len, part, part_lse,
             n, n_heads, n_req, keys_per_split, float(sm_scale) * LOG2E,
             q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1),
             block_table.stride(0),
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-            **_constexprs(cfg, dv, width, block_size, final, precision),
+            **_constexprs(cfg, dv, width, block_size, final, precision, tma),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q.device))
     except triton.runtime.errors.OutOfResources:
         # shared_bytes under-estimated this Triton's layout: half the key step, and remember it
@@ -320,7 +361,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config=
         _SMALLER_STEP[fit_key] = bn // 2
         return launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv, config, stats)
     if stats is not None:
-        stats.update(cfg)
+        stats.update(cfg, tma_used=tma)
         if compiled is not None:
             stats.update(regs=getattr(compiled, "n_regs", None),
                          spills=getattr(compiled, "n_spills", None),
@@ -365,6 +406,9 @@ def aot_specs(shapes) -> list:
                      small=False, cols=block_cols(width, dv), elem=dt.itemsize)
             final = splits == 1
             bs, table = shapes.block_size, table_width(shapes)
+            tma = p["tma"] and tma_fits(width, dv, bs, p["bn"], dt.itemsize, width, bs * width)
+            descs = ((descriptor_type(dt, (p["bn"], dv)), descriptor_type(dt, (p["bn"], width - dv)))
+                     if tma else (dt, dt))
             # the launch's integers: q [n, heads, width], cache [blocks, bs, width], the
             # partials [splits, n, heads, dv] (the output, unsqueezed, when final)
             ints = dict(n_rows=n, n_heads=heads, n_req=shapes.batch,
@@ -374,8 +418,9 @@ def aot_specs(shapes) -> list:
                         stride_ls=n * heads, stride_ln=heads)
             specs.append(kernel_spec(
                 _dense_split_kernel, OP, f"R={r},{'final' if final else 'split'}",
-                _constexprs(p, dv, width, shapes.block_size, final, precision),
-                dict(q_ptr=dt, cache_ptr=dt, bt_ptr=i32, row_req_ptr=i32, row_len_ptr=i32,
+                _constexprs(p, dv, width, shapes.block_size, final, precision, tma),
+                dict(q_ptr=dt, cache_ptr=dt, kv_desc=descs[0], kr_desc=descs[1], bt_ptr=i32,
+                     row_req_ptr=i32, row_len_ptr=i32,
                      out_ptr=dt if final else f32, lse_ptr=f32, scale_log2="fp32"),
                 num_warps=p["num_warps"], num_stages=p["num_stages"], ints=ints))
     specs.append(merge_spec(OP, dv, dt, shapes.batch, heads, 2))
