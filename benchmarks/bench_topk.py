@@ -17,7 +17,9 @@ selected sets equal the reference op's.
     PYTHONPATH=. python benchmarks/bench_topk.py [--quick | --pair]
 
 --quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
-then each kernel's device time from the profiler. --pair: the scan + select pair alone at 128K
+then each kernel's device time from the profiler, then the time per call from one graph of
+RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
+in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike). --pair: the scan + select pair alone at 128K
 and 1M, beside the scan alone. Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
@@ -140,6 +142,32 @@ def run(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[
     return topk_rows(machine, contexts, compile_peer) + indexer_topk_rows(machine, contexts)
 
 
+RING = 10          # calls (and score buffers) per graph in ring_times
+
+
+def ring_times(contexts=(128 << 10, 1 << 20)) -> str:
+    """Per-call time (us) of topk_select and torch.topk on 64 random rows from one CUDA graph of
+    RING calls, each on its own score buffer (sets checked against torch.topk's)."""
+    from k31c.lowering.triton import topk
+    lines = [f"| rows x context | k31c us (graph of {RING}) | torch.topk us (graph of {RING}) | ratio | sets |",
+             "|---|---|---|---|---|"]
+    for ctx in contexts:
+        ring = [torch.randn(N, ctx, device="cuda") for _ in range(RING)]
+        row_len = torch.full((N,), ctx, dtype=torch.int32, device="cuda")
+        exact = all(same_sets(topk.topk_select(s, row_len, K),
+                              torch.topk(s, K, dim=1, sorted=False).indices.int()) for s in ring)
+
+        def rotating(fn):
+            turn = iter(range(1 << 30))
+            return lambda: fn(ring[next(turn) % RING])
+        ms = graph_ms(rotating(lambda s: topk.topk_select(s, row_len, K)), calls=RING)
+        peer = graph_ms(rotating(lambda s: torch.topk(s, K, dim=1, sorted=False)), calls=RING)
+        lines.append(f"| {N}x{ctx >> 10}K | {ms * 1e3:.1f} | {peer * 1e3:.1f} | {peer / ms:.2f}x | "
+                     f"{'==' if exact else '!='} torch.topk |")
+        del ring
+    return "\n".join(lines)
+
+
 def kernel_times(contexts=(32 << 10, 128 << 10, 1 << 20), row_counts=(1, 16, N)) -> str:
     """Per-kernel device time (us) of one topk_select call on random rows, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -169,6 +197,8 @@ if __name__ == "__main__":
         print(markdown(topk_rows(m, (128 << 10, 1 << 20), compile_peer=False), m))
         print()
         print(kernel_times())
+        print()
+        print(ring_times())
     elif "--pair" in sys.argv:   # the scan + select pair alone at 128K and 1M
         print(markdown(indexer_topk_rows(m, (128 << 10, 1 << 20)), m))
     else:
