@@ -48,8 +48,7 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, s
                  sel, len_m, scale_log2, stride_cb, stride_cs, BM: tl.constexpr,
                  BN: tl.constexpr, BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                  BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, MASKED: tl.constexpr,
-                 STAGES: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                 LAZY: tl.constexpr):
+                 STAGES: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over key steps start, start + BN, .. < stop of one request. MASKED: keys at
     or past each M-row's length (and past `limit`, the longest) are excluded; unmasked steps lie
     below every selected row's length (only the row selection applies). TMA: the unmasked steps
@@ -115,8 +114,6 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, s
                 keep = sel[:, None] & ok[None, :]
             s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if LAZY:     # a row's reference max moves only when passed by more than 2^8: p <= 256
-                m_new = tl.where(m_new > m_i + 8.0, m_new, m_i)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no key yet: avoid inf - inf
             alpha = tl.exp2(m_i - m_use)
             p_f = tl.exp2(s - m_use[:, None])
@@ -126,11 +123,7 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, s
             m_new = m_i
             alpha = tl.full([BM], 1.0, tl.float32)
             p = tl.zeros([BM, BN], dt)
-        if LAZY:         # alpha is exactly 1 on every row whose reference max stayed
-            if tl.min(alpha, 0) < 1.0:
-                acc = acc * alpha[:, None]
-        else:
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         acc = tl.dot(p, k_v, acc, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -145,8 +138,7 @@ def _dense_split_kernel(q_ptr, cache_ptr, kv_desc, kr_desc, bt_ptr, row_req_ptr,
                         BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
                         BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PASSES: tl.constexpr,
                         STAGES: tl.constexpr, TAIL_STAGES: tl.constexpr, FINAL: tl.constexpr,
-                        PRECISION: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PRECISION: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_producers(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -190,11 +182,11 @@ def _dense_split_kernel(q_ptr, cache_ptr, kv_desc, kr_desc, bt_ptr, row_req_ptr,
         m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row,
                                      lo, full_end, hi, sel, len_m, scale_log2, stride_cb, stride_cs,
                                      BM, BN, BLOCK_SIZE, DV, DR, BLOCK_V, BLOCK_R, False, STAGES,
-                                     PRECISION, TMA, LAZY)
+                                     PRECISION, TMA)
         m_i, l_i, acc = _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row,
                                      full_end, hi, hi, sel, len_m, scale_log2, stride_cb, stride_cs,
                                      BM, BN, BLOCK_SIZE, DV, DR, BLOCK_V, BLOCK_R, True, TAIL_STAGES,
-                                     PRECISION, False, LAZY)
+                                     PRECISION, False)
         todo = todo & (sel == 0)
 
     has_key = l_i > 0.0
@@ -274,7 +266,6 @@ def plan(target: Target, n_rows: int, n_heads: int, n_req: int, capacity: int,
     cfg.setdefault("tail_stages", cfg["num_stages"])
     cfg.setdefault("programs_per_sm", 1)
     cfg.setdefault("tma", not small)           # full key steps as TMA boxes where the layout allows
-    cfg.setdefault("lazy_rescale", False)      # rescale the accumulator only when a row's max jumps
     g = cfg.setdefault("group", rows_per_group(n_rows, n_req))
     if g < 1:
         raise ValueError(f"config group: expected >= 1 rows per group, got {g}")
@@ -298,7 +289,7 @@ def _constexprs(cfg: dict, dv: int, width: int, block_size: int, final: bool,
                 DR=width - dv, BLOCK_V=max(16, triton.next_power_of_2(dv)),      # tl.dot: K >= 16
                 BLOCK_R=max(16, triton.next_power_of_2(max(width - dv, 1))),
                 PASSES=cfg["passes"], STAGES=cfg["num_stages"], TAIL_STAGES=cfg["tail_stages"],
-                FINAL=final, PRECISION=precision, TMA=tma, LAZY=cfg["lazy_rescale"])
+                FINAL=final, PRECISION=precision, TMA=tma)
 
 
 def tma_fits(width: int, dv: int, block_size: int, bn: int, elem: int, row_stride: int,
