@@ -7,7 +7,8 @@ rows, `fp8_rows`). Sparse rows at
 R = 4; dense rows at R = 1 and R = 4.
 
 Dense: the registered kernel (k31c column) and both kernels by name (mla_dense.py's split-key
-kernel, mla.py's one-pass kernel), beside four plain-PyTorch peers: the paged formulation
+kernel, mla.py's one-pass kernel; at 128K also the split kernel's 32-key steps and its pointer
+loads in place of TMA boxes), beside four plain-PyTorch peers: the paged formulation
 (`plain_dense_mla`: the rows gathered through the block table per query row, then softmax) and
 spec Appendix B's contiguous one (peers.contiguous_dense_mla over per-request contiguous rows),
 each eager and under torch.compile (paged: dynamic=True, one compile; contiguous:
@@ -238,9 +239,10 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
     kernels = {"split kernel": lambda: mla_dense.dense_mla(*dargs),
                "one-pass kernel": lambda: mla.launch(q, pool.cache, table, rr, row_len, SM_SCALE,
                                                      DV)}
-    if ctx == 128 << 10:       # the split kernel's other candidate tile (mla_dense.plan)
+    if ctx == 128 << 10:       # the split kernel's other candidate tile and load (mla_dense.plan)
         kernels["split kernel bn=32"] = lambda: mla_dense.launch(
             *dargs, config={"bn": 32, "num_stages": 3})
+        kernels["split kernel, pointer loads"] = lambda: mla_dense.launch(*dargs, config={"tma": False})
     peers = {name: t for name, fn in kernels.items() if (t := _try_time(fn, **reps)) is not None}
     ms = _try_time(lambda: registered.fn(*dargs), **reps)
     notes = [f"registered: {registered.name.removeprefix('triton:k31c.lowering.triton.')}"]
