@@ -39,12 +39,12 @@ JOBS = ("split-r1", "split-r4", "split-bn32-r1", "split-bn32-r4", "one-pass", "d
 def _dense_kernel(r: int, config: dict | None) -> None:
     """The split kernel at R = r with the variant (partials or not) the quick contexts plan."""
     from k31c.lowering.targets import get_target
-    from k31c.lowering.triton import mla_dense
+    from k31c.lowering.triton import mla_dense, mla_dense_plan
 
     pool = bm.Pool(SMALL_CTX)
     q, table, rr, row_len = bm.dense_inputs(pool, SMALL_CTX, r)
     for ctx in bm.QUICK_CONTEXTS:
-        planned = mla_dense.plan(get_target("h200"), bm.B * r, bm.HEADS, bm.B, ctx, config,
+        planned = mla_dense_plan.plan(get_target("h200"), bm.B * r, bm.HEADS, bm.B, ctx, config,
                                  small=False)["splits"]
         mla_dense.launch(q, pool.cache, table, rr, row_len, bm.SM_SCALE, bm.DV,
                          config={**(config or {}), "splits": planned})

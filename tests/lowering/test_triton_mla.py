@@ -11,6 +11,7 @@ import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
 from k31c.lowering.triton import mla_dense as split_dense
+from k31c.lowering.triton import mla_dense_plan as dense_plan
 from k31c.lowering.triton import mla_two_pass as two_pass
 
 CUDA = torch.cuda.is_available()
@@ -270,17 +271,17 @@ def test_split_dense_skips_unused_blocks(case, cfg):
 def test_split_dense_plan():
     from k31c.lowering.targets import get_target
     h200 = get_target("h200")
-    p = split_dense.plan(h200, 64, 96, 16, 128 << 10, small=False)       # B16 x R4, 96 heads
+    p = dense_plan.plan(h200, 64, 96, 16, 128 << 10, small=False)       # B16 x R4, 96 heads
     assert (p["group"], p["tiles"], p["groups"], p["passes"]) == (4, 6, 16, 2)
     assert (p["bm"], p["bn"], p["num_warps"]) == (64, 64, 8)
-    assert 1 <= p["splits"] <= split_dense.MAX_SPLITS
-    p1 = split_dense.plan(h200, 16, 96, 16, 128 << 10, small=False)      # R = 1: 64 + 32 heads
+    assert 1 <= p["splits"] <= dense_plan.MAX_SPLITS
+    p1 = dense_plan.plan(h200, 16, 96, 16, 128 << 10, small=False)      # R = 1: 64 + 32 heads
     assert (p1["group"], p1["tiles"], p1["passes"]) == (1, 2, 1)
-    assert split_dense.rows_per_group(10, 4) == 1 and split_dense.rows_per_group(2, 4) == 1
+    assert dense_plan.rows_per_group(10, 4) == 1 and dense_plan.rows_per_group(2, 4) == 1
     # makespan: waves of 132 programs x key blocks per split
-    assert split_dense.choose_splits(96, 4096, 132, 64) in (4, 11)
-    assert split_dense.choose_splits(1056, 4096, 132, 64) == 1      # 8 full waves already
-    assert split_dense.choose_splits(1, 4096, 132, 64) == 64
+    assert dense_plan.choose_splits(96, 4096, 132, 64) in (4, 11)
+    assert dense_plan.choose_splits(1056, 4096, 132, 64) == 1      # 8 full waves already
+    assert dense_plan.choose_splits(1, 4096, 132, 64) == 64
 
 
 def test_split_dense_tile_fits_shared_memory():
@@ -288,11 +289,11 @@ def test_split_dense_tile_fits_shared_memory():
     (fp32 rows at K3.1 widths), and a launch that still runs out halves it and remembers that."""
     from k31c.lowering.targets import get_target
     h200 = get_target("h200")
-    assert split_dense.shared_bytes(64, 64, 576, 2) == 229376 <= h200.shared_memory  # sm_90a build
-    cols = split_dense.block_cols(576, 512)
-    assert cols == 576 and split_dense.block_cols(80, 64) == 80
-    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=2)["bn"] == 64
-    assert split_dense.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=4)["bn"] == 16
+    assert dense_plan.shared_bytes(64, 64, 576, 2) == 229376 <= h200.shared_memory  # sm_90a build
+    cols = dense_plan.block_cols(576, 512)
+    assert cols == 576 and dense_plan.block_cols(80, 64) == 80
+    assert dense_plan.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=2)["bn"] == 64
+    assert dense_plan.plan(h200, 64, 96, 16, 1 << 17, small=False, cols=cols, elem=4)["bn"] == 16
 
 
 def test_split_dense_halves_the_step_when_out_of_resources(monkeypatch):
@@ -328,7 +329,7 @@ def test_split_dense_gpu_tile_plan_on_k31_widths():
     widths, in fp32 under the interpreter, on a few rows of two requests."""
     c = make_case(**{**K31, "k": 1, "requests": 2, "rows": 2, "max_blocks": 4}, device=DEV,
                   dtype=torch.float32, seed=45)
-    gpu = split_dense.plan(get_target_h200(), 4, 96, 2, 4 * 64, {"splits": 2}, small=False)
+    gpu = dense_plan.plan(get_target_h200(), 4, 96, 2, 4 * 64, {"splits": 2}, small=False)
     assert (gpu["bm"], gpu["bn"], gpu["group"]) == (64, 64, 2)
     assert_close(split_dense.launch(*dense_args(c), config=gpu),
                  torch.ops.k31c.dense_mla(*dense_args(c)), torch.float32)
