@@ -19,8 +19,8 @@ selected sets equal the reference op's.
 --quick: the select alone at 128K and 1M (and the decode rows), without the torch.compile peer,
 then each kernel's device time from the profiler, then the time per call from one graph of
 RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
-in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike). --pair: the scan + select pair alone at 128K
-and 1M, beside the scan alone. Besides randn scores ("random"), each run
+in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike).
+--pair: the scan + select pair alone at 128K and 1M, beside the scan alone. Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
@@ -151,8 +151,8 @@ def ring_times(contexts=(128 << 10, 1 << 20)) -> str:
     rows do tie at the k-th now and then, where torch.topk may keep either position)."""
     import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.topk_select)
     from k31c.lowering.triton import topk
-    lines = [f"| rows x context | k31c us (graph of {RING}) | torch.topk us (graph of {RING}) | ratio | sets |",
-             "|---|---|---|---|---|"]
+    lines = [f"| rows x context | k31c us (graph of {RING}) | torch.topk us (graph of {RING}) | ratio "
+             "| sets |", "|---|---|---|---|---|"]
     for ctx in contexts:
         ring = [torch.randn(N, ctx, device="cuda") for _ in range(RING)]
         row_len = torch.full((N,), ctx, dtype=torch.int32, device="cuda")

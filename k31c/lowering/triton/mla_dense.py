@@ -55,7 +55,7 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, s
     or past each M-row's length (and past `limit`, the longest) are excluded; unmasked steps lie
     below every selected row's length (only the row selection applies). TMA: the unmasked steps
     load their keys as two boxes (values and rope parts) through the descriptors instead of
-    pointer tensors (fewer registers: 255 with 2 spilled vs 22 at R = 4; BENCHMARKS.md).
+    pointer tensors, which the R = 4 build spilled registers for (BENCHMARKS.md).
 
     Two things here are for Triton's layout choice, not for the math. A dot whose result reaches
     another dot is laid out with all warps along M; with 64 M-rows on 8 warps that makes both
@@ -132,8 +132,8 @@ def _attend_keys(q_v, q_r, m_i, l_i, acc, cache_ptr, kv_desc, kr_desc, bt_row, s
 
 
 @triton.jit
-def _dense_split_kernel(q_ptr, cache_ptr, kv_desc, kr_desc, bt_ptr, row_req_ptr, row_len_ptr, out_ptr, lse_ptr,
-                        n_rows, n_heads, n_req, keys_per_split, scale_log2,
+def _dense_split_kernel(q_ptr, cache_ptr, kv_desc, kr_desc, bt_ptr, row_req_ptr, row_len_ptr,
+                        out_ptr, lse_ptr, n_rows, n_heads, n_req, keys_per_split, scale_log2,
                         stride_qn, stride_qh, stride_cb, stride_cs, stride_btb,
                         stride_os, stride_on, stride_oh, stride_ls, stride_ln,
                         G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
