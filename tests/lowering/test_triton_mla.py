@@ -223,6 +223,27 @@ def test_split_dense_matches_reference_small(case, cfg):
     assert_close(got, want, torch.float32)
 
 
+def test_split_dense_tma_only_on_a_contiguous_cache():
+    """TMA boxes need the cache viewed as [blocks x block size, width]: a cache whose rows are
+    strided (a column slice of a wider pool) takes the pointer loads even when TMA is asked for,
+    and matches the reference either way."""
+    c = make_case(**{**SMALL, "block_size": 16, "max_blocks": 4}, device=DEV, dtype=torch.float32,
+                  seed=49)
+    cfg = {"bn": 16, "splits": 2, "tma": True}
+    wide = torch.randn(*c["latent_cache"].shape[:2], 96, device=DEV)
+    wide[..., :80] = c["latent_cache"]
+    strided = {**c, "latent_cache": wide[..., :80]}
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    for case, tma in ((c, True), (strided, False)):
+        stats = {}
+        assert_close(split_dense.launch(*dense_args(case), config=cfg, stats=stats), want,
+                     torch.float32)
+        assert stats["tma_used"] == tma
+    assert dense_plan.tma_fits(576, 512, 64, 64, 2, 576, 64 * 576)
+    assert not dense_plan.tma_fits(576, 512, 64, 128, 2, 576, 64 * 576)   # a step over two blocks
+    assert not dense_plan.tma_fits(576, 500, 64, 64, 2, 576, 64 * 576)    # parts not powers of two
+
+
 def test_split_dense_rows_of_several_requests_in_one_tile():
     """row_req not in the decode layout (rows of one group belong to different requests, in any
     order): the kernel runs one pass per request inside a tile and still matches."""
