@@ -242,7 +242,8 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
     if ctx == 128 << 10:       # the split kernel's other candidate tile and load (mla_dense.plan)
         kernels["split kernel bn=32"] = lambda: mla_dense.launch(
             *dargs, config={"bn": 32, "num_stages": 3})
-        kernels["split kernel, pointer loads"] = lambda: mla_dense.launch(*dargs, config={"tma": False})
+        kernels["split kernel, pointer loads"] = lambda: mla_dense.launch(
+            *dargs, config={"tma": False})
     peers = {name: t for name, fn in kernels.items() if (t := _try_time(fn, **reps)) is not None}
     ms = _try_time(lambda: registered.fn(*dargs), **reps)
     notes = [f"registered: {registered.name.removeprefix('triton:k31c.lowering.triton.')}"]

@@ -20,10 +20,13 @@ selected sets equal the reference op's.
 then each kernel's device time from the profiler, then the time per call from one graph of
 RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
 in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike).
---pair: the scan + select pair alone at 128K and 1M, beside the scan alone. Besides randn scores ("random"), each run
-times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
+--pair: the scan + select pair alone at 128K and 1M, beside the scan alone. Besides randn
+scores ("random"), each run times scores spread as the layer's indexer scores are
+("indexer-like", 128K and up).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -159,8 +162,8 @@ def ring_times(contexts=(128 << 10, 1 << 20)) -> str:
         exact = all(same_sets(topk.topk_select(s, row_len, K),
                               torch.ops.k31c.topk_select(s, row_len, K)) for s in ring)
 
-        def rotating(fn):
-            turn = iter(range(1 << 30))
+        def rotating(fn):                  # each captured call on the next buffer
+            turn = itertools.count()
             return lambda: fn(ring[next(turn) % RING])
         ms = graph_ms(rotating(lambda s: topk.topk_select(s, row_len, K)), calls=RING)
         peer = graph_ms(rotating(lambda s: torch.topk(s, K, dim=1, sorted=False)), calls=RING)

@@ -45,7 +45,7 @@ def _dense_kernel(r: int, config: dict | None) -> None:
     q, table, rr, row_len = bm.dense_inputs(pool, SMALL_CTX, r)
     for ctx in bm.QUICK_CONTEXTS:
         planned = mla_dense_plan.plan(get_target("h200"), bm.B * r, bm.HEADS, bm.B, ctx, config,
-                                 small=False)["splits"]
+                                      small=False)["splits"]
         mla_dense.launch(q, pool.cache, table, rr, row_len, bm.SM_SCALE, bm.DV,
                          config={**(config or {}), "splits": planned})
 

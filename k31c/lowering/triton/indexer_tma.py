@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton.indexer_mxfp8 import mx_dequant_keys, mx_query_tile
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
@@ -196,7 +196,7 @@ def aot_spec(p, block_size: int, ptrs: dict, variant: str, op: str, ints: dict |
     integers (aot_spec.kernel_spec)."""
     stride = block_size * (p.d + 4 if p.fp8 else p.d + p.d // 32 if mx else p.d)
     num_warps = _num_warps(p.rows_pad, p.h_pad, p.num_warps)
-    desc = f"tensordesc<{'fp8e4nv' if p.fp8 or mx else 'bf16'}[{block_size},{p.d}]>"
+    desc = descriptor_type(torch.float8_e4m3fn if p.fp8 or mx else torch.bfloat16, (block_size, p.d))
     return kernel_spec(
         _indexer_tma_kernel, op, variant,
         _constexprs(p.rows, p.rows_pad, p.heads, p.h_pad, p.d, block_size, stride // p.d, True,
