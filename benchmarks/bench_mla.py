@@ -14,14 +14,16 @@ spec Appendix B's contiguous one (peers.contiguous_dense_mla over per-request co
 each eager and under torch.compile (paged: dynamic=True, one compile; contiguous:
 dynamic=False, as Appendix B measured it). G7 (§8): >= 600 TFLOP/s at R = 4, >= 3.5 TB/s
 effective (B·L·1152 bytes / time) at R = 1, never slower than the faster torch.compile peer.
-Sparse: the registered two-pass kernel, the eager reference op and torch.compile of the paged
-plain-torch gather + softmax.
+Sparse: the registered kernel (on the H200 the warp-specialized one, mla_sparse_ws.py) and the
+two-pass kernel, each replayed from a CUDA graph, beside the eager reference op and torch.compile
+of the paged plain-torch gather + softmax (direct calls).
 Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; the bytes floor
 (latent rows read once; for sparse each row's 2048 rows, no overlap assumed) is in the note.
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # table
     PYTHONPATH=. python benchmarks/bench_mla.py --quick    # dense only, 32K and 128K
     PYTHONPATH=. python benchmarks/bench_mla.py --fp8      # the FP8 latent rows only (fp8_rows)
+    PYTHONPATH=. python benchmarks/bench_mla.py --sparse   # sparse only, 128K
     PYTHONPATH=. python benchmarks/bench_mla.py --sweep    # launch-config sweep at 128K
 """
 from __future__ import annotations
@@ -33,11 +35,11 @@ import torch
 try:
     from benchmarks import peers as pp
     from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, \
-        markdown, measure_machine, record_goal, time_ms
+        markdown, measure_machine, record_goal, time_ms, graph_ms
 except ImportError:  # run as a script from benchmarks/
     import peers as pp
     from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, markdown, \
-        measure_machine, record_goal, time_ms
+        measure_machine, record_goal, time_ms, graph_ms
 
 HEADS, WIDTH, DV, TOPK, BLOCK = 96, 576, 512, 2048, 64
 B, R = 16, 4
@@ -131,17 +133,22 @@ def run(machine: Machine, contexts=CONTEXTS, dense_rows=DENSE_ROWS, sparse: bool
     return rows
 
 
-def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
-    from k31c.lowering.triton import mla_two_pass as two_pass
+def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> list[Row]:
+    from k31c.lowering.registry import lookup
+    from k31c.lowering.triton import mla_sparse_ws as ws, mla_two_pass as two_pass
+    registered = lookup("k31c::sparse_mla", "h200").fn
     rows = []
     q, cache, rr = pool.q, pool.cache, pool.row_req
     compiled_sparse = torch.compile(plain_sparse_mla, dynamic=False)
     for ctx in contexts:
         table, row_len, idx = pool.context(ctx)
         tag = f"B{B}xR{R} H{HEADS} L={ctx >> 10}K"
-        # sparse over 2048 selected rows: the registered (two-pass) kernel
+        # sparse over 2048 selected rows: the registered kernel and the two-pass one, each
+        # replayed from a CUDA graph (as a decode step runs them)
         args = (q, cache, table, rr, idx, SM_SCALE, DV)
-        ms = time_ms(lambda: two_pass.sparse_mla(*args))
+        why = ws.why_two_pass(q, cache, idx, DV)
+        if why:
+            print(f"# sparse_mla: the registered kernel runs the two-pass one here: {why}", file=sys.stderr)
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
         for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
@@ -149,23 +156,27 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
             t = _try_time(fn, warmup=2, reps=10)
             if t is not None:
                 peers[name] = t
-        rows.append(Row("sparse_mla bf16", f"{tag} k={TOPK}", ms,
-                        flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
-                        _rate_note(ms, flops, nbytes, machine)))
+        for label, fn in ((f"sparse_mla bf16 ({registered.__module__.rsplit('.', 1)[-1]})", registered),
+                          ("sparse_mla bf16 (mla_two_pass)", two_pass.sparse_mla)):
+            ms = graph_ms(lambda: fn(*args))
+            rows.append(Row(label, f"{tag} k={TOPK}", ms, flops_floor_ms(flops, machine.bf16_tflops),
+                            "flops", peers, _rate_note(ms, flops, nbytes, machine)
+                            + "; " + _out_error(fn(*args), torch.ops.k31c.sparse_mla(*args), "reference")))
 
     # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
-    rows += fp8_rows(machine, ctx)
+    if fp8:
+        rows += fp8_rows(machine, ctx)
     return rows
 
 
 FP8_ROW_BYTES = 656                          # 512 e4m3 + 4 fp32 scales + 64 bf16 (spec §5.6)
 
 
-def _out_error(got, want) -> str:
+def _out_error(got, want, against: str = "bf16 cache") -> str:
     (o, lse), (o_ref, lse_ref) = got, want
     d = (o.float() - o_ref.float())
-    return (f"vs bf16 cache: out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
+    return (f"vs {against}: out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
             f"rms rel {(d.norm() / o_ref.float().norm()).item():.2e}, "
             f"max |lse diff| {(lse - lse_ref).abs().max().item():.2e}")
 
@@ -383,6 +394,8 @@ if __name__ == "__main__":
         print(markdown(sweep(m), m), flush=True)
     elif "--fp8" in sys.argv:
         print(markdown(fp8_rows(m), m), flush=True)
+    elif "--sparse" in sys.argv:
+        print(markdown(_sparse_rows(m, Pool(128 << 10), (128 << 10,), fp8=False), m), flush=True)
     else:
         quick = "--quick" in sys.argv
         rows_ = run(m, QUICK_CONTEXTS, sparse=False) if quick else run(m)

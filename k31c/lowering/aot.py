@@ -166,7 +166,10 @@ def _compile(spec: AotSpec, target_name: str):
     target = get_target(target_name)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(spec.signature.items())
              if t.startswith("*") or n in spec.divisible}
-    src = ASTSource(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    source = ASTSource
+    if _is_gluon(spec.kernel):      # a Gluon kernel (explicit layouts and warp partitions)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=spec.kernel, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     options = {"num_warps": spec.num_warps}
     if spec.num_stages is not None:
         options["num_stages"] = spec.num_stages
@@ -176,6 +179,14 @@ def _compile(spec: AotSpec, target_name: str):
         options["maxnreg"] = spec.maxnreg
     gpu = GPUTarget(target.triton_backend, target.triton_arch, target.warp_size)
     return triton.compile(src, target=gpu, options=options)
+
+
+def _is_gluon(kernel) -> bool:
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:
+        return False
+    return isinstance(kernel, GluonJITFunction)
 
 
 def build_spec(spec: AotSpec, target_name: str) -> BuiltKernel:

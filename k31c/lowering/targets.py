@@ -62,7 +62,8 @@ TARGETS = {
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
                    executor="program", fast_dot_precision="tf32", exact_dot_precision="tf32x3",
                    # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
-                   default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split")),
+                   default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split"),
+                                     ("k31c::sparse_mla", "warp_specialized")),
                    device_graphs=True, graph_streams=3, device_names=("H200",),
                    shared_memory=232448,       # sm_90: 227 KB a block (opt-in)
                    kda_prefill_chunk=16),      # T = 8192: 2.73 ms vs 3.81-4.18 at 64 (BENCHMARKS.md, KDA)
@@ -80,7 +81,7 @@ GPU_TARGETS: tuple[str, ...] = tuple(n for n, t in TARGETS.items() if t.triton_b
 
 
 # the variant an op runs where a target's record names none (ops with several kernel modules)
-DEFAULT_VARIANTS = {"k31c::dense_mla": "one_pass"}
+DEFAULT_VARIANTS = {"k31c::dense_mla": "one_pass", "k31c::sparse_mla": "two_pass"}
 
 
 def targets_running(op: str, variant: str) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton import mla_dense_plan as dense_plan
+from k31c.lowering.triton import mla_sparse_ws as ws
 from k31c.lowering.triton import mla_two_pass as two_pass
 
 CUDA = torch.cuda.is_available()
@@ -102,8 +103,13 @@ def test_public_launchers_and_registry():
     c = make_case(**SMALL, device=DEV, dtype=torch.float32, seed=11)
     assert_close(two_pass.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
                  torch.float32)
-    assert lookup("k31c::sparse_mla", "h200").fn is two_pass.sparse_mla
+    assert lookup("k31c::sparse_mla", "h200").fn is ws.sparse_mla
     assert lookup("k31c::sparse_mla", "mi350x").fn is two_pass.sparse_mla
+    # a call the warp-specialized kernel does not take (here: fp32, and no sm_90 GPU on CI) runs
+    # the two-pass kernel, with the same result
+    assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"])
+    assert_close(ws.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.float32)
     assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
     assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
@@ -191,6 +197,42 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     few = two_pass.plan(96, None, small=False, rows=2, dv=512, sm_count=132)
     assert few["dvc"] == 64 and two_pass.plan(96, None, small=False, rows=64, dv=512, sm_count=132)["dvc"] == 256
     assert_close(two_pass.launch(*sparse_args(c), config=few), want, torch.float32)
+
+
+# ---- the warp-specialized sparse kernel (mla_sparse_ws.py, Gluon, sm_90a) ---------------------
+
+@cuda_only
+@pytest.mark.parametrize("heads,k,rows", [
+    (96, 2048, 4),          # K3.1 Pro decode (R = 4): a 64-head tile and a 32-head one
+    (64, 300, 5),           # one full tile; a tail of 44 keys past the last 64-key step
+    (128, 2048, 3),         # two full tiles
+    (40, 1000, 5),          # one tile, 24 zero rows
+])
+def test_warp_specialized_sparse_matches_reference(heads, k, rows):
+    """bf16 at K3.1 Pro widths against the reference op: -1 holes, a row with no key (out 0,
+    lse +inf), shuffled blocks; every case must take this kernel, not the two-pass fallback."""
+    c = make_case(**{**K31, "heads": heads, "k": k, "rows": rows}, device="cuda",
+                  dtype=torch.bfloat16, seed=30 + heads)
+    assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"]) is None
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert_close(ws.sparse_mla(*sparse_args(c)), want, torch.bfloat16)
+
+
+def test_warp_specialized_sparse_declines_what_it_cannot_run():
+    """The reasons a call goes to the two-pass kernel (checked without a GPU: CPU tensors name
+    the device first; on an H200 the shape reasons are checked too)."""
+    c = make_case(**{**K31, "k": 64, "requests": 2, "max_blocks": 4}, device=DEV,
+                  dtype=torch.bfloat16, seed=31)
+    reason = ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"])
+    if not CUDA:
+        assert "NVIDIA" in reason or "Gluon" in reason
+        return
+    assert "programs fill less than half the SMs" in reason       # 8 rows x 2 tiles
+    big = make_case(**{**K31, "k": 64}, device="cuda", dtype=torch.bfloat16, seed=32)
+    assert ws.why_two_pass(big["q"], big["latent_cache"], big["indices"], 512) is None
+    assert "bf16 only" in ws.why_two_pass(big["q"].float(), big["latent_cache"], big["indices"], 512)
+    assert "width" in ws.why_two_pass(big["q"], big["latent_cache"], big["indices"], 448)
+    assert "strided" in ws.why_two_pass(big["q"], big["latent_cache"][::2], big["indices"], 512)
 
 
 # ---- the split-key dense kernel (mla_dense.py) -----------------------------------------------

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
-from k31c.lowering.targets import GPU_TARGETS
+from k31c.lowering.targets import targets_running
 from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.mla_common import (LOG2E, check_mla_args, fp8_latent_cols, fp8_latent_consts,
                                              fp8_latent_views, head_tiles, in_row_slices, resolve_slots,
@@ -229,7 +229,7 @@ def _tiles(cfg: dict, block_size: int, precision: str) -> dict:
                 SMALL_HT=cfg["small"], PRECISION=precision)
 
 
-@register("k31c::sparse_mla", GPU_TARGETS)
+@register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "two_pass"))
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:

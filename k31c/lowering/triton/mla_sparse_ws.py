@@ -1,0 +1,236 @@
+"""Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice.
+
+One program per (query row, 64-head tile); a row's tiles are adjacent programs, so the second
+finds the row's gathered latent rows in L2. Inside a program:
+
+- a 4-warp producer partition turns the row's selected positions into cache rows (block table)
+  and gathers them 64 at a time with 16-byte cp.async into one of two [64, 576] shared buffers
+  (a -1 position and the tail past k are zero-filled), so each row is read once for both
+  products and the next step's gather runs under this step's products;
+- eight consumer warps in [4, 2] layouts: the scores [64 heads, 64 keys] split by keys over the
+  two warp groups (n32 wgmmas, q from shared memory), the online softmax (masked keys get -inf;
+  a row with no key yet keeps 0 weights), P stored over the step's rope part (dead once scored),
+  and the values [64, 512] split by columns (K = 64 wgmmas).
+
+q is loaded once with masked pointer loads (heads past the last are zero rows); out and lse go
+out with masked stores. A row with no key gives out = 0 and lse = +inf (the reference's rule).
+
+Triton's own pipeliner cannot do this: it warp-specializes on Hopper only around TMA-descriptor
+loads, and the rows here are gathered (BENCHMARKS.md, MLA). Cases this kernel does not take go
+to the two-pass kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache,
+fewer programs than half the SMs (no key split here), a GPU other than sm_90, no Gluon.
+"""
+from __future__ import annotations
+
+import torch
+
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.registry import register
+from k31c.lowering.targets import targets_running
+from k31c.lowering.triton import mla_two_pass as two_pass
+from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.mla_common import LOG2E, table_width
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    _sync = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
+    GLUON_ERROR = None
+except ImportError as e:                       # a Triton without Gluon's Hopper API
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+WIDTH, DV, ROPE = 576, 512, 64      # the latent row this kernel is written for (K3.1 Pro MLA)
+HEADS_TILE = 64                     # one wgmma M: the heads a program takes
+KEYS_STEP = 64                      # selected rows a buffer holds
+NUM_WARPS = 8                       # the consumer warps
+
+
+if GLUON_ERROR is None:
+    GATHER_WARPS = gl.constexpr(4)      # the producer partition, at 56 registers (no spill)
+    GATHER_REGS = gl.constexpr(56)
+
+    @gluon.jit
+    def _gather(cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs, ready, empty,
+                n_steps):
+        G_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, 64, gl.SliceLayout(1, G_L))
+        cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
+        for i in range(n_steps):
+            b = i % 2
+            j = i * 64 + rows
+            pos = gl.load(idx_row + j, mask=j < n_keys, other=-1)
+            at = gl.maximum(pos, 0)
+            blk = gl.load(table_row + at // block_size, mask=pos >= 0, other=0)
+            row = gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
+            ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
+            src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
+            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)      # the buffer's last step is done
+            async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
+            for c in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
+                                                       src + 64 * c, mask=ok)
+            async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
+
+    @gluon.jit
+    def _attend(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_keys, n_steps,
+                scale_log2, out_ptr, lse_ptr, head0, n_heads):
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 32, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 256, 16])
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
+        l_i = gl.zeros([64], gl.float32, ROW_S)
+        acc = gl.zeros([64, 512], gl.float32, O_L)
+        zero_s = gl.zeros([64, 64], gl.float32, S_L)
+        key = gl.arange(0, 64, gl.SliceLayout(0, S_L))
+        keep = gl.load(idx_row + key, mask=key < n_keys, other=-1) >= 0
+        for i in range(n_steps):
+            b = i % 2
+            kv = kv_bufs.index(b)
+            kr = kr_bufs.index(b)
+            mbarrier.wait(ready.index(b), (i // 2) & 1)
+            s = warpgroup_mma(qr_smem, kr.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma(qv_smem, kv.permute((1, 0)), s, is_async=True)
+            nxt = (i + 1) * 64 + key          # the next step's mask loads under the wgmmas
+            keep_next = gl.load(idx_row + nxt, mask=nxt < n_keys, other=-1) >= 0
+            s = warpgroup_mma_wait(0, deps=(s,))
+            s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
+            # the row max spans both warp groups (a block barrier): both groups' score wgmmas
+            # have finished reading the rope rows before either stores P over them
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: weights 0
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            p_smem = kr._reinterpret(gl.bfloat16, [64, 64], P_SH)
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _sync()
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _sync()
+            mbarrier.arrive(empty.index(b), count=1)
+            m_i = m_new
+            keep = keep_next
+        has = l_i > 0
+        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
+        out = acc / gl.expand_dims(l_o, 1)                            # 0 where no key
+        h_o = head0 + gl.arange(0, 64, ROW_O)
+        c_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        o_mask = gl.expand_dims(h_o < n_heads, 1) & gl.expand_dims(c_o >= 0, 0)
+        gl.store(out_ptr + gl.expand_dims(h_o * 512, 1) + gl.expand_dims(c_o, 0),
+                 out.to(gl.bfloat16), mask=o_mask)
+        h_s = head0 + gl.arange(0, 64, ROW_S)
+        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                       float("inf"))
+        gl.store(lse_ptr + h_s, lse, mask=h_s < n_heads)
+
+    @gluon.jit
+    def _sparse_ws_kernel(q_ptr, cache_ptr, table_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr,
+                          n_heads, n_tiles, n_keys, block_size, stride_qn, stride_qh, stride_in,
+                          stride_bt, scale_log2, num_warps: gl.constexpr):
+        pid = gl.program_id(0)
+        t = pid // n_tiles                                          # the query row
+        head0 = (pid % n_tiles) * 64
+        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], SH_W)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SH_R)
+        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], SH_W)
+        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_R)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(ready.index(b), count=128)   # every producer thread, once its copies land
+            mbarrier.init(empty.index(b), count=1)
+        # q: 64 heads x 576 columns, 64 columns a load (heads past the last: zero rows)
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+        h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
+        c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
+        q_mask = gl.expand_dims(h < n_heads, 1) & gl.expand_dims(c >= 0, 0)
+        q_at = q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1) + gl.expand_dims(c, 0)
+        for j in gl.static_range(8):
+            qv_smem.slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask, other=0.0))
+        qr_smem.store(gl.load(q_at + 512, mask=q_mask, other=0.0))
+        fence_async_shared()
+        _sync()
+        idx_row = idx_ptr + t.to(gl.int64) * stride_in
+        table_row = table_ptr + gl.load(req_ptr + t).to(gl.int64) * stride_bt
+        n_steps = gl.cdiv(n_keys, 64)
+        row_out = t.to(gl.int64) * n_heads
+        gl.warp_specialize([
+            (_attend, (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_keys, n_steps,
+                       scale_log2, out_ptr + row_out * 512, lse_ptr + row_out, head0, n_heads)),
+            (_gather, (cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs,
+                       ready, empty, n_steps))],
+            [GATHER_WARPS], [GATHER_REGS])
+
+
+def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
+                 dv: int) -> str | None:
+    """Why this call goes to the two-pass kernel, or None when this kernel takes it."""
+    if GLUON_ERROR is not None:
+        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
+    if interpreting() or q.device.type != "cuda" or torch.version.hip:
+        return "not an NVIDIA GPU (the kernel is sm_90a code)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"compute capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
+    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
+        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
+    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
+        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    if not latent_cache.is_contiguous() or q.stride(2) != 1 or indices.stride(1) != 1:
+        return "a cache, q or indices layout with strided rows"
+    programs = q.shape[0] * -(-q.shape[1] // HEADS_TILE)
+    if programs < target_of(q.device).sm_count // 2:
+        return f"{programs} programs fill less than half the SMs (no key split here)"
+    return None
+
+
+@register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "warp_specialized"))
+def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+               row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    two_pass.check_sparse(q, latent_cache, block_table, row_req, indices, dv)
+    if why_two_pass(q, latent_cache, indices, dv) is not None:
+        return two_pass.sparse_mla(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
+    return launch(q, latent_cache, block_table, row_req, indices, sm_scale)
+
+
+def launch(q, latent_cache, block_table, row_req, indices, sm_scale):
+    """This kernel's launch (callers check `why_two_pass` first)."""
+    n, n_heads, _ = q.shape
+    out = q.new_empty((n, n_heads, DV))
+    lse = q.new_empty((n, n_heads), dtype=torch.float32)
+    n_keys = indices.shape[1]
+    if n == 0 or n_heads == 0:
+        return out, lse
+    if n_keys == 0:
+        return out.zero_(), lse.fill_(float("inf"))
+    n_tiles = -(-n_heads // HEADS_TILE)
+    _sparse_ws_kernel[(n * n_tiles,)](
+        q, latent_cache, block_table, row_req, indices, out, lse, n_heads, n_tiles, n_keys,
+        latent_cache.shape[1], q.stride(0), q.stride(1), indices.stride(0), block_table.stride(0),
+        sm_scale * LOG2E, num_warps=NUM_WARPS)
+    return out, lse
+
+
+def aot_specs(shapes) -> list:
+    """The one launch at `shapes` (aot_spec.AotShapes), for the ahead-of-time build."""
+    cfg = shapes.cfg
+    heads, k = cfg.num_attention_heads, cfg.index_topk
+    i32 = torch.int32
+    ints = dict(n_heads=heads, n_tiles=-(-heads // HEADS_TILE), n_keys=k, block_size=shapes.block_size,
+                stride_qn=heads * WIDTH, stride_qh=WIDTH, stride_in=k, stride_bt=table_width(shapes))
+    return [kernel_spec(_sparse_ws_kernel, "k31c::sparse_mla", "bf16", dict(num_warps=NUM_WARPS),
+                        dict(q_ptr=cfg.torch_dtype, cache_ptr=cfg.torch_dtype, table_ptr=i32,
+                             req_ptr=i32, idx_ptr=i32, out_ptr=cfg.torch_dtype, lse_ptr=torch.float32,
+                             scale_log2="fp32"),
+                        num_warps=NUM_WARPS, ints=ints)]
