@@ -87,7 +87,8 @@ def _check_build(target: str, families, stdout: str, manifest: dict, out: Path) 
     for k in kernels:
         data = (out / k["file"]).read_bytes()
         assert len(data) == k["size"] > 0 and hashlib.sha256(data).hexdigest() == k["sha256"]
-        assert k["num_warps"] in (1, 2, 4, 8, 16) and k["shared"] >= 0 and k["n_regs"] > 0
+        # 12: a warp-specialized kernel's 8 warps and its 4-warp producer partition
+        assert k["num_warps"] in (1, 2, 4, 8, 12, 16) and k["shared"] >= 0 and k["n_regs"] > 0
         osabi, machine, flags = _elf(data)
         if target == "mi350x":
             assert k["binary_kind"] == "hsaco" and k["file"].endswith(".hsaco")
@@ -124,7 +125,7 @@ def test_build_default(default_builds, target):
     if target == "mi350x":   # every op registered for mi350x has its kernels built
         assert {op for k in manifest["kernels"] for op in k["ops"]} == set(_registered("mi350x", None))
     else:   # built as the JIT specializes the launches' integers: software-pipelined, no spill
-        for name in ("linear_group/_linear_group_kernel[", "mla_two_pass/_scores_kernel[scores]",
+        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_scores_kernel[scores]",
                      "moe_experts/_gate_up_kernel["):
             k = next(k for k in manifest["kernels"] if k["name"].startswith(name))
             assert not k["scratch_bytes"] and k["shared"] > 48 << 10, k
@@ -213,6 +214,8 @@ for spec in tix.mx_aot_specs(shapes, "tma")[:1]:
     assert not spill and regs < 128, (spec.variant, regs, spill)
 # the warp-specialized sparse MLA (a Gluon kernel) builds for sm_90a without spilling
 for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
+    if spec.kernel.__name__ != "_sparse_ws_kernel":     # the two-pass fallback's launches
+        continue
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and ck.metadata.shared > 200_000, (spec.variant, regs, spill)

@@ -223,7 +223,8 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale):
 
 
 def aot_specs(shapes) -> list:
-    """The one launch at `shapes` (aot_spec.AotShapes), for the ahead-of-time build."""
+    """This kernel's launch at `shapes` (aot_spec.AotShapes), for the ahead-of-time build, and
+    the two-pass kernel's (the calls this one declines: few rows, an FP8 cache)."""
     cfg = shapes.cfg
     heads, k = cfg.num_attention_heads, cfg.index_topk
     i32 = torch.int32
@@ -233,4 +234,4 @@ def aot_specs(shapes) -> list:
                         dict(q_ptr=cfg.torch_dtype, cache_ptr=cfg.torch_dtype, table_ptr=i32,
                              req_ptr=i32, idx_ptr=i32, out_ptr=cfg.torch_dtype, lse_ptr=torch.float32,
                              scale_log2="fp32"),
-                        num_warps=NUM_WARPS, ints=ints)]
+                        num_warps=NUM_WARPS, ints=ints)] + two_pass.aot_specs(shapes)
