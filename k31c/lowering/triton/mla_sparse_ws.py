@@ -15,10 +15,14 @@ finds the row's gathered latent rows in L2. Inside a program:
 q is loaded once with masked pointer loads (heads past the last are zero rows); out and lse go
 out with masked stores. A row with no key gives out = 0 and lse = +inf (the reference's rule).
 
+Where the (row, tile) programs leave SMs idle (a decode step of few rows), each also takes a
+split of the keys (`plan_splits`: one wave, at least 4 steps a split) and writes fp32 partials
+that `mla_common.merge_splits` combines by LSE.
+
 Triton's own pipeliner cannot do this: it warp-specializes on Hopper only around TMA-descriptor
 loads, and the rows here are gathered (BENCHMARKS.md, MLA). Cases this kernel does not take go
 to the two-pass kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache,
-fewer programs than half the SMs (no key split here), a GPU other than sm_90, no Gluon.
+a strided layout, a GPU other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, table_width
+from k31c.lowering.triton.mla_common import LOG2E, merge_spec, merge_splits, table_width
 
 try:
     from triton.experimental import gluon
@@ -45,6 +49,8 @@ except ImportError as e:                       # a Triton without Gluon's Hopper
 WIDTH, DV, ROPE = 576, 512, 64      # the latent row this kernel is written for (K3.1 Pro MLA)
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
 KEYS_STEP = 64                      # selected rows a buffer holds
+MIN_SPLIT_STEPS = 4                 # key steps a split takes at least (its q load and first
+                                    # gather amortised)
 NUM_WARPS = 8                       # the consumer warps
 
 
@@ -76,7 +82,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _attend(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_keys, n_steps,
-                scale_log2, out_ptr, lse_ptr, head0, n_heads):
+                scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                       instr_shape=[16, 32, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -126,19 +132,23 @@ if GLUON_ERROR is None:
         c_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
         o_mask = gl.expand_dims(h_o < n_heads, 1) & gl.expand_dims(c_o >= 0, 0)
         gl.store(out_ptr + gl.expand_dims(h_o * 512, 1) + gl.expand_dims(c_o, 0),
-                 out.to(gl.bfloat16), mask=o_mask)
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
         h_s = head0 + gl.arange(0, 64, ROW_S)
         lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                       float("inf"))
+                       empty_lse)
         gl.store(lse_ptr + h_s, lse, mask=h_s < n_heads)
 
     @gluon.jit
     def _sparse_ws_kernel(q_ptr, cache_ptr, table_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr,
-                          n_heads, n_tiles, n_keys, block_size, stride_qn, stride_qh, stride_in,
-                          stride_bt, scale_log2, num_warps: gl.constexpr):
+                          n_rows, n_heads, n_tiles, n_keys, n_splits, keys_per_split, block_size,
+                          stride_qn, stride_qh, stride_in, stride_bt, scale_log2, empty_lse,
+                          num_warps: gl.constexpr):
+        # program (row, split, head tile), tiles fastest: a row's tiles read the same rows
         pid = gl.program_id(0)
-        t = pid // n_tiles                                          # the query row
-        head0 = (pid % n_tiles) * 64
+        tile = pid % n_tiles
+        split = (pid // n_tiles) % n_splits
+        t = pid // (n_tiles * n_splits)                             # the query row
+        head0 = tile * 64
         SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         qv_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], SH_W)
@@ -161,16 +171,29 @@ if GLUON_ERROR is None:
         qr_smem.store(gl.load(q_at + 512, mask=q_mask, other=0.0))
         fence_async_shared()
         _sync()
-        idx_row = idx_ptr + t.to(gl.int64) * stride_in
+        # this split's keys (a multiple of 64 from the row's first); out and lse: [splits, rows,
+        # heads, 512] and [splits, rows, heads] (one split: the op's own outputs)
+        idx_row = idx_ptr + t.to(gl.int64) * stride_in + split * keys_per_split
+        n_here = gl.maximum(gl.minimum(keys_per_split, n_keys - split * keys_per_split), 0)
         table_row = table_ptr + gl.load(req_ptr + t).to(gl.int64) * stride_bt
-        n_steps = gl.cdiv(n_keys, 64)
-        row_out = t.to(gl.int64) * n_heads
+        n_steps = gl.cdiv(n_here, 64)
+        row_out = (split.to(gl.int64) * n_rows + t) * n_heads
         gl.warp_specialize([
-            (_attend, (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_keys, n_steps,
-                       scale_log2, out_ptr + row_out * 512, lse_ptr + row_out, head0, n_heads)),
-            (_gather, (cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs,
+            (_attend, (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_here, n_steps,
+                       scale_log2, out_ptr + row_out * 512, lse_ptr + row_out, head0, n_heads,
+                       empty_lse)),
+            (_gather, (cache_ptr, table_row, idx_row, n_here, block_size, kv_bufs, kr_bufs,
                        ready, empty, n_steps))],
             [GATHER_WARPS], [GATHER_REGS])
+
+
+def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
+    """Key splits a (row, head tile) takes: as many as keep every program on an SM of its own
+    (one wave), each at least MIN_SPLIT_STEPS steps; 1 when the programs alone fill the SMs.
+    Splits write fp32 partials that `merge_splits` combines by LSE."""
+    programs = n_rows * -(-n_heads // HEADS_TILE)
+    steps = -(-n_keys // KEYS_STEP)
+    return max(1, min(sm_count // max(programs, 1), steps // MIN_SPLIT_STEPS))
 
 
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
@@ -188,9 +211,6 @@ def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Ten
         return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
     if not latent_cache.is_contiguous() or q.stride(2) != 1 or indices.stride(1) != 1:
         return "a cache, q or indices layout with strided rows"
-    programs = q.shape[0] * -(-q.shape[1] // HEADS_TILE)
-    if programs < target_of(q.device).sm_count // 2:
-        return f"{programs} programs fill less than half the SMs (no key split here)"
     return None
 
 
@@ -204,8 +224,9 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     return launch(q, latent_cache, block_table, row_req, indices, sm_scale)
 
 
-def launch(q, latent_cache, block_table, row_req, indices, sm_scale):
-    """This kernel's launch (callers check `why_two_pass` first)."""
+def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int | None = None):
+    """This kernel's launch (callers check `why_two_pass` first); `splits` overrides
+    `plan_splits` (tests, benchmarks)."""
     n, n_heads, _ = q.shape
     out = q.new_empty((n, n_heads, DV))
     lse = q.new_empty((n, n_heads), dtype=torch.float32)
@@ -215,23 +236,45 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale):
     if n_keys == 0:
         return out.zero_(), lse.fill_(float("inf"))
     n_tiles = -(-n_heads // HEADS_TILE)
-    _sparse_ws_kernel[(n * n_tiles,)](
-        q, latent_cache, block_table, row_req, indices, out, lse, n_heads, n_tiles, n_keys,
-        latent_cache.shape[1], q.stride(0), q.stride(1), indices.stride(0), block_table.stride(0),
-        sm_scale * LOG2E, num_warps=NUM_WARPS)
+    if splits is None:
+        splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
+    per_split = -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+    if splits == 1:
+        dst, dst_lse, empty_lse = out, lse, float("inf")
+    else:       # partials; an empty split's lse is -inf (no weight in the merge)
+        dst = q.new_empty((splits, n, n_heads, DV), dtype=torch.float32)
+        dst_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
+        empty_lse = float("-inf")
+    _sparse_ws_kernel[(n * n_tiles * splits,)](
+        q, latent_cache, block_table, row_req, indices, dst, dst_lse, n, n_heads, n_tiles, n_keys,
+        splits, per_split, latent_cache.shape[1], q.stride(0), q.stride(1), indices.stride(0),
+        block_table.stride(0), sm_scale * LOG2E, empty_lse, num_warps=NUM_WARPS)
+    if splits > 1:
+        merge_splits(dst, dst_lse, out, lse)
     return out, lse
 
 
 def aot_specs(shapes) -> list:
-    """This kernel's launch at `shapes` (aot_spec.AotShapes), for the ahead-of-time build, and
-    the two-pass kernel's (the calls this one declines: few rows, an FP8 cache)."""
+    """This kernel's launches at `shapes` (aot_spec.AotShapes), one split and the key splits of
+    a one-row decode with their merge, for the ahead-of-time build, and the two-pass kernel's
+    (the calls this one declines: an FP8 cache)."""
     cfg = shapes.cfg
-    heads, k = cfg.num_attention_heads, cfg.index_topk
-    i32 = torch.int32
-    ints = dict(n_heads=heads, n_tiles=-(-heads // HEADS_TILE), n_keys=k, block_size=shapes.block_size,
-                stride_qn=heads * WIDTH, stride_qh=WIDTH, stride_in=k, stride_bt=table_width(shapes))
-    return [kernel_spec(_sparse_ws_kernel, "k31c::sparse_mla", "bf16", dict(num_warps=NUM_WARPS),
-                        dict(q_ptr=cfg.torch_dtype, cache_ptr=cfg.torch_dtype, table_ptr=i32,
-                             req_ptr=i32, idx_ptr=i32, out_ptr=cfg.torch_dtype, lse_ptr=torch.float32,
-                             scale_log2="fp32"),
-                        num_warps=NUM_WARPS, ints=ints)] + two_pass.aot_specs(shapes)
+    heads, k, dt = cfg.num_attention_heads, cfg.index_topk, cfg.torch_dtype
+    n_tiles, sm = -(-heads // HEADS_TILE), shapes.target.sm_count
+    specs = []
+    for rows in sorted({shapes.batch * r for r in shapes.rows_per_request}):
+        splits = plan_splits(rows, heads, k, sm)
+        per_split = -(-k // (splits * KEYS_STEP)) * KEYS_STEP
+        ints = dict(n_rows=rows, n_heads=heads, n_tiles=n_tiles, n_keys=k, n_splits=splits,
+                    keys_per_split=per_split, block_size=shapes.block_size, stride_qn=heads * WIDTH,
+                    stride_qh=WIDTH, stride_in=k, stride_bt=table_width(shapes))
+        specs.append(kernel_spec(
+            _sparse_ws_kernel, "k31c::sparse_mla", f"rows={rows},splits={splits}",
+            dict(num_warps=NUM_WARPS),
+            dict(q_ptr=dt, cache_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32,
+                 idx_ptr=torch.int32, out_ptr=dt if splits == 1 else torch.float32,
+                 lse_ptr=torch.float32, scale_log2="fp32", empty_lse="fp32"),
+            num_warps=NUM_WARPS, ints=ints))
+        if splits > 1:
+            specs.append(merge_spec("k31c::sparse_mla", DV, dt, rows, heads, splits))
+    return specs + two_pass.aot_specs(shapes)
