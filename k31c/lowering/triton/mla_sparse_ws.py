@@ -20,7 +20,8 @@ split of the keys (`plan_splits`: one wave, at least 4 steps a split) and writes
 that `mla_common.merge_splits` combines by LSE.
 
 Triton's own pipeliner cannot do this: it warp-specializes on Hopper only around TMA-descriptor
-loads, and the rows here are gathered (BENCHMARKS.md, MLA). Cases this kernel does not take go
+loads, and the rows here are gathered (BENCHMARKS.md, "Sparse MLA, warp-specialized in Gluon":
+the measurements and the forms that lost). Cases this kernel does not take go
 to the two-pass kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache,
 a strided layout, a GPU other than sm_90, no Gluon.
 """
@@ -46,7 +47,7 @@ try:
 except ImportError as e:                       # a Triton without Gluon's Hopper API
     GLUON_ERROR = f"{type(e).__name__}: {e}"
 
-WIDTH, DV, ROPE = 576, 512, 64      # the latent row this kernel is written for (K3.1 Pro MLA)
+WIDTH, DV = 576, 512                # the latent row this kernel is written for (K3.1 Pro MLA)
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
 KEYS_STEP = 64                      # selected rows a buffer holds
 MIN_SPLIT_STEPS = 4                 # key steps a split takes at least (its q load and first
