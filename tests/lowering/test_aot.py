@@ -125,8 +125,8 @@ def test_build_default(default_builds, target):
     if target == "mi350x":   # every op registered for mi350x has its kernels built
         assert {op for k in manifest["kernels"] for op in k["ops"]} == set(_registered("mi350x", None))
     else:   # built as the JIT specializes the launches' integers: software-pipelined, no spill
-        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_scores_kernel[scores]",
-                     "moe_experts/_gate_up_kernel["):
+        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_sparse_ws_kernel[",
+                     "mla_sparse_ws/_scores_kernel[fp8,scores]", "moe_experts/_gate_up_kernel["):
             k = next(k for k in manifest["kernels"] if k["name"].startswith(name))
             assert not k["scratch_bytes"] and k["shared"] > 48 << 10, k
 

@@ -258,7 +258,7 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
 def aot_specs(shapes) -> list:
     """This kernel's launches at `shapes` (aot_spec.AotShapes), one split and the key splits of
     a one-row decode with their merge, for the ahead-of-time build, and the two-pass kernel's
-    (the calls this one declines: an FP8 cache)."""
+    for an FP8 cache (the calls this one declines)."""
     cfg = shapes.cfg
     heads, k, dt = cfg.num_attention_heads, cfg.index_topk, cfg.torch_dtype
     n_tiles, sm = -(-heads // HEADS_TILE), shapes.target.sm_count
@@ -278,4 +278,5 @@ def aot_specs(shapes) -> list:
             num_warps=NUM_WARPS, ints=ints))
         if splits > 1:
             specs.append(merge_spec("k31c::sparse_mla", DV, dt, rows, heads, splits))
-    return specs + two_pass.aot_specs(shapes)
+    # the two-pass launches an FP8 cache makes (a bf16 one at these widths always runs here)
+    return specs + [s for s in two_pass.aot_specs(shapes) if s.variant.startswith(("fp8", "slots"))]
