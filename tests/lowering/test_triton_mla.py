@@ -202,17 +202,19 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
 # ---- the warp-specialized sparse kernel (mla_sparse_ws.py, Gluon, sm_90a) ---------------------
 
 @cuda_only
-@pytest.mark.parametrize("heads,k,rows", [
-    (96, 2048, 4),          # K3.1 Pro decode (R = 4): a 64-head tile and a 32-head one
-    (64, 300, 5),           # one full tile; a tail of 44 keys past the last 64-key step
-    (128, 2048, 3),         # two full tiles
-    (40, 1000, 5),          # one tile, 24 zero rows
+@pytest.mark.parametrize("heads,k,rows,block_size", [
+    (96, 2048, 4, 64),      # K3.1 Pro decode (R = 4): a 64-head tile and a 32-head one
+    (64, 300, 5, 64),       # one full tile; a tail of 44 keys past the last 64-key step
+    (128, 2048, 3, 64),     # two full tiles
+    (40, 1000, 5, 64),      # one tile, 24 zero rows
+    (96, 700, 4, 16),       # 16-row cache blocks: four blocks in a 64-key step
 ])
-def test_warp_specialized_sparse_matches_reference(heads, k, rows):
+def test_warp_specialized_sparse_matches_reference(heads, k, rows, block_size):
     """bf16 at K3.1 Pro widths against the reference op: -1 holes, a row with no key (out 0,
     lse +inf), shuffled blocks; every case must take this kernel, not the two-pass fallback."""
-    c = make_case(**{**K31, "heads": heads, "k": k, "rows": rows}, device="cuda",
-                  dtype=torch.bfloat16, seed=30 + heads)
+    c = make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
+                     "max_blocks": K31["max_blocks"] * 64 // block_size}, device="cuda",
+                  dtype=torch.bfloat16, seed=30 + heads + block_size)
     assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"]) is None
     want = torch.ops.k31c.sparse_mla(*sparse_args(c))
     assert_close(ws.sparse_mla(*sparse_args(c)), want, torch.bfloat16)
