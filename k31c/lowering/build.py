@@ -36,13 +36,19 @@ def op_name(target) -> str:
     return f"k31c::{target._schema.name.split('::')[-1]}"
 
 
-def bind(target_op, target: Target) -> tuple[str, Callable]:
-    """(kernel name, callable) for a k31c op on `target`: the registered kernel, else the reference
-    (on the CPU target the reference ops are the kernels)."""
-    kernel = lookup(op_name(target_op), target.name) if target.device != "cpu" else None
+def bind(node: torch.fx.Node, target: Target) -> tuple[str, Callable]:
+    """(kernel name, callable) for a k31c op node on `target`: the registered kernel (named by
+    what runs the node's arguments), else the reference (on the CPU target the reference ops are
+    the kernels)."""
+    kernel = lookup(op_name(node.target), target.name) if target.device != "cpu" else None
     if kernel is not None:
-        return kernel.name, kernel.fn
-    return "reference", target_op
+        return kernel.name_for(example_args(node)), kernel.fn
+    return "reference", node.target
+
+
+def example_args(node: torch.fx.Node) -> list:
+    """The node's arguments with graph values as their example (fake) tensors."""
+    return [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
 
 
 def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False) -> Callable:
@@ -142,7 +148,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
         if not is_k31c(node):
             raise CompilerError(f"build: {node.name} ({node.target}) is neither in a dense piece nor a "
                                 "k31c op; partition should have placed it")
-        kernel, fn = bind(node.target, target)
+        kernel, fn = bind(node, target)
         n_out = _n_outputs(node)
         step = Kernel(op_name(node.target), kernel, fn, stream, _args(node, slots), tuple())
         if n_out == 1 and not isinstance(node.meta.get("val"), (tuple, list)):

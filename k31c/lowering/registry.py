@@ -7,7 +7,7 @@ implementation, and that fallback is counted and reported, never silent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from .targets import get_target
 
@@ -19,18 +19,32 @@ class Kernel:
     fn: Callable
     backend: str       # "triton", "iree", ...
     source: str        # module that defines it (goes into cache keys)
+    runs: Optional[Callable] = None   # (op's args) -> the launcher that runs a call of these
+                                      # shapes, dtypes and layouts, where fn hands some calls to
+                                      # another kernel (fake tensors work: only metadata is read)
 
     @property
     def name(self) -> str:
         """`<backend>:<module>.<function>`, as reports and graph dumps print it."""
-        return f"{self.backend}:{self.fn.__module__}.{self.fn.__name__}"
+        return _name(self.backend, self.fn)
+
+    def name_for(self, args) -> str:
+        """The name of the launcher that runs a call with these arguments (`name` unless `fn`
+        hands such calls to another kernel)."""
+        return _name(self.backend, self.runs(*args)) if self.runs is not None else self.name
+
+
+def _name(backend: str, fn: Callable) -> str:
+    return f"{backend}:{fn.__module__}.{fn.__name__}"
 
 
 _KERNELS: dict[tuple[str, str], Kernel] = {}
 
 
-def register(op: str, targets: tuple[str, ...], backend: str = "triton"):
-    """Decorator: `@register("k31c::sparse_mla", targets.GPU_TARGETS)` on the launcher."""
+def register(op: str, targets: tuple[str, ...], backend: str = "triton",
+             runs: Optional[Callable] = None):
+    """Decorator: `@register("k31c::sparse_mla", targets.GPU_TARGETS)` on the launcher; `runs`
+    (see Kernel) where the launcher hands some calls to another kernel."""
     if not op.startswith("k31c::"):
         raise ValueError(f"kernels implement k31c ops; got '{op}'")
 
@@ -41,7 +55,7 @@ def register(op: str, targets: tuple[str, ...], backend: str = "triton"):
             if key in _KERNELS and _KERNELS[key].fn is not fn:
                 raise ValueError(f"two kernels registered for {op} on {t}: "
                                  f"{_KERNELS[key].source} and {fn.__module__}")
-            _KERNELS[key] = Kernel(op, t, fn, backend, fn.__module__)
+            _KERNELS[key] = Kernel(op, t, fn, backend, fn.__module__, runs)
         return fn
     return deco
 

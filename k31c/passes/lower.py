@@ -14,6 +14,7 @@ from collections import Counter
 import torch
 
 from ..graph.ops import is_k31c
+from ..lowering.build import example_args
 from ..lowering.registry import lookup
 from .graph_utils import info, is_marker_node
 from .manager import PassResult, register_pass
@@ -35,7 +36,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             continue
         op = f"k31c::{node.target._schema.name.split('::')[-1]}"
         kernel = lookup(op, target.name)
-        name = kernel.name if kernel is not None else "reference"
+        name = kernel.name_for(example_args(node)) if kernel is not None else "reference"
         info(node)["kernel"] = name
         kernels[(op, name)] += 1
         if kernel is None and on_gpu:

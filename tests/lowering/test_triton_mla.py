@@ -110,6 +110,14 @@ def test_public_launchers_and_registry():
     assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"])
     assert_close(ws.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
                  torch.float32)
+    # and the compiler's report names the kernel that runs (from the arguments' metadata alone)
+    h200 = lookup("k31c::sparse_mla", "h200")
+    assert h200.name_for(sparse_args(c)) == "triton:k31c.lowering.triton.mla_two_pass.sparse_mla"
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    k31 = (torch.empty(4, 96, 576, **meta), torch.empty(9, 64, 576, **meta), None, None,
+           torch.empty(4, 2048, device="meta", dtype=torch.int32), 0.1, 512)
+    assert h200.name_for(k31) == ("triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
+                                  if ws.GLUON_ERROR is None else h200.name_for(sparse_args(c)))
     assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
     assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),

@@ -164,7 +164,7 @@ def test_h200_program_sparse_chunked_prefill_equals_the_mha_reference():
     chosen = dict(report.kernels)                                       # (op, kernel) -> calls
     chosen = {op: k for op, k in chosen}
     assert chosen["k31c::kda_prefill"] == "triton:k31c.lowering.triton.kda_prefill.kda_prefill"
-    assert chosen["k31c::sparse_mla"] == "triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
+    assert chosen["k31c::sparse_mla"] == "triton:k31c.lowering.triton.mla_two_pass.sparse_mla"  # 64 wide
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpreter shapes")

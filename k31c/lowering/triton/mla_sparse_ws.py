@@ -200,12 +200,18 @@ def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
                  dv: int) -> str | None:
     """Why this call goes to the two-pass kernel, or None when this kernel takes it."""
+    if GLUON_ERROR is None and (interpreting() or q.device.type != "cuda" or torch.version.hip):
+        return "not an NVIDIA GPU (the kernel is sm_90a code)"
+    if GLUON_ERROR is None and torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"compute capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
+    return _why_not_these_args(q, latent_cache, indices, dv)
+
+
+def _why_not_these_args(q, latent_cache, indices, dv) -> str | None:
+    """The reasons `why_two_pass` finds in the arguments' dtypes, widths and layouts alone (and
+    in this Triton), which the compiler's report can tell before anything runs."""
     if GLUON_ERROR is not None:
         return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
-    if interpreting() or q.device.type != "cuda" or torch.version.hip:
-        return "not an NVIDIA GPU (the kernel is sm_90a code)"
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"compute capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
     if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
         return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
     if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
@@ -215,7 +221,14 @@ def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Ten
     return None
 
 
-@register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "warp_specialized"))
+def runs(q, latent_cache, block_table, row_req, indices, sm_scale, dv):
+    """The launcher that runs a call with these arguments on an H200 (the registry's `runs`: the
+    report names the two-pass kernel where this one hands the call to it)."""
+    return two_pass.sparse_mla if _why_not_these_args(q, latent_cache, indices, dv) else sparse_mla
+
+
+@register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "warp_specialized"),
+          runs=runs)
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
                row_req: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                dv: int) -> tuple[torch.Tensor, torch.Tensor]:
