@@ -2,8 +2,9 @@
 §6 (b), goals G5 and G6 of §8, peer of Appendix B).
 
 The layer: the h200 lowering of k31c::lightning_indexer_topk (registry lookup: indexer.py's FP8 scan
-then topk.py's select, k = 2048) feeding k31c::sparse_mla (registry lookup: mla_sparse_ws.py on h200; 96 heads, 576-wide bf16 latent
-rows, dv 512), captured together as ONE CUDA graph and replayed. B = 16 requests x R = 4 rows, FP8
+then topk.py's select, k = 2048) feeding k31c::sparse_mla (registry lookup: mla_sparse_ws.py on
+h200; 96 heads, 576-wide bf16 latent rows, dv 512), captured together as ONE CUDA graph and
+replayed. B = 16 requests x R = 4 rows, FP8
 index cache (132 B/token, 32 heads x 128), block 64, one block table for both cache planes.
 
 Floors (machine rates measured in the same run):
