@@ -148,7 +148,8 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
         args = (q, cache, table, rr, idx, SM_SCALE, DV)
         why = ws.why_two_pass(q, cache, idx, DV)
         if why:
-            print(f"# sparse_mla: the registered kernel runs the two-pass one here: {why}", file=sys.stderr)
+            print(f"# sparse_mla: the registered kernel runs the two-pass one here: {why}",
+                  file=sys.stderr)
         flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
         for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
@@ -156,12 +157,14 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
             t = _try_time(fn, warmup=2, reps=10)
             if t is not None:
                 peers[name] = t
-        for label, fn in ((f"sparse_mla bf16 ({registered.__module__.rsplit('.', 1)[-1]})", registered),
+        ref = torch.ops.k31c.sparse_mla(*args)
+        module = registered.__module__.rsplit('.', 1)[-1]
+        for label, fn in ((f"sparse_mla bf16 ({module})", registered),
                           ("sparse_mla bf16 (mla_two_pass)", two_pass.sparse_mla)):
             ms = graph_ms(lambda: fn(*args))
             rows.append(Row(label, f"{tag} k={TOPK}", ms, flops_floor_ms(flops, machine.bf16_tflops),
                             "flops", peers, _rate_note(ms, flops, nbytes, machine)
-                            + "; " + _out_error(fn(*args), torch.ops.k31c.sparse_mla(*args), "reference")))
+                            + "; " + _out_error(fn(*args), ref, "reference")))
 
     # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from ..graph.ops import is_k31c
-from ..lowering.build import example_args
+from ..lowering.build import example_args, op_name
 from ..lowering.registry import lookup
 from .graph_utils import info, is_marker_node
 from .manager import PassResult, register_pass
@@ -34,7 +34,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             continue
         if not is_k31c(node):
             continue
-        op = f"k31c::{node.target._schema.name.split('::')[-1]}"
+        op = op_name(node.target)
         kernel = lookup(op, target.name)
         name = kernel.name_for(example_args(node)) if kernel is not None else "reference"
         info(node)["kernel"] = name

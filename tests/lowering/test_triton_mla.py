@@ -1,8 +1,9 @@
 """Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*): the registered
 kernels (warp-specialized sparse on h200, a Gluon kernel the GPU runs and CPU runs only build
 (test_aot), two-pass sparse elsewhere and as its fallback; split-key dense on h200, one-pass
-dense elsewhere) and both dense kernels by name. Random inputs: shuffled block tables, -1 slots, a row with no valid index, rows
-of different lengths (one empty), key splits merged by LSE.
+dense elsewhere) and both dense kernels by name. Random inputs: shuffled block tables, -1
+slots, a row with no valid index, rows of different lengths (one empty), key splits merged by
+LSE.
 CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16 (and an FP8 latent cache)
 at K3.1 Pro shapes (96 heads, 576 = 512 + 64 wide rows, top-k 2048)."""
 import pytest

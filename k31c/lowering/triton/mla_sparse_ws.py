@@ -27,6 +27,8 @@ a strided layout, a GPU other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from k31c.lowering.aot_spec import kernel_spec
@@ -166,7 +168,8 @@ if GLUON_ERROR is None:
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
         q_mask = gl.expand_dims(h < n_heads, 1) & gl.expand_dims(c >= 0, 0)
-        q_at = q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1) + gl.expand_dims(c, 0)
+        q_at = (q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1)
+                + gl.expand_dims(c, 0))
         for j in gl.static_range(8):
             qv_smem.slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask, other=0.0))
         qr_smem.store(gl.load(q_at + 512, mask=q_mask, other=0.0))
@@ -197,13 +200,23 @@ def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
     return max(1, min(sm_count // max(programs, 1), steps // MIN_SPLIT_STEPS))
 
 
+def split_keys(n_keys: int, splits: int) -> int:
+    """Keys a split takes: a whole number of 64-key steps (the kernel's split boundaries)."""
+    return -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)       # once a device, not once a call
+
+
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
                  dv: int) -> str | None:
     """Why this call goes to the two-pass kernel, or None when this kernel takes it."""
     if GLUON_ERROR is None and (interpreting() or q.device.type != "cuda" or torch.version.hip):
         return "not an NVIDIA GPU (the kernel is sm_90a code)"
-    if GLUON_ERROR is None and torch.cuda.get_device_capability(q.device) != (9, 0):
-        return f"compute capability {torch.cuda.get_device_capability(q.device)} is not sm_90"
+    if GLUON_ERROR is None and _capability(q.device) != (9, 0):
+        return f"compute capability {_capability(q.device)} is not sm_90"
     return _why_not_these_args(q, latent_cache, indices, dv)
 
 
@@ -252,7 +265,7 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     n_tiles = -(-n_heads // HEADS_TILE)
     if splits is None:
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
-    per_split = -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+    per_split = split_keys(n_keys, splits)
     if splits == 1:
         dst, dst_lse, empty_lse = out, lse, float("inf")
     else:       # partials; an empty split's lse is -inf (no weight in the merge)
@@ -278,7 +291,7 @@ def aot_specs(shapes) -> list:
     specs = []
     for rows in sorted({shapes.batch * r for r in shapes.rows_per_request}):
         splits = plan_splits(rows, heads, k, sm)
-        per_split = -(-k // (splits * KEYS_STEP)) * KEYS_STEP
+        per_split = split_keys(k, splits)
         ints = dict(n_rows=rows, n_heads=heads, n_tiles=n_tiles, n_keys=k, n_splits=splits,
                     keys_per_split=per_split, block_size=shapes.block_size, stride_qn=heads * WIDTH,
                     stride_qh=WIDTH, stride_in=k, stride_bt=table_width(shapes))
