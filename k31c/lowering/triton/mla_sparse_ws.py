@@ -1,29 +1,35 @@
 """Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice.
 
 One program per (query row, 64-head tile); a row's tiles are adjacent programs, so the second
-finds the row's gathered latent rows in L2. Inside a program:
+finds the row's gathered latent rows in L2. The row's selected keys go in pairs of 32-key blocks
+(a, b). Inside a program, three warp groups:
 
-- a 4-warp producer partition turns the row's selected positions into cache rows (block table)
-  and gathers them 64 at a time with 16-byte cp.async into one of two [64, 576] shared buffers
-  (a -1 position and the tail past k are zero-filled), so each row is read once for both
-  products and the next step's gather runs under this step's products;
-- eight consumer warps in [4, 2] layouts: the scores [64 heads, 64 keys] split by keys over the
-  two warp groups (n32 wgmmas, q from shared memory), the online softmax (masked keys get -inf;
-  a row with no key yet keeps 0 weights), P stored over the step's rope part (dead once scored),
-  and the values [64, 512] split by columns (K = 64 wgmmas).
+- a producer (4 warps, 56 registers) turns the row's selected positions into cache rows (block
+  table) and gathers each block with 16-byte cp.async into one of four [32, 576] shared buffers
+  (a -1 position and the tail past k are zero-filled): the next pair is in flight while this one
+  is computed, and each row is read once for both products;
+- two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
+  heads against the block's 32 keys, q from shared memory), at the same time. Group 0 takes its
+  row max, stores its P over block a's rope part (dead once scored) with the max, and signals;
+  group 1 takes the running max from it, does the same for block b and signals back. Each
+  group then accumulates both blocks' values into its half of the output columns
+  ([64, 256] fp32, K = 32 wgmmas), rescaling when the max moves; each sums the P of its own
+  blocks, and the two sums are added at the end. One group's softmax runs under the other's
+  wgmmas.
 
 q is loaded once with masked pointer loads (heads past the last are zero rows); out and lse go
-out with masked stores. A row with no key gives out = 0 and lse = +inf (the reference's rule).
+out with masked stores. Masked keys get -inf; a row with no key yet keeps 0 weights; a row with
+no key gives out = 0 and lse = +inf (the reference's rule).
 
 Where the (row, tile) programs leave SMs idle (a decode step of few rows), each also takes a
-split of the keys (`plan_splits`: one wave, at least 4 steps a split) and writes fp32 partials
+split of the keys (`plan_splits`: one wave, at least 4 pairs a split) and writes fp32 partials
 that `mla_common.merge_splits` combines by LSE.
 
 Triton's own pipeliner cannot do this: it warp-specializes on Hopper only around TMA-descriptor
 loads, and the rows here are gathered (BENCHMARKS.md, "Sparse MLA, warp-specialized in Gluon":
-the measurements and the forms that lost). Cases this kernel does not take go
-to the two-pass kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache,
-a strided layout, a GPU other than sm_90, no Gluon.
+the measurements and the forms that lost). Cases this kernel does not take go to the two-pass
+kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache, a strided
+layout, a GPU other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
@@ -51,32 +57,34 @@ except ImportError as e:                       # a Triton without Gluon's Hopper
 
 WIDTH, DV = 576, 512                # the latent row this kernel is written for (K3.1 Pro MLA)
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
-KEYS_STEP = 64                      # selected rows a buffer holds
-MIN_SPLIT_STEPS = 4                 # key steps a split takes at least (its q load and first
+KEYS_STEP = 64                      # selected rows a pair of blocks holds (a split's unit)
+MIN_SPLIT_STEPS = 4                 # pairs a split takes at least (its q load and first
                                     # gather amortised)
-NUM_WARPS = 8                       # the consumer warps
+NUM_WARPS = 4                       # the default partition (the producer); 12 warps in all
 
 
 if GLUON_ERROR is None:
-    GATHER_WARPS = gl.constexpr(4)      # the producer partition, at 56 registers (no spill)
-    GATHER_REGS = gl.constexpr(56)
+    MATH_REGS = gl.constexpr(224)       # each math warp group's registers (no spill); the
+                                        # producer runs on what is left (56)
+    BK = gl.constexpr(32)               # keys a block (a buffer)
+    NB = gl.constexpr(4)                # buffers: two pairs of blocks
 
     @gluon.jit
     def _gather(cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs, ready, empty,
                 n_steps):
         G_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, 64, gl.SliceLayout(1, G_L))
+        rows = gl.arange(0, BK, gl.SliceLayout(1, G_L))
         cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
         for i in range(n_steps):
-            b = i % 2
-            j = i * 64 + rows
+            b = i % NB
+            j = i * BK + rows
             pos = gl.load(idx_row + j, mask=j < n_keys, other=-1)
             at = gl.maximum(pos, 0)
             blk = gl.load(table_row + at // block_size, mask=pos >= 0, other=0)
             row = gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
             ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
             src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
-            mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)      # the buffer's last step is done
+            mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # the buffer's last step is done
             async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
             for c in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
@@ -84,86 +92,173 @@ if GLUON_ERROR is None:
             async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
-    def _attend(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_keys, n_steps,
-                scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+    def _half(ROLE: gl.constexpr, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin,
+              m_a, m_b, l_a, l_b, idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0,
+              n_heads, empty_lse):
+        # one math warp group: the scores of block 2j + ROLE of pair j, the values' columns
+        # [256 ROLE, 256 ROLE + 256) of both blocks; the other group's P and running max come
+        # through shared memory (p_bar: group 0's of block a, group 1's of block b)
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 32, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 256, 16])
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
         l_i = gl.zeros([64], gl.float32, ROW_S)
-        acc = gl.zeros([64, 512], gl.float32, O_L)
-        zero_s = gl.zeros([64, 64], gl.float32, S_L)
-        key = gl.arange(0, 64, gl.SliceLayout(0, S_L))
-        keep = gl.load(idx_row + key, mask=key < n_keys, other=-1) >= 0
-        for i in range(n_steps):
-            b = i % 2
-            kv = kv_bufs.index(b)
-            kr = kr_bufs.index(b)
-            mbarrier.wait(ready.index(b), (i // 2) & 1)
-            s = warpgroup_mma(qr_smem, kr.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma(qv_smem, kv.permute((1, 0)), s, is_async=True)
-            nxt = (i + 1) * 64 + key          # the next step's mask loads under the wgmmas
+        acc = gl.zeros([64, 256], gl.float32, O_L)
+        zero_s = gl.zeros([64, BK], gl.float32, S_L)
+        key = gl.arange(0, BK, gl.SliceLayout(0, S_L))
+        col0: gl.constexpr = ROLE * 256
+        kidx = ROLE * BK + key
+        keep = gl.load(idx_row + kidx, mask=kidx < n_keys, other=-1) >= 0
+        for j in range(n_pairs):
+            ph = j & 1                                  # the pair's exchange barriers
+            ph_ready = (j // (NB // 2)) & 1             # its buffers' fills
+            # q through an index the compiler cannot prove constant (always 0): its loop-invariant
+            # wgmma descriptors would be hoisted out of the loop and spill
+            zr = j // (n_pairs + 1)
+            ba = (j % (NB // 2)) * 2                    # the pair's buffers: ba (a), ba + 1 (b)
+            pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, BK], P_SH)
+            pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, BK], P_SH)
+            va = kv_bufs.index(ba).slice(col0, 256, dim=1)
+            vb = kv_bufs.index(ba + 1).slice(col0, 256, dim=1)
+            kr = kr_bufs.index(ba + ROLE)
+            kv = kv_bufs.index(ba + ROLE)
+            mbarrier.wait(ready.index(ba + ROLE), ph_ready)
+            s = warpgroup_mma(qr_smem.index(zr), kr.permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma(qv_smem.index(zr), kv.permute((1, 0)), s, is_async=True)
+            nxt = (2 * j + 2 + ROLE) * BK + key
             keep_next = gl.load(idx_row + nxt, mask=nxt < n_keys, other=-1) >= 0
-            s = warpgroup_mma_wait(0, deps=(s,))
-            s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
-            # the row max spans both warp groups (a block barrier): both groups' score wgmmas
-            # have finished reading the rope rows before either stores P over them
-            m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)     # no key yet: weights 0
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - gl.expand_dims(m_use, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
-            p_smem = kr._reinterpret(gl.bfloat16, [64, 64], P_SH)
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _sync()
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-            acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _sync()
-            mbarrier.arrive(empty.index(b), count=1)
-            m_i = m_new
+            if ROLE == 0:
+                s = warpgroup_mma_wait(0, deps=(s,))
+                s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
+                m0 = gl.maximum(m_i, gl.max(s, 1))
+                m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
+                p = gl.exp2(s - gl.expand_dims(m0_use, 1))
+                pa.store(p.to(gl.bfloat16))
+                m_a.store(m0)
+                fence_async_shared()
+                _sync()
+                mbarrier.arrive(p_bar.index(0), count=1)
+                alpha = gl.exp2(m_i - m0_use)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                acc = warpgroup_mma(pa, va, acc, is_async=True)
+                mbarrier.wait(p_bar.index(1), ph)
+                m1 = m_b.load(ROW_S)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _sync()
+                mbarrier.arrive(empty.index(ba), count=1)
+                m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+                beta = gl.exp2(m0 - m1_use)
+                l_i = l_i * beta
+                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+                acc = warpgroup_mma(pb, vb, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _sync()
+                mbarrier.arrive(empty.index(ba + 1), count=1)
+                m_i = m1
+            else:
+                mbarrier.wait(p_bar.index(0), ph)
+                m0 = m_a.load(ROW_S)
+                m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
+                alpha = gl.exp2(m_i - m0_use)
+                l_i = l_i * alpha
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+                acc = warpgroup_mma(pa, va, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s,))
+                s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
+                m1 = gl.maximum(m0, gl.max(s, 1))
+                m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+                p = gl.exp2(s - gl.expand_dims(m1_use, 1))
+                pb.store(p.to(gl.bfloat16))
+                m_b.store(m1)
+                fence_async_shared()
+                _sync()
+                mbarrier.arrive(p_bar.index(1), count=1)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _sync()
+                mbarrier.arrive(empty.index(ba), count=1)
+                beta = gl.exp2(m0 - m1_use)
+                l_i = l_i * beta + gl.sum(p, 1)
+                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+                acc = warpgroup_mma(pb, vb, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                _sync()
+                mbarrier.arrive(empty.index(ba + 1), count=1)
+                m_i = m1
             keep = keep_next
+        # the row sums: each group summed its own blocks' P
+        if ROLE == 0:
+            l_a.store(l_i)
+        else:
+            l_b.store(l_i)
+        _sync()
+        mbarrier.arrive(fin, count=1)
+        mbarrier.wait(fin, 0)
+        l_i = l_a.load(ROW_S) + l_b.load(ROW_S)
         has = l_i > 0
         l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
         out = acc / gl.expand_dims(l_o, 1)                            # 0 where no key
         h_o = head0 + gl.arange(0, 64, ROW_O)
-        c_o = gl.arange(0, 512, gl.SliceLayout(0, O_L))
+        c_o = col0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
         o_mask = gl.expand_dims(h_o < n_heads, 1) & gl.expand_dims(c_o >= 0, 0)
         gl.store(out_ptr + gl.expand_dims(h_o * 512, 1) + gl.expand_dims(c_o, 0),
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
-        h_s = head0 + gl.arange(0, 64, ROW_S)
-        lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                       empty_lse)
-        gl.store(lse_ptr + h_s, lse, mask=h_s < n_heads)
+        if ROLE == 0:
+            h_s = head0 + gl.arange(0, 64, ROW_S)
+            lse = gl.where(has, (m_i + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                           empty_lse)
+            gl.store(lse_ptr + h_s, lse, mask=h_s < n_heads)
+
+    @gluon.jit
+    def _half0(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
+               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
+        _half(0, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
+              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse)
+
+    @gluon.jit
+    def _half1(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
+               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
+        _half(1, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
+              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse)
 
     @gluon.jit
     def _sparse_ws_kernel(q_ptr, cache_ptr, table_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr,
                           n_rows, n_heads, n_tiles, n_keys, n_splits, keys_per_split, block_size,
                           stride_qn, stride_qh, stride_in, stride_bt, scale_log2, empty_lse,
                           num_warps: gl.constexpr):
-        # program (row, split, head tile), tiles fastest: a row's tiles read the same rows
         pid = gl.program_id(0)
         tile = pid % n_tiles
         split = (pid // n_tiles) % n_splits
-        t = pid // (n_tiles * n_splits)                             # the query row
+        t = pid // (n_tiles * n_splits)
         head0 = tile * 64
         SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 512], SH_W)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SH_R)
-        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 512], SH_W)
-        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_R)
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
+        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
+        SH_BR: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)
+        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 512], SH_BW)
+        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 64], SH_BR)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NB):
+            mbarrier.init(ready.index(b), count=128)
+            mbarrier.init(empty.index(b), count=2)       # both warp groups' values read it
         for b in gl.static_range(2):
-            mbarrier.init(ready.index(b), count=128)   # every producer thread, once its copies land
-            mbarrier.init(empty.index(b), count=1)
-        # q: 64 heads x 576 columns, 64 columns a load (heads past the last: zero rows)
+            mbarrier.init(p_bar.index(b), count=1)
+        mbarrier.init(fin, count=2)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
@@ -171,24 +266,24 @@ if GLUON_ERROR is None:
         q_at = (q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1)
                 + gl.expand_dims(c, 0))
         for j in gl.static_range(8):
-            qv_smem.slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask, other=0.0))
-        qr_smem.store(gl.load(q_at + 512, mask=q_mask, other=0.0))
+            qv_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask, other=0.0))
+        qr_smem.index(0).store(gl.load(q_at + 512, mask=q_mask, other=0.0))
         fence_async_shared()
         _sync()
-        # this split's keys (a multiple of 64 from the row's first); out and lse: [splits, rows,
-        # heads, 512] and [splits, rows, heads] (one split: the op's own outputs)
         idx_row = idx_ptr + t.to(gl.int64) * stride_in + split * keys_per_split
         n_here = gl.maximum(gl.minimum(keys_per_split, n_keys - split * keys_per_split), 0)
         table_row = table_ptr + gl.load(req_ptr + t).to(gl.int64) * stride_bt
-        n_steps = gl.cdiv(n_here, 64)
+        n_pairs = gl.cdiv(n_here, 2 * BK)
         row_out = (split.to(gl.int64) * n_rows + t) * n_heads
+        args = (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
+                idx_row, n_here, n_pairs, scale_log2, out_ptr + row_out * 512, lse_ptr + row_out,
+                head0, n_heads, empty_lse)
         gl.warp_specialize([
-            (_attend, (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, idx_row, n_here, n_steps,
-                       scale_log2, out_ptr + row_out * 512, lse_ptr + row_out, head0, n_heads,
-                       empty_lse)),
             (_gather, (cache_ptr, table_row, idx_row, n_here, block_size, kv_bufs, kr_bufs,
-                       ready, empty, n_steps))],
-            [GATHER_WARPS], [GATHER_REGS])
+                       ready, empty, 2 * n_pairs)),
+            (_half0, args),
+            (_half1, args)],
+            [4, 4], [MATH_REGS, MATH_REGS])
 
 
 def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
