@@ -92,6 +92,21 @@ if GLUON_ERROR is None:
             async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
+    def _weights(s, keep, m_ref, scale_log2, p_smem, m_smem, bar):
+        # a block's scores -> its weights P under the running max m = max(m_ref, the block's):
+        # P (bf16, over the block's rope part) and m go to shared memory for the other group
+        s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
+        m = gl.maximum(m_ref, gl.max(s, 1))
+        m_use = gl.where(m == float("-inf"), 0.0, m)      # no key yet: weights 0
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        p_smem.store(p.to(gl.bfloat16))
+        m_smem.store(m)
+        fence_async_shared()
+        _sync()
+        mbarrier.arrive(bar, count=1)
+        return m, m_use, p
+
+    @gluon.jit
     def _half(ROLE: gl.constexpr, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin,
               m_a, m_b, l_a, l_b, idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0,
               n_heads, empty_lse):
@@ -134,15 +149,7 @@ if GLUON_ERROR is None:
             keep_next = gl.load(idx_row + nxt, mask=nxt < n_keys, other=-1) >= 0
             if ROLE == 0:
                 s = warpgroup_mma_wait(0, deps=(s,))
-                s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
-                m0 = gl.maximum(m_i, gl.max(s, 1))
-                m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
-                p = gl.exp2(s - gl.expand_dims(m0_use, 1))
-                pa.store(p.to(gl.bfloat16))
-                m_a.store(m0)
-                fence_async_shared()
-                _sync()
-                mbarrier.arrive(p_bar.index(0), count=1)
+                m0, m0_use, p = _weights(s, keep, m_i, scale_log2, pa, m_a, p_bar.index(0))
                 alpha = gl.exp2(m_i - m0_use)
                 l_i = l_i * alpha + gl.sum(p, 1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
@@ -156,11 +163,6 @@ if GLUON_ERROR is None:
                 beta = gl.exp2(m0 - m1_use)
                 l_i = l_i * beta
                 acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-                acc = warpgroup_mma(pb, vb, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _sync()
-                mbarrier.arrive(empty.index(ba + 1), count=1)
-                m_i = m1
             else:
                 mbarrier.wait(p_bar.index(0), ph)
                 m0 = m_a.load(ROW_S)
@@ -170,26 +172,19 @@ if GLUON_ERROR is None:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
                 acc = warpgroup_mma(pa, va, acc, is_async=True)
                 s = warpgroup_mma_wait(1, deps=(s,))
-                s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
-                m1 = gl.maximum(m0, gl.max(s, 1))
-                m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                p = gl.exp2(s - gl.expand_dims(m1_use, 1))
-                pb.store(p.to(gl.bfloat16))
-                m_b.store(m1)
-                fence_async_shared()
-                _sync()
-                mbarrier.arrive(p_bar.index(1), count=1)
+                m1, m1_use, p = _weights(s, keep, m0, scale_log2, pb, m_b, p_bar.index(1))
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 _sync()
                 mbarrier.arrive(empty.index(ba), count=1)
                 beta = gl.exp2(m0 - m1_use)
                 l_i = l_i * beta + gl.sum(p, 1)
                 acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-                acc = warpgroup_mma(pb, vb, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _sync()
-                mbarrier.arrive(empty.index(ba + 1), count=1)
-                m_i = m1
+            # block b's values, then its buffer is free as far as this group goes
+            acc = warpgroup_mma(pb, vb, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _sync()
+            mbarrier.arrive(empty.index(ba + 1), count=1)
+            m_i = m1
             keep = keep_next
         # the row sums: each group summed its own blocks' P
         if ROLE == 0:
