@@ -1,0 +1,88 @@
+"""A/B of the registered h200 sparse MLA kernel (mla_sparse_ws.py) against variant modules, goal G4
+(spec §8): the way its forms are compared before one is registered.
+
+A variant is a Python file that defines `launch(q, latent_cache, block_table, row_req, indices,
+sm_scale)` -> (out, lse), as mla_sparse_ws.launch does (a copy of mla_sparse_ws.py without its
+@register line is one; its own kernels compile under their own names). Inputs are bench_mla's
+G4 pool (B16 x R4, 96 heads, k 2048 of 128K, shuffled blocks) with -1 holes in one row and one
+row with no key; rows = 64 (G4), 16, 4 and 1 (key splits).
+Per row count:
+  1. every form against the reference op (`torch.ops.k31c.sparse_mla`): out max and rms error
+     relative to its largest value, max |lse diff| where finite, +inf lse on the same rows;
+  2. every form timed by CUDA graph replay (5 calls a graph), three rounds alternating the
+     forms; us per call and TFLOP/s of the best round.
+
+    PYTHONPATH=. python benchmarks/try_sparse_mla.py path/to/variant.py [...]
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    from benchmarks.bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool
+    from benchmarks.harness import graph_ms
+except ImportError:  # run as a script from benchmarks/
+    from bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool
+    from harness import graph_ms
+
+ROWS = ((64, "G4 B16xR4"), (16, "B16xR1"), (4, "B4xR1"), (1, "B1xR1"))
+ROUNDS = 3
+
+
+def load_variant(path: str):
+    """The module at `path` (a file, imported under its stem)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"try_sparse_mla: no variant file {path}")
+    spec = importlib.util.spec_from_file_location(p.stem, p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "launch", None)):
+        raise SystemExit(f"try_sparse_mla: {path} defines no launch()")
+    return module
+
+
+def errors(got, want) -> str:
+    (o, lse), (o_ref, lse_ref) = got, want
+    d = o.float() - o_ref.float()
+    finite = torch.isfinite(lse_ref)
+    return (f"out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
+            f"rms rel {(d.norm() / o_ref.float().norm()).item():.2e}, "
+            f"lse {(lse - lse_ref)[finite].abs().max().item():.2e}, "
+            f"inf rows match {bool((torch.isinf(lse) == torch.isinf(lse_ref)).all())}")
+
+
+def main(argv: list[str]) -> int:
+    from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
+    from k31c.lowering.triton import mla_sparse_ws as registered
+    forms = {"registered": registered.launch}
+    forms.update({Path(a).stem: load_variant(a).launch for a in argv})
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    pool = Pool(128 << 10)
+    table, _, idx = pool.context(128 << 10)
+    idx = idx.clone()
+    idx[3, 100:400] = -1                 # holes
+    idx[5, :] = -1                       # a row with no key
+    for rows, label in ROWS:
+        args = (pool.q[:rows], pool.cache, table, pool.row_req[:rows], idx[:rows], SM_SCALE)
+        want = torch.ops.k31c.sparse_mla(*args, DV)
+        for name, fn in forms.items():
+            print(f"{label} {name}: {errors(fn(*args), want)}", flush=True)
+        times = {name: [] for name in forms}
+        for _ in range(ROUNDS):
+            for name, fn in forms.items():
+                times[name].append(graph_ms(functools.partial(fn, *args), calls=5) * 1e3)
+        flops = 2.0 * rows * HEADS * TOPK * (WIDTH + DV)
+        for name, t in times.items():
+            print(f"{label} {name}: " + " / ".join(f"{x:.1f}" for x in t)
+                  + f" us; best {min(t):.1f} us = {flops / min(t) / 1e6:.0f} TFLOP/s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
