@@ -218,6 +218,7 @@ def test_two_pass_gpu_tile_plan_on_k31_widths():
     (128, 2048, 3, 64),     # two full tiles
     (40, 1000, 5, 64),      # one tile, 24 zero rows
     (96, 700, 4, 16),       # 16-row cache blocks: four blocks in a 64-key step
+    (96, 1050, 3, 64),      # the last pair's second 32-key block past k (26 keys left)
 ])
 def test_warp_specialized_sparse_matches_reference(heads, k, rows, block_size):
     """bf16 at K3.1 Pro widths against the reference op: -1 holes, a row with no key (out 0,
