@@ -84,7 +84,7 @@ if GLUON_ERROR is None:
             row = gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
             ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
             src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
-            mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # the buffer's last step is done
+            mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # both groups done with it
             async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
             for c in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
@@ -233,6 +233,7 @@ if GLUON_ERROR is None:
         head0 = tile * 64
         SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        # q with a leading dimension of 1: the math groups index it with an opaque 0 (`_half`)
         qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
         SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
