@@ -164,7 +164,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
             ms = graph_ms(lambda: fn(*args))
             rows.append(Row(label, f"{tag} k={TOPK}", ms, flops_floor_ms(flops, machine.bf16_tflops),
                             "flops", peers, _rate_note(ms, flops, nbytes, machine)
-                            + "; " + _out_error(fn(*args), ref, "reference")))
+                            + "; " + out_error(fn(*args), ref, "reference")))
 
     # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
     ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
@@ -176,12 +176,19 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
 FP8_ROW_BYTES = 656                          # 512 e4m3 + 4 fp32 scales + 64 bf16 (spec §5.6)
 
 
-def _out_error(got, want, against: str = "bf16 cache") -> str:
+def out_error(got, want, against: str = "bf16 cache") -> str:
+    """(out, lse) against `want`: out's max and rms error relative to its largest value, the
+    largest lse difference where `want`'s is finite, and whether both give +inf on the same rows
+    (a row with no key)."""
     (o, lse), (o_ref, lse_ref) = got, want
     d = (o.float() - o_ref.float())
-    return (f"vs {against}: out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
+    finite = torch.isfinite(lse_ref)
+    text = (f"vs {against}: out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
             f"rms rel {(d.norm() / o_ref.float().norm()).item():.2e}, "
-            f"max |lse diff| {(lse - lse_ref).abs().max().item():.2e}")
+            f"max |lse diff| {(lse - lse_ref)[finite].abs().max().item():.2e}")
+    if not finite.all():
+        text += f", +inf rows match {bool((torch.isinf(lse) == ~finite).all())}"
+    return text
 
 
 def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
@@ -218,7 +225,7 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     rows.append(Row("sparse_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
-                    + _out_error(two_pass.sparse_mla(*args(fp8)), two_pass.sparse_mla(*args(cache)))))
+                    + out_error(two_pass.sparse_mla(*args(fp8)), two_pass.sparse_mla(*args(cache)))))
     table, row_len, _ = pool.context(dense_ctx)
     dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
     ms = time_ms(lambda: mla.dense_mla(*dargs(fp8)), warmup=2, reps=10)
@@ -227,7 +234,7 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     rows.append(Row("dense_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
-                    + _out_error(mla.dense_mla(*dargs(fp8)), mla.dense_mla(*dargs(cache)))))
+                    + out_error(mla.dense_mla(*dargs(fp8)), mla.dense_mla(*dargs(cache)))))
     return rows
 
 

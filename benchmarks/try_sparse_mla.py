@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 try:
-    from benchmarks.bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool
+    from benchmarks.bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool, out_error
     from benchmarks.harness import graph_ms
 except ImportError:  # run as a script from benchmarks/
-    from bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool
+    from bench_mla import DV, HEADS, SM_SCALE, TOPK, WIDTH, Pool, out_error
     from harness import graph_ms
 
 ROWS = ((64, "G4 B16xR4"), (16, "B16xR1"), (4, "B4xR1"), (1, "B1xR1"))
@@ -47,16 +47,6 @@ def load_variant(path: str):
     return module
 
 
-def errors(got, want) -> str:
-    (o, lse), (o_ref, lse_ref) = got, want
-    d = o.float() - o_ref.float()
-    finite = torch.isfinite(lse_ref)
-    return (f"out max rel {(d.abs().max() / o_ref.float().abs().max()).item():.2e}, "
-            f"rms rel {(d.norm() / o_ref.float().norm()).item():.2e}, "
-            f"lse {(lse - lse_ref)[finite].abs().max().item():.2e}, "
-            f"inf rows match {bool((torch.isinf(lse) == torch.isinf(lse_ref)).all())}")
-
-
 def main(argv: list[str]) -> int:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
     from k31c.lowering.triton import mla_sparse_ws as registered
@@ -72,7 +62,7 @@ def main(argv: list[str]) -> int:
         args = (pool.q[:rows], pool.cache, table, pool.row_req[:rows], idx[:rows], SM_SCALE)
         want = torch.ops.k31c.sparse_mla(*args, DV)
         for name, fn in forms.items():
-            print(f"{label} {name}: {errors(fn(*args), want)}", flush=True)
+            print(f"{label} {name}: {out_error(fn(*args), want, 'reference')}", flush=True)
         times = {name: [] for name in forms}
         for _ in range(ROUNDS):
             for name, fn in forms.items():

@@ -14,8 +14,7 @@ from collections import Counter
 import torch
 
 from ..graph.ops import is_k31c
-from ..lowering.build import example_args, op_name
-from ..lowering.registry import lookup
+from ..lowering.build import bind, op_name
 from .graph_utils import info, is_marker_node
 from .manager import PassResult, register_pass
 
@@ -35,11 +34,10 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         if not is_k31c(node):
             continue
         op = op_name(node.target)
-        kernel = lookup(op, target.name)
-        name = kernel.name_for(example_args(node)) if kernel is not None else "reference"
+        name, _ = bind(node, target)            # the name of what runs, as the program binds it
         info(node)["kernel"] = name
         kernels[(op, name)] += 1
-        if kernel is None and on_gpu:
+        if name == "reference" and on_gpu:
             fallbacks[op] += 1
     notes = [f"{op} -> {name} x{n}" for (op, name), n in sorted(kernels.items())]
     if fallbacks:

@@ -87,7 +87,7 @@ def _check_build(target: str, families, stdout: str, manifest: dict, out: Path) 
     for k in kernels:
         data = (out / k["file"]).read_bytes()
         assert len(data) == k["size"] > 0 and hashlib.sha256(data).hexdigest() == k["sha256"]
-        # 12: a warp-specialized kernel's 8 warps and its 4-warp producer partition
+        # 12: a warp-specialized kernel's three 4-warp partitions (producer, two math groups)
         assert k["num_warps"] in (1, 2, 4, 8, 12, 16) and k["shared"] >= 0 and k["n_regs"] > 0
         osabi, machine, flags = _elf(data)
         if target == "mi350x":
