@@ -62,7 +62,7 @@ TARGETS = {
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
                    executor="program", fast_dot_precision="tf32", exact_dot_precision="tf32x3",
                    # dense_mla: "split" (mla_dense.py) or "one_pass" (mla.py), the one switch
-                   default_variants=(("k31c::lightning_indexer", "tma"), ("k31c::dense_mla", "split"),
+                   default_variants=(("k31c::lightning_indexer", "warp_specialized"), ("k31c::dense_mla", "split"),
                                      ("k31c::sparse_mla", "warp_specialized")),
                    device_graphs=True, graph_streams=3, device_names=("H200",),
                    shared_memory=232448,       # sm_90: 227 KB a block (opt-in)

@@ -219,6 +219,11 @@ for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and ck.metadata.shared > 200_000, (spec.variant, regs, spill)
+# so does the warp-specialized indexer scan (h200's FP8 scan at 4 rows a request)
+ws = [s for s in tix.aot_specs(shapes) if s.kernel.__name__ == "_indexer_ws_kernel"]
+assert len(ws) == 1, [s.variant for s in ws]
+ck = aot.compile_spec(ws[0], "h200")
+assert not aot._cuda_registers(ck.asm["cubin"])[1] and ck.metadata.shared > 80_000, ck.metadata.shared
 print("checked")
 """
 

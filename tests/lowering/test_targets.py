@@ -28,7 +28,7 @@ def test_target_facts():
     assert h200.device_graphs and mi350x.device_graphs and not cpu.device_graphs
     assert h200.dot_precision(fast=True) == "tf32" and mi350x.dot_precision(fast=True) == "ieee"
     assert h200.dot_precision(fast=False) == "ieee"
-    assert h200.variant("k31c::lightning_indexer", "gather") == "tma"
+    assert h200.variant("k31c::lightning_indexer", "gather") == "warp_specialized"
     assert cpu.variant("k31c::lightning_indexer", "gather") == "gather"   # no record: the launcher's
 
 

@@ -13,7 +13,7 @@ import torch
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes, quantize_index_fp8, dequantize_index_fp8
 from k31c.lowering.triton import indexer as tix
-from k31c.lowering.triton import indexer_tma
+from k31c.lowering.triton import indexer_tma, indexer_ws
 from k31c.lowering.triton.device import target_of, using_target
 
 VARIANTS = ["gather", "tma"]
@@ -256,3 +256,80 @@ def test_real_shape(kind, head_dot, variant):
     scale = float(ref[torch.isfinite(ref)].abs().max())
     tol = 1e-2 * scale if (kind == "fp8" or head_dot) else 2e-3
     _assert_scores(got, ref, rtol=1e-2, atol=tol)
+
+
+# ---- the warp-specialized scan (indexer_ws.py, Gluon, sm_90a) ---------------------------------
+
+@pytest.fixture
+def ws_launches(monkeypatch):
+    """Counts the launches that really took the warp-specialized kernel."""
+    calls = []
+    real = indexer_ws.launch
+
+    def counting(*args, **kw):
+        calls.append(args[0].shape[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(indexer_ws, "launch", counting)
+    return calls
+
+
+def _ws_problem(row_req, row_len, max_blocks, seed):
+    return _problem("fp8", heads=32, d=128, block_size=64, max_blocks=max_blocks, row_req=row_req,
+                    row_len=row_len, gen=torch.Generator().manual_seed(seed),
+                    q_dtype=torch.bfloat16, device="cuda")
+
+
+def _assert_fp8_scores(got, q, w, cache, table, rr, rl):
+    """Against the reference on the q the tensor cores see; FP8 accumulation errors are ~1e-3
+    of the score scale (see test_real_shape), a wrong key, row or scale is O(1)."""
+    ref = torch.ops.k31c.lightning_indexer(_dequantised_q(q), w, cache, table, rr, rl)
+    scale = float(ref[torch.isfinite(ref)].abs().max())
+    _assert_scores(got, ref, rtol=1e-2, atol=1e-2 * scale)
+
+
+@gpu_only
+@pytest.mark.parametrize("splits", [None, 3, 40])
+def test_warp_specialized_decode_rows(splits, ws_launches):
+    """K3.1 Pro widths, B = 6 x R = 4: lengths from 0 to ~3000 (a request of 2 keys, one of 0),
+    capacity past the longest (the -inf tail), splits up to more than a request's blocks (empty
+    splits); the registered launcher takes this kernel for the call."""
+    lengths = [2900, 2, 0, 700, 64, 1500]
+    row_req, row_len = _decode_rows(lengths, r=4)
+    args = _ws_problem(row_req, row_len, max_blocks=60, seed=60)
+    assert indexer_ws.why_not(args[0], args[1], args[2], args[3], 64) is None
+    got = (tix.lightning_indexer(*args) if splits is None
+           else tix.launch_indexer(*args, splits=splits, variant="warp_specialized"))
+    assert ws_launches == [24]
+    _assert_fp8_scores(got, *args)
+
+
+@gpu_only
+def test_warp_specialized_rows_of_several_requests(ws_launches):
+    """4 rows a request on average but not in the decode layout: tiles of 4 rows hold rows of up
+    to 4 requests, one request's rows in two separate runs of a tile; each row scored against its
+    own request's keys and length."""
+    row_req = torch.tensor([0, 1, 0, 2, 3, 3, 3, 3, 1, 2, 0, 1, 2, 0, 3, 2]).int()
+    row_len = torch.tensor([900, 130, 5, 1200, 64, 65, 3000, 1, 0, 777, 901, 40, 300, 2, 2999, 1199]).int()
+    args = _ws_problem(row_req, row_len, max_blocks=50, seed=61)
+    got = tix.launch_indexer(*args, variant="warp_specialized", splits=5)
+    assert ws_launches == [16]
+    _assert_fp8_scores(got, *args)
+
+
+def test_warp_specialized_refuses_what_it_cannot_run():
+    """Asked for by name, the kernel refuses a call it cannot run with the reason (on the CPU:
+    the device; on an H200: the widths and rows a request); the split plan fills the SMs."""
+    row_req, row_len = _decode_rows([100, 50], r=4)
+    args = _problem("fp8", heads=4, d=32, block_size=16, max_blocks=8, row_req=row_req,
+                    row_len=row_len, gen=torch.Generator().manual_seed(62))
+    with pytest.raises(ValueError, match="warp_specialized.*(NVIDIA|Gluon|heads)"):
+        tix.launch_indexer(*args, variant="warp_specialized")
+    assert indexer_ws.plan_splits(64, 131072, 132) == 8          # B = 16 x R = 4: 16 tiles
+    assert indexer_ws.plan_splits(4, 131072, 132) == 132         # one request
+    assert indexer_ws.plan_splits(64, 1024, 132) == 4            # 16 blocks: 4 a split
+    assert indexer_ws.plan_splits(1024, 131072, 132) == 1        # more tiles than SMs
+    if CUDA:
+        row_req, row_len = _decode_rows([100, 50], r=2)
+        q, w, cache, table, rr, rl = _ws_problem(row_req, row_len, max_blocks=4, seed=63)
+        assert "4 rows a request" in indexer_ws.why_not(q, w, cache, table, 64)

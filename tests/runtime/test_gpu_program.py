@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get(
 # max relative error of a float32 step's logits against eager: tf32 dots in the kernels
 TOL_F32 = 2e-3
 KERNEL_FAMILIES = {"cache writes": ("_latent_write_kernel", "_index_write_kernel"),
-                   "indexer": ("_indexer_tma_kernel", "_indexer_kernel"),
+                   "indexer": ("_indexer_ws_kernel", "_indexer_tma_kernel", "_indexer_kernel"),
                    "top-k": ("_plan_kernel", "_filter_kernel", "_refine_kernel"),
                    "sparse MLA": ("_scores_kernel", "_values_kernel"),
                    "KDA decode": ("kda_decode_state_kernel", "kda_decode_prep_kernel"),

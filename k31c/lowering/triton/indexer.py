@@ -15,9 +15,12 @@ Work split:
   kernel: 3·SMs / tiles), so a batch of one request still fills the GPU. Lengths, requests and blocks are read
   on the device; the grid depends only on static shapes (CUDA-graph safe).
 
-The registered launcher runs the target's default variant (`Target.variant`; "tma" on h200
-and mi350x): indexer_tma.py, one cache block a step through a TMA tensor descriptor, q quantised
-by the hardware conversion with a true division (q_rcp=False). Where the cache layout does not fit
+The registered launcher runs the target's default variant (`Target.variant`): on h200
+"warp_specialized", indexer_ws.py (Gluon: a TMA producer warp and two math warp groups on
+alternate blocks) for an FP8 cache read by 4 rows a request at K3.1 Pro's widths, "tma" for the
+calls it declines (`indexer_ws.why_not` names the reason); "tma" on mi350x: indexer_tma.py,
+one cache block a step through a TMA tensor descriptor, q quantised by the hardware conversion
+with a true division (q_rcp=False). Where the cache layout does not fit
 a descriptor (`indexer_tma.tma_supported`: a head dim that is not a power of two, blocks above 256
 keys, an FP8 cache with d < 32 on the GPU, an unaligned cache) it runs this module's gather kernel,
 which `variant="gather"` also selects. The TMA kernel was measured the faster (BENCHMARKS.md,
@@ -51,7 +54,7 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS, Target
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
-from k31c.lowering.triton import indexer_mxfp8, indexer_tma
+from k31c.lowering.triton import indexer_mxfp8, indexer_tma, indexer_ws
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
@@ -137,6 +140,14 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                 fill_tail(out_row, sel, capacity, n_steps * KEYS, split, n_splits, minus_inf, TAIL)
 
 
+VARIANTS = ("gather", "tma", "warp_specialized")
+
+
+def _check_variant(variant) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
+
+
 def _tile_rows(n_rows: int, n_req: int, h_pad: int) -> tuple[int, int]:
     """Rows per tile (and its power-of-two padding): a request's R rows when N = B·R fits one dot."""
     max_rows = max(1, _MAX_TILE_M // h_pad)
@@ -149,7 +160,7 @@ def _tile_rows(n_rows: int, n_req: int, h_pad: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class IndexerPlan:
     """The launch configuration of one lightning_indexer call shape, for either kernel."""
-    variant: str          # "gather" or "tma"
+    variant: str          # "gather", "tma" or "warp_specialized"
     on_gpu: bool
     fp8: bool             # FP8 (uint8) cache
     quant_q: bool         # q quantised to e4m3 like the keys
@@ -185,15 +196,16 @@ class IndexerPlan:
 
 def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, block_size: int,
          cache_dtype: torch.dtype, q_width: int | None = None, *, tma_ok: bool = True,
+         ws_ok: bool = False,
          keys_per_step=None, splits=None, quant_q=None, exact_dot=False, head_dot=False,
          num_warps=None, num_stages=5, variant=None, hw_quant=False,
          programs_per_sm=None) -> IndexerPlan:
     """cache_dtype: uint8 for the FP8 layout; tma_ok: whether the cache can be read by the TMA
-    kernel (`indexer_tma.tma_supported`); the knobs as `launch_indexer`'s."""
+    kernel (`indexer_tma.tma_supported`); ws_ok: whether indexer_ws takes the call
+    (`indexer_ws.why_not` found nothing); the knobs as `launch_indexer`'s."""
     if variant is None:
         variant = target.variant(_OP, "tma")
-    if variant not in ("gather", "tma"):
-        raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
+    _check_variant(variant)
     on_gpu = target.device == "cuda"
     fp8 = cache_dtype == torch.uint8
     if quant_q is None:
@@ -209,12 +221,16 @@ def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, 
         dot_dtype = tl.float32            # unquantised q must keep its precision against e4m3 keys
     h_pad = triton.next_power_of_2(heads)
     rows, rows_pad = _tile_rows(n, n_req, h_pad)
+    if variant == "warp_specialized" and not ws_ok:
+        variant = "tma"
     if variant == "tma" and not tma_ok:
         variant = "gather"
-    keys = block_size if variant == "tma" else (
+    keys = block_size if variant != "gather" else (
         keys_per_step or (_GPU_KEYS_PER_STEP if on_gpu else _CPU_KEYS_PER_STEP))
     tiles = triton.cdiv(n, rows)
-    if splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
+    if splits is None and variant == "warp_specialized":
+        splits = indexer_ws.plan_splits(n, capacity, target.sm_count)
+    elif splits is None:   # fill the GPU with the tiles there are (one request: all programs are its)
         if variant == "tma":   # no rounding up: 3 x SMs programs (168 registers with q_rcp: one round)
             target_programs = (programs_per_sm or _TMA_PROGRAMS_PER_SM) * target.sm_count // tiles
         else:
@@ -222,6 +238,8 @@ def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, 
         splits = max(1, min(target_programs, triton.cdiv(capacity, keys * _MIN_STEPS_PER_PROGRAM)))
     if num_warps is None and variant == "gather":
         num_warps = 8 if rows_pad * h_pad > 128 else 4
+    elif variant == "warp_specialized":
+        num_warps = indexer_ws.NUM_WARPS
     return IndexerPlan(variant, on_gpu, fp8, quant_q, dot_dtype, heads, h_pad, d, rows, rows_pad,
                        keys, splits, num_warps, num_stages, head_dot, hw_quant)
 
@@ -251,14 +269,15 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     quant_q: quantise q to e4m3 (default: FP8 cache on the GPU); exact_dot: force the fp32 dot
     (separates the FP8 tensor cores' accumulation error from the quantisation in tests);
     head_dot: sum the heads with a second (bf16 on the GPU) tl.dot instead of on the ALUs.
-    variant: "gather" (this module's kernel, KEYS keys a step through pointer loads) or "tma"
+    variant: "gather" (this module's kernel, KEYS keys a step through pointer loads), "tma"
     (indexer_tma: one cache block a step through a tensor descriptor; falls back to "gather" where
-    the layout does not allow it); keys_per_step is then the block size. None: the target's
-    default (`Target.variant`). hw_quant: the gather kernel quantises q with the hardware
+    the layout does not allow it; keys_per_step is then the block size) or "warp_specialized"
+    (indexer_ws, which refuses a call it cannot run; as the target's default it hands such calls
+    to "tma"). None: the target's default (`Target.variant`). hw_quant: the gather kernel quantises q with the hardware
     conversion (the tma kernel always does on the GPU). programs_per_sm: the grid target when
     splits is None. q_rcp, maxnreg: tma only (see indexer_tma.launch_indexer_tma)."""
-    if variant is not None and variant not in ("gather", "tma"):
-        raise ValueError(f"variant: expected 'gather' or 'tma', got {variant!r}")
+    if variant is not None:
+        _check_variant(variant)
     block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     require_unit_stride(block_table=block_table, row_req=row_req, row_len=row_len)
     if splits is not None and (not isinstance(splits, int) or splits < 1):
@@ -277,6 +296,9 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
     if n == 0 or capacity == 0:
         return scores
+    not_ws = indexer_ws.why_not(q, weights, index_cache, block_table, block_size)
+    if variant == "warp_specialized" and not_ws:       # asked for by name: no quiet substitute
+        raise ValueError(f"variant 'warp_specialized' cannot run this call: {not_ws}")
     if is_mxfp8_index_cache(index_cache):
         indexer_mxfp8.check_mx_width(d)
         p = mx_plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
@@ -296,9 +318,13 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
             num_stages=p.num_stages, exact_dot=exact_dot)
     p = plan(target_of(q.device), n, heads, d, block_table.shape[0], capacity, block_size,
              index_cache.dtype, tma_ok=indexer_tma.tma_supported(index_cache, d, block_size),
+             ws_ok=not_ws is None,
              keys_per_step=keys_per_step, splits=splits, quant_q=quant_q, exact_dot=exact_dot,
              head_dot=head_dot, num_warps=num_warps, num_stages=num_stages, variant=variant,
              hw_quant=hw_quant, programs_per_sm=programs_per_sm)
+    if p.variant == "warp_specialized":
+        return indexer_ws.launch(q, weights, index_cache, block_table, row_req, row_len, scores,
+                                 p.splits)
     if p.variant == "tma":
         return indexer_tma.launch_indexer_tma(
             q, weights, index_cache, block_table, row_req, row_len, scores, block_size=block_size,
@@ -343,10 +369,13 @@ def aot_specs(shapes) -> list:
         tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
             n = shapes.batch * r
+            ws = indexer_ws.aot_spec(shapes, _OP) if fp8 and r == indexer_ws.ROWS else None
             p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs,
-                     torch.uint8 if fp8 else torch.bfloat16)
+                     torch.uint8 if fp8 else torch.bfloat16, ws_ok=ws is not None)
             at = ints(n, p, bs * (d + 4 if fp8 else d))
-            if p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
+            if p.variant == "warp_specialized":
+                specs.append(ws)
+            elif p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
                 specs.append(indexer_tma.aot_spec(p, bs, ptrs, f"{tag},R={r}", _OP, at))
             else:
                 specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}", p.gather_constexprs(bs),

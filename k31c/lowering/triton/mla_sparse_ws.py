@@ -75,12 +75,18 @@ if GLUON_ERROR is None:
         G_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BK, gl.SliceLayout(1, G_L))
         cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
+        # the lookups run ahead of the copies (positions two blocks early, the block table one),
+        # so a copy's address never waits on a dependent pair of global loads
+        pos = gl.load(idx_row + rows, mask=rows < n_keys, other=-1)
+        pos_n = gl.load(idx_row + BK + rows, mask=BK + rows < n_keys, other=-1)
+        blk = gl.load(table_row + gl.maximum(pos, 0) // block_size, mask=pos >= 0, other=0)
         for i in range(n_steps):
             b = i % NB
-            j = i * BK + rows
-            pos = gl.load(idx_row + j, mask=j < n_keys, other=-1)
+            j2 = (i + 2) * BK + rows
+            pos_nn = gl.load(idx_row + j2, mask=j2 < n_keys, other=-1)
+            blk_n = gl.load(table_row + gl.maximum(pos_n, 0) // block_size, mask=pos_n >= 0,
+                            other=0)
             at = gl.maximum(pos, 0)
-            blk = gl.load(table_row + at // block_size, mask=pos >= 0, other=0)
             row = gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
             ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
             src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
@@ -90,6 +96,7 @@ if GLUON_ERROR is None:
                 async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
                                                        src + 64 * c, mask=ok)
             async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
+            pos, blk, pos_n = pos_n, blk_n, pos_nn
 
     @gluon.jit
     def _weights(s, keep, m_ref, scale_log2, p_smem, m_smem, bar):

@@ -1,0 +1,302 @@
+"""Warp-specialized lightning indexer scan on sm_90a (Gluon): h200's kernel for an FP8 index cache
+read by 4-row verification steps (`indexer.launch_indexer` runs it where `why_not` finds nothing).
+
+A program takes a tile of 4 consecutive query rows (one request in the decode layout: 4 rows x 32
+heads = 128 query columns, m = r * 32 + h) and one of `splits` slices of each request's 64-key
+cache blocks. Three partitions:
+
+- two math warp groups first quantise q, each its 64 query columns: e4m3 per (row, head), scale
+  max(amax, 1e-4) / 448, x / scale computed as x * (1 / scale) plus one FMA correction (the
+  correctly rounded quotient, as the TMA kernel's true division gives), clamped to +-448; the
+  scales are folded into the head weights. q stays in shared memory;
+- a 1-warp producer bulk-copies each block (its 64 e4m3 keys as a [64, 128] TMA box, its 64 fp32
+  scales as a [2, 32] box of the same 8448-byte block; a -1 block is read as zeros) into a ring
+  of 8 stages, its first copies running under the q prologue;
+- the two math groups take alternate blocks, so one's epilogue runs under the other's wgmma: the
+  keys-as-M FP8 wgmma [64 keys, 128 query columns], ReLU, times the head weights, the sum over
+  each row's 32 heads, times the key scale, -inf at or past the row's length.
+
+The producer also writes -inf past a request's last block (shared out over the splits). Any
+row_req is taken: a tile whose rows belong to several requests runs one pass per run of rows of
+one request, each pass scoring and writing only its own rows (in the decode layout there is one
+pass). The grid depends on static shapes only (CUDA-graph safe); lengths, requests and blocks are
+read on the device. Splits: one program an SM (the two math groups hold 232 registers a thread).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
+from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.triton.device import interpreting, target_of
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    _sync = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
+    GLUON_ERROR = None
+except ImportError as e:                       # a Triton without Gluon's Hopper API
+    GLUON_ERROR = f"{type(e).__name__}: {e}"
+
+ROWS, HEADS, D, BLOCK = 4, 32, 128, 64          # what the kernel is written for (K3.1 Pro)
+BLOCK_BYTES = BLOCK * (D + 4)                    # an FP8 cache block: 64 keys, then 64 fp32 scales
+MIN_STEPS = 4                                    # blocks a split takes at least
+NUM_WARPS = 4                                    # the default partition (math group 0)
+
+if GLUON_ERROR is None:
+    NB = gl.constexpr(8)                         # ring stages (8 x 8.4 KB)
+    R_C = gl.constexpr(ROWS)                     # the module's sizes as the kernels see them
+    H_C = gl.constexpr(HEADS)
+    D_C = gl.constexpr(D)
+    BK_C = gl.constexpr(BLOCK)
+    BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
+
+    @gluon.jit
+    def _run(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
+             n_splits):
+        """Pass j of the tile: whether row j starts a run of one request's rows, the rows of that
+        request in the tile (over `r` = arange(R_C)), their lengths, the request's blocks and
+        this split's share of them."""
+        row = row0 + j
+        req = gl.load(row_req_ptr + gl.minimum(row, n_rows - 1))
+        prev = gl.load(row_req_ptr + gl.maximum(row - 1, 0))
+        first = (row < n_rows) & ((j == 0) | (req != prev))
+        in_tile = row0 + r < n_rows
+        sel = in_tile & (gl.load(row_req_ptr + row0 + r, mask=in_tile, other=-1) == req)
+        req_ok = (req >= 0) & (req < n_req)
+        lens = gl.minimum(gl.load(len_ptr + row0 + r, mask=in_tile, other=0), capacity)
+        lens = gl.where(sel & req_ok, lens, 0)
+        n_steps = gl.cdiv(gl.max(lens, 0), BK_C)
+        step0 = split * n_steps // n_splits
+        n_my = (split + 1) * n_steps // n_splits - step0
+        return first, req, sel, lens, n_steps, step0, n_my
+
+    @gluon.jit
+    def _loader(k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_ptr, row0,
+                n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready, empty):
+        r = gl.arange(0, R_C, gl.BlockedLayout([1], [32], [1], [0]))
+        T_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+        base = n_rows * 0                          # blocks this program has loaded (ring phases)
+        for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
+            first, req, sel, lens, n_steps, step0, n_my = _run(
+                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
+            if first:
+                table_row = table_ptr + req.to(gl.int64) * table_stride
+                for i in range(n_my):
+                    g = base + i
+                    b = g % NB
+                    blk = gl.load(table_row + step0 + i)     # -1: negative rows, read as zeros
+                    mbarrier.wait(empty.index(b), ((g // NB) & 1) ^ 1)
+                    mbarrier.expect(ready.index(b), k_desc.block_type.nbytes + s_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [blk * BOX_ROWS, 0], ready.index(b),
+                                                    k_bufs.index(b))
+                    tma.async_copy_global_to_shared(s_desc, [blk * BOX_ROWS + BK_C, 0], ready.index(b),
+                                                    s_bufs.index(b))
+                base += n_my
+                # -inf past the request's last block for this pass's rows, shared over the splits
+                n_tail = gl.cdiv(capacity - n_steps * BK_C, 128)
+                for rr in gl.static_range(R_C):
+                    row = row0 + rr
+                    mine = (row < n_rows) & (gl.load(row_req_ptr + gl.minimum(row, n_rows - 1)) == req)
+                    for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
+                        p = n_steps * BK_C + chunk * 128 + gl.arange(0, 128, T_L)
+                        gl.store(out_ptr + rr * capacity + p,
+                                 gl.full([128], float("-inf"), gl.float32, T_L),
+                                 mask=(p < capacity) & mine)
+
+    @gluon.jit
+    def _quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
+        # this group's 64 query columns (rows 2 ROLE, 2 ROLE + 1 of the tile) -> e4m3 in shared
+        # memory, their scales folded into the head weights; then wait for the other group's
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        cols = gl.arange(0, D_C, gl.SliceLayout(0, Q_L))
+        for c in gl.static_range(2):
+            m = (ROLE * 2 + c) * H_C + gl.arange(0, H_C, gl.SliceLayout(1, Q_L))
+            ok = row0 + ROLE * 2 + c < n_rows
+            at = (row0 * H_C + m).to(gl.int64)
+            qx = gl.load(q_ptr + gl.expand_dims(at, 1) * D_C + gl.expand_dims(cols, 0),
+                         mask=gl.expand_dims(m >= 0, 1) & ok, other=0.0).to(gl.float32)
+            scale = gl.div_rn(gl.maximum(gl.max(gl.abs(qx), 1), 1e-4), 448.0)
+            inv = gl.expand_dims(gl.div_rn(1.0, scale), 1)
+            y0 = qx * inv
+            qy = gl.fma(gl.fma(-y0, gl.expand_dims(scale, 1), qx), inv, y0)
+            qy = gl.minimum(gl.maximum(qy, -448.0), 448.0).to(gl.float8e4nv)
+            q_smem.slice((ROLE * 2 + c) * H_C, H_C, dim=0).store(qy)
+            w = gl.load(w_ptr + at, mask=(m >= 0) & ok, other=0.0)
+            w_smem.slice((ROLE * 2 + c) * H_C, H_C, dim=0).store(w * scale)
+        fence_async_shared()
+        _sync()
+        mbarrier.arrive(q_bar, count=1)
+        mbarrier.wait(q_bar, 0)
+
+    @gluon.jit
+    def _score(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows,
+               n_req, capacity, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
+               empty):
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 128, 32])
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
+        SC_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        _quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
+        w = w_smem.load(gl.SliceLayout(0, ACC_L))                 # [128] head weights x q scales
+        r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
+        key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
+        out_rows = out_ptr + r.to(gl.int64) * capacity
+        zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
+        base = n_rows * 0                          # blocks the program has scored (ring phases)
+        for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
+            first, req, sel, lens, n_steps, step0, n_my = _run(
+                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
+            if first:
+                for g in range(base + (base + ROLE) % 2, base + n_my, 2):    # this group's blocks
+                    b = g % NB
+                    mbarrier.wait(ready.index(b), (g // NB) & 1)
+                    acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    x = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
+                    sc = gl.convert_layout(gl.sum(gl.reshape(x, [BK_C, R_C, H_C]), 2), ST_L)
+                    ks = s_bufs.index(b)._reinterpret(gl.float32, [BK_C], SC_L).load(
+                        gl.SliceLayout(1, ST_L))
+                    _sync()
+                    mbarrier.arrive(empty.index(b), count=1)        # the stage is free again
+                    pos = (step0 + g - base) * BK_C + key
+                    sc = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0),
+                                  sc * gl.expand_dims(ks, 1), float("-inf"))
+                    gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,
+                             mask=gl.expand_dims(pos < capacity, 1) & gl.expand_dims(sel, 0))
+                base += n_my
+
+    @gluon.jit
+    def _score0(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
+                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+        _score(0, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
+               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
+    def _score1(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
+                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+        _score(1, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
+               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
+    def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
+                           len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
+                           num_warps: gl.constexpr):
+        row0 = gl.program_id(0) * R_C
+        split = gl.program_id(1)
+        Q_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R_C * H_C, D_C], gl.float8e4nv)
+        K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK_C, D_C], gl.float8e4nv)
+        S_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32)
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [R_C * H_C, D_C], Q_SH)
+        w_smem = gl.allocate_shared_memory(gl.float32, [R_C * H_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NB, BK_C, D_C], K_SH)
+        s_bufs = gl.allocate_shared_memory(gl.float32, [NB, 2, 32], S_SH)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=2)
+        for b in gl.static_range(NB):
+            mbarrier.init(ready.index(b), count=1)
+            mbarrier.init(empty.index(b), count=1)
+        fence_async_shared()          # the barriers' initialisation before any partition uses them
+        _sync()
+        out_row0 = out_ptr + row0.to(gl.int64) * capacity
+        scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
+                 n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+        gl.warp_specialize([
+            (_score0, scans),
+            (_score1, scans),
+            (_loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
+                       row0, n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready,
+                       empty))],
+            [4, 1], [232, 56])
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)       # once a device, not once a call
+
+
+def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None:
+    """Why `indexer.launch_indexer` runs another kernel for this call, or None when this one
+    takes it (arguments already checked by `check_indexer`)."""
+    if GLUON_ERROR is not None:
+        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
+    if interpreting() or q.device.type != "cuda" or torch.version.hip:
+        return "not an NVIDIA GPU (the kernel is sm_90a code)"
+    if _capability(q.device) != (9, 0):
+        return f"compute capability {_capability(q.device)} is not sm_90"
+    if index_cache.dtype != torch.uint8 or is_mxfp8_index_cache(index_cache):
+        return "not the FP8 (e4m3 + fp32 scale) index cache"
+    n, heads, d = q.shape
+    if (heads, d, block_size) != (HEADS, D, BLOCK):
+        return f"{heads} heads x {d} / {block_size}-key blocks: written for {HEADS} x {D} / {BLOCK}"
+    if n != ROWS * block_table.shape[0]:
+        return f"{n} rows for {block_table.shape[0]} requests: written for {ROWS} rows a request"
+    if (not q.is_contiguous() or not weights.is_contiguous() or not index_cache.is_contiguous()
+            or index_cache.stride(0) != BLOCK_BYTES or index_cache.data_ptr() % 16):
+        return "a q, weights or cache layout that is not contiguous and aligned"
+    return None
+
+
+def plan_splits(n_rows: int, capacity: int, sm_count: int) -> int:
+    """Key splits of each 4-row tile: one program an SM, at least MIN_STEPS blocks a split."""
+    tiles = -(-n_rows // ROWS)
+    return max(1, min(sm_count // max(tiles, 1), capacity // BLOCK // MIN_STEPS))
+
+
+def _shared_layouts():
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv),
+            gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32))
+
+
+def _descriptors(index_cache):
+    """The FP8 cache [blocks, 8448] bytes as [blocks * 66, 128] e4m3 (key boxes [64, 128]) and
+    [blocks * 66, 32] fp32 (scale boxes [2, 32])."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    rows = index_cache.shape[0] * (BLOCK_BYTES // D)
+    k_lay, s_lay = _shared_layouts()
+    return (TensorDescriptor(index_cache.view(torch.float8_e4m3fn).view(rows, D), [rows, D], [D, 1],
+                             [BLOCK, D], k_lay),
+            TensorDescriptor(index_cache.view(torch.float32).view(rows, 32), [rows, 32], [32, 1],
+                             [2, 32], s_lay))
+
+
+def launch(q, weights, index_cache, block_table, row_req, row_len, scores, splits: int | None = None):
+    """Scores [N, capacity] fp32 into `scores` (callers check `why_not` first); `splits`
+    overrides `plan_splits` (tests, benchmarks)."""
+    n, capacity = q.shape[0], scores.shape[1]
+    if splits is None:
+        splits = plan_splits(n, capacity, target_of(q.device).sm_count)
+    k_desc, s_desc = _descriptors(index_cache)
+    _indexer_ws_kernel[(-(-n // ROWS), splits)](
+        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
+        n, block_table.shape[0], capacity, splits, num_warps=NUM_WARPS)
+    return scores
+
+
+def aot_spec(shapes, op: str):
+    """This kernel's launch at `shapes` (aot_spec.AotShapes) for R = 4 rows a request, or None
+    where it does not take those shapes."""
+    from k31c.lowering.triton.mla_common import table_width
+    cfg = shapes.cfg
+    if GLUON_ERROR is not None or (cfg.index_n_heads, cfg.index_head_dim, shapes.block_size) != (
+            HEADS, D, BLOCK) or ROWS not in shapes.rows_per_request:
+        return None
+    n = shapes.batch * ROWS
+    k_lay, s_lay = _shared_layouts()
+    return kernel_spec(
+        _indexer_ws_kernel, op, f"fp8,R={ROWS},ws", dict(num_warps=NUM_WARPS),
+        dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
+             row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
+             k_desc=f"tensordesc<fp8e4nv[{BLOCK},{D}],{k_lay}>",
+             s_desc=f"tensordesc<fp32[2,32],{s_lay}>"),
+        num_warps=NUM_WARPS,
+        ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
+                  capacity=shapes.context,
+                  n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))
