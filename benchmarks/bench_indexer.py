@@ -3,9 +3,9 @@ spec/performance.md §6 (b), goal G1 of §8).
 
 Shapes: B = 16 requests x R = 4 verify rows, 32 indexer heads x 128, FP8 index cache (132 B/token:
 128 e4m3 + one fp32 scale), block size 64, blocks scattered through the pool, contexts 16K..1M.
-The kernel timed is the registered launcher's default (indexer_tma's kernel on CUDA). Peers in
-the same run: "gather kernel" (indexer.py's own kernel, `launch_indexer(variant="gather")`, timed
-as CUDA-graph replay like the note's replay of the default), the eager reference op and
+The kernel timed is the registered launcher's default (on the H200 indexer_ws's kernel). Peers
+in the same run: "tma kernel" and "gather kernel" (indexer_tma.py's and indexer.py's,
+`launch_indexer(variant=...)`, timed as CUDA-graph replay like the note's replay of the default), the eager reference op and
 torch.compile of a plain-torch formulation (gather → dequantise → einsum → ReLU → head-weighted
 sum → mask).
 
@@ -122,10 +122,14 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         keys_only = bytes_floor_ms(B * ctx * ROW_BYTES, machine)
         replay = graph_ms(lambda: tix.lightning_indexer(*args))
+        t_tma = _try_time(lambda: tix.launch_indexer(*args, variant="tma"), timer=graph_ms)
+        if t_tma is not None:
+            peers["tma kernel"] = t_tma
         t = _try_time(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
         if t is not None:
             peers["gather kernel"] = t
         note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor"
+                + (f" (tma kernel {t_tma / floor:.2f}x)" if t_tma is not None else "")
                 + (f" (gather kernel {t / floor:.2f}x)" if t is not None else "") + "; "
                 f"{ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)")
         if ctx > COMPILE_MAX:
