@@ -214,7 +214,7 @@ if GLUON_ERROR is None:
             (_loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
                        row0, n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready,
                        empty))],
-            [4, 1], [232, 56])
+            [4, 1], [232, 24])
 
 
 @functools.lru_cache(maxsize=None)
