@@ -5,7 +5,7 @@ finds the row's gathered latent rows in L2. The row's selected keys go in pairs 
 (a, b). Inside a program, three warp groups:
 
 - a producer (4 warps, 56 registers) turns the row's selected positions into cache rows (block
-  table) and gathers each block with 16-byte cp.async into one of four [32, 576] shared buffers
+  table; the lookups run ahead of the copies) and gathers each block with 16-byte cp.async into one of four [32, 576] shared buffers
   (a -1 position and the tail past k are zero-filled): the next pair is in flight while this one
   is computed, and each row is read once for both products;
 - two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
