@@ -13,9 +13,11 @@ _PTR_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_
               "uint8": "u8", "int32": "i32", "int64": "i64"}   # torch dtype name -> Triton type
 
 
-def descriptor_type(dtype, block: tuple) -> str:
-    """The signature type of a TMA tensor descriptor of `dtype` (a torch dtype) with this block."""
-    return f"tensordesc<{_PTR_TYPES[str(dtype).removeprefix('torch.')]}[{','.join(map(str, block))}]>"
+def descriptor_type(dtype, block: tuple, layout=None) -> str:
+    """The signature type of a TMA tensor descriptor of `dtype` (a torch dtype) with this block;
+    a Gluon descriptor also names its shared-memory `layout` (an NVMMASharedLayout)."""
+    block_type = f"{_PTR_TYPES[str(dtype).removeprefix('torch.')]}[{','.join(map(str, block))}]"
+    return f"tensordesc<{block_type}>" if layout is None else f"tensordesc<{block_type},{layout}>"
 
 
 @dataclass(frozen=True)

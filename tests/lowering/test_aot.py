@@ -3,7 +3,8 @@
 The builds run in a subprocess without TRITON_INTERPRET (conftest turns the interpreter on for
 this process, and interpreted kernels cannot be compiled). They share the repository's Triton
 cache, so a rerun is fast; a cold build takes ~25 s for the default tests and ~60 s more for the
-h200 build of the slow families (indexer, mla_dense, topk: marked `slow`).
+h200 build of the slow families (indexer, mla_dense_ws with the split kernel it hands calls to,
+topk: marked `slow`).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the reason. Empty since dot precision is chosen per backend and top-k's histogram clear uses
 # atomic_and; the list may only grow together with a registration and a comment at the kernel.
 GFX950_UNSUPPORTED: dict[str, str] = {}
-SLOW_H200_FAMILIES = ("indexer", "mla_dense", "topk", "indexer_topk")
+SLOW_H200_FAMILIES = ("indexer", "mla_dense_ws", "topk", "indexer_topk")
 
 EM_AMDGPU, ELFOSABI_AMDGPU_HSA, EF_AMDGPU_MACH_GFX950 = 224, 64, 0x04F
 EM_CUDA, EF_CUDA_ARCH_SPECIFIC = 190, 0x800    # 'a' targets: e_flags 0x5a0d5a (sm_90: 0x5a055a)
@@ -87,7 +88,8 @@ def _check_build(target: str, families, stdout: str, manifest: dict, out: Path) 
     for k in kernels:
         data = (out / k["file"]).read_bytes()
         assert len(data) == k["size"] > 0 and hashlib.sha256(data).hexdigest() == k["sha256"]
-        # 12: a warp-specialized kernel's three 4-warp partitions (producer, two math groups)
+        # 12: a warp-specialized kernel's three partitions (producer, two math groups) in
+        # 4-warp groups (mla_dense_ws's 1-warp producer's group padded)
         assert k["num_warps"] in (1, 2, 4, 8, 12, 16) and k["shared"] >= 0 and k["n_regs"] > 0
         osabi, machine, flags = _elf(data)
         if target == "mi350x":
@@ -224,6 +226,20 @@ ws = [s for s in tix.aot_specs(shapes) if s.kernel.__name__ == "_indexer_ws_kern
 assert len(ws) == 1, [s.variant for s in ws]
 ck = aot.compile_spec(ws[0], "h200")
 assert not aot._cuda_registers(ck.asm["cubin"])[1] and ck.metadata.shared > 80_000, ck.metadata.shared
+# the warp-specialized dense MLA (Gluon) at a one-row decode: its planned splits, descriptors
+# typed with their shared layouts, built for sm_90a without spilling; R = 4 runs the split kernel
+specs = aot.collect_specs("h200", families=["mla_dense_ws"])
+names = {(s.kernel.__name__, s.variant) for s in specs}
+assert ("dense_ws_kernel", "R=1,splits=4") in names, names
+assert {v for n, v in names if n == "_dense_split_kernel"} == {"R=4,final", "R=4,split"}, names
+for spec in specs:
+    if spec.kernel.__name__ != "dense_ws_kernel":
+        continue
+    assert spec.signature["kv_desc"].startswith("tensordesc<bf16[32,512],NVMMASharedLayout("), spec
+    ck = aot.compile_spec(spec, "h200")
+    regs, spill = aot._cuda_registers(ck.asm["cubin"])
+    assert not spill and ck.metadata.shared > 200_000 and ck.metadata.num_warps == 12, \
+        (spec.variant, regs, spill)
 print("checked")
 """
 

@@ -1,7 +1,8 @@
 """Triton sparse_mla / dense_mla against the reference ops (torch.ops.k31c.*): the registered
-kernels (warp-specialized sparse on h200, a Gluon kernel the GPU runs and CPU runs only build
-(test_aot), two-pass sparse elsewhere and as its fallback; split-key dense on h200, one-pass
-dense elsewhere) and both dense kernels by name. Random inputs: shuffled block tables, -1
+kernels (warp-specialized sparse and dense on h200, Gluon kernels the GPU runs and CPU runs only
+build (test_aot), two-pass sparse elsewhere and as its fallback; the split-key dense kernel
+where h200's dense one hands calls to it, one-pass dense elsewhere) and the dense kernels by
+name. Random inputs: shuffled block tables, -1
 slots, a row with no valid index, rows of different lengths (one empty), key splits merged by
 LSE.
 CPU: fp32 under the Triton interpreter at small shapes; CUDA: also bf16 (and an FP8 latent cache)
@@ -14,6 +15,7 @@ from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla as kernels
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton import mla_dense_plan as dense_plan
+from k31c.lowering.triton import mla_dense_ws as dws
 from k31c.lowering.triton import mla_sparse_ws as ws
 from k31c.lowering.triton import mla_two_pass as two_pass
 
@@ -120,10 +122,16 @@ def test_public_launchers_and_registry():
            torch.empty(4, 2048, device="meta", dtype=torch.int32), 0.1, 512)
     assert h200.name_for(k31) == ("triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
                                   if ws.GLUON_ERROR is None else h200.name_for(sparse_args(c)))
-    assert lookup("k31c::dense_mla", "h200").fn is split_dense.dense_mla
+    assert lookup("k31c::dense_mla", "h200").fn is dws.dense_mla
     assert lookup("k31c::dense_mla", "mi350x").fn is kernels.dense_mla
     assert_close(kernels.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
                  torch.float32)
+    # h200's dense launcher hands what its kernel does not take (fp32 here) to the split kernel
+    assert dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"])
+    assert_close(dws.dense_mla(*dense_args(c)), torch.ops.k31c.dense_mla(*dense_args(c)),
+                 torch.float32)
+    assert lookup("k31c::dense_mla", "h200").name_for(dense_args(c)) == \
+        "triton:k31c.lowering.triton.mla_dense.dense_mla"
 
 
 def test_sparse_differs_from_dense():
@@ -265,6 +273,185 @@ def test_warp_specialized_sparse_declines_what_it_cannot_run():
     assert "bf16 only" in ws.why_two_pass(big["q"].float(), big["latent_cache"], big["indices"], 512)
     assert "width" in ws.why_two_pass(big["q"], big["latent_cache"], big["indices"], 448)
     assert "strided" in ws.why_two_pass(big["q"], big["latent_cache"][::2], big["indices"], 512)
+
+
+# ---- the warp-specialized dense kernel (mla_dense_ws.py, Gluon, sm_90a) ----------------------
+
+def dense_ws_case(heads, requests, rows, max_blocks, lens, seed, row_req=None, unwritten=False,
+                  unused_blocks=False):
+    """A K3.1-width bf16 case on the GPU with the given row lengths (and row_req, default the
+    decode layout). unwritten: the cache slots past every row of a request hold NaN (the
+    reference reads the clean cache: no row sees them); unused_blocks: the table entries past
+    them are -1."""
+    c = make_case(**{**K31, "heads": heads, "k": 4, "requests": requests, "rows": rows,
+                     "max_blocks": max_blocks}, device="cuda", dtype=torch.bfloat16, seed=seed)
+    if row_req is not None:
+        c["row_req"] = torch.tensor(row_req, dtype=torch.int32, device="cuda")
+    c["row_len"] = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    assert c["row_len"].shape == c["row_req"].shape == c["q"].shape[:1]
+    clean = dict(c)
+    if unwritten or unused_blocks:
+        cache, table = c["latent_cache"].clone(), c["block_table"].clone()
+        for b in range(requests):
+            mine = c["row_len"][c["row_req"] == b]
+            longest = int(mine.max()) if mine.numel() else 0
+            for p in range(longest, max_blocks * 64):
+                if unwritten:
+                    cache[table[b, p // 64], p % 64] = float("nan")
+            if unused_blocks:
+                table[b, -(-longest // 64):] = -1
+        c = {**c, "latent_cache": cache, "block_table": table}
+        clean = {**clean, "block_table": table}      # the reference never reads past lengths
+    return c, torch.ops.k31c.dense_mla(*dense_args(clean))
+
+
+@cuda_only
+@pytest.mark.parametrize("heads,requests,rows,row_req,lens", [
+    # decode, one row a request: rows of every length class (empty, one key, block ends)
+    (96, 16, 1, None, [0, 1, 63, 64, 65, 2560, 1000, 2000, 7, 128, 129, 2559, 300, 301, 5, 0]),
+    (40, 6, 1, None, [0, 1, 64, 2000, 77, 2559]),
+    # decode, 4 rows a request (few requests: this kernel runs): 2 passes a slab, one empty
+    (96, 4, 4, None, [100, 101, 102, 103, 0, 0, 0, 0, 1, 64, 65, 2000, 2560, 2559, 2558, 1]),
+    (40, 3, 4, None, [0, 1, 2, 3, 640, 641, 642, 643, 1000, 0, 1500, 64]),
+    # rows of 3 requests interleaved (groups of 3 rows: a slab holds rows of 2 requests, of 3
+    # at 24 heads)
+    (96, 3, 3, [0, 1, 0, 2, 1, 2, 0, 1, 2], [5, 100, 1, 256, 0, 64, 2000, 33, 129]),
+    (40, 3, 3, [0, 1, 0, 2, 1, 2, 0, 1, 2], [5, 100, 1, 256, 0, 64, 2000, 33, 129]),
+    (24, 3, 3, [0, 1, 2, 2, 1, 0, 1, 0, 2], [5, 100, 1, 256, 0, 64, 2000, 33, 129]),
+    # prefill-like: 7 rows of one request (one group of 7 rows, 11 slabs)
+    (96, 1, 7, None, [1200, 1201, 1202, 1203, 1204, 1205, 1206]),
+])
+def test_warp_specialized_dense_matches_reference(heads, requests, rows, row_req, lens):
+    """bf16 at K3.1 widths against the reference op: the registered launcher takes these
+    calls itself (its kernel, not the split one); its planned splits, and one split."""
+    c, want = dense_ws_case(heads, requests, rows, 40, lens, seed=60 + heads + rows,
+                            row_req=row_req)
+    assert dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"]) is None
+    assert torch.isinf(want[1][c["row_len"] == 0]).all()
+    assert_close(dws.dense_mla(*dense_args(c)), want, torch.bfloat16)
+    assert_close(dws.launch(*dense_args(c)[:-1], splits=1), want, torch.bfloat16)
+
+
+@cuda_only
+@pytest.mark.parametrize("splits", [2, 3, 7, 13])
+def test_warp_specialized_dense_key_splits(splits):
+    """Splits of 8 table columns merged by LSE: at 7 splits (2 blocks each) the last three and
+    at 13 (1 block each) the last five have no block, and short rows leave more splits empty
+    (their partials must carry no weight); an empty row stays out 0, lse +inf."""
+    c, want = dense_ws_case(96, 3, 1, 8, [0, 70, 512], seed=70 + splits)
+    assert_close(dws.launch(*dense_args(c)[:-1], splits=splits), want, torch.bfloat16)
+
+
+@cuda_only
+@pytest.mark.parametrize("rows,row_req", [(1, None), (4, None),
+                                          (3, [0, 1, 0, 2, 1, 2, 0, 1, 2])])
+def test_warp_specialized_dense_never_reads_past_the_lengths(rows, row_req):
+    """Slots past every row of a request hold NaN and the table entries past them are -1 (an
+    unused block): the kernel's last block of a pass has such rows, and they must not meet
+    P (0 x NaN) or be attended; checked with one split and several."""
+    n = 3 * rows
+    lens = [(37 * t + 11) % 700 for t in range(n)]
+    lens[0] = 0
+    c, want = dense_ws_case(96, 3, rows, 12, lens, seed=80 + rows, row_req=row_req,
+                            unwritten=True, unused_blocks=True)
+    assert dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"]) is None
+    for splits in (1, 4):
+        out, lse = dws.launch(*dense_args(c)[:-1], splits=splits)
+        assert torch.isfinite(out).all()
+        assert_close((out, lse), want, torch.bfloat16)
+
+
+@cuda_only
+def test_warp_specialized_dense_hands_the_split_kernel_its_shapes():
+    """B = 16 x R = 4 (96 programs, more than half the SMs): the registered launcher runs the
+    split kernel there, with the same result."""
+    c = make_case(**{**K31, "k": 4, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
+                  seed=90)
+    reason = dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"])
+    assert "split kernel is faster" in reason
+    want = torch.ops.k31c.dense_mla(*dense_args(c))
+    assert_close(dws.dense_mla(*dense_args(c)), want, torch.bfloat16)
+    assert_close(dws.launch(*dense_args(c)[:-1]), want, torch.bfloat16)     # the kernel still can
+
+
+def test_warp_specialized_dense_layout_and_split_plan():
+    """Groups, slabs and passes from static shapes; the dispatch rule (programs at most half the
+    SMs); one wave of splits, at least 4 blocks each, at most MAX_SPLITS."""
+    assert dws.layout(16, 96, 16) == (1, 16, 2, 1)        # R = 1: 64 + 32 heads, one request
+    assert dws.layout(64, 96, 16) == (4, 16, 6, 2)        # R = 4: a slab spans 2 rows
+    assert dws.layout(9, 40, 3) == (3, 3, 2, 3)           # pairs 64-119 are rows 1, 2 (of 0-2)
+    assert dws.layout(7, 96, 1) == (7, 1, 11, 2)          # prefill-like: one group of 7 rows
+    assert dws.layout(10, 96, 4) == (1, 10, 2, 1)         # 10 rows, 4 requests: a row a group
+    assert dws.layout(128, 1, 2) == (64, 2, 1, 64)        # 1 head: a slab of 64 rows
+    assert dws.seesaw_wins(32, 132) and dws.seesaw_wins(66, 132)
+    assert not dws.seesaw_wins(67, 132) and not dws.seesaw_wins(96, 132)
+    assert dws.plan_splits(32, 2048, 132) == 4            # B = 16, R = 1: 128 programs
+    assert dws.plan_splits(32, 8, 132) == 2               # 8 blocks: at least 4 a split
+    assert dws.plan_splits(32, 3, 132) == 1
+    assert dws.plan_splits(1, 1 << 16, 132) == dense_plan.MAX_SPLITS
+    assert dws.plan_splits(200, 2048, 132) == 1
+
+
+def test_warp_specialized_dense_declines_what_it_cannot_run():
+    """The reasons a call goes to the split kernel: on this machine's tensors the device (or
+    Gluon) first; from the arguments alone (what the compiler's report uses) the dtype, widths,
+    block size, a strided cache, too many passes, and programs filling more than half the SMs."""
+    c = make_case(**{**K31, "k": 4, "requests": 2, "rows": 1, "max_blocks": 4}, device=DEV,
+                  dtype=torch.bfloat16, seed=91)
+    reason = dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"])
+    if not CUDA:
+        assert "NVIDIA" in reason or "Gluon" in reason
+    else:
+        assert reason is None                                 # an H200: 2 rows, 4 programs
+    if dws.GLUON_ERROR is not None:
+        return
+    meta = dict(device="meta", dtype=torch.bfloat16)
+
+    def why(n=16, heads=96, width=576, dv=512, blocks=(100, 64), requests=16, dtype=None,
+            cache=None):
+        q = torch.empty(n, heads, width, device="meta", dtype=dtype or torch.bfloat16)
+        cache = torch.empty(*blocks, width, **meta) if cache is None else cache
+        table = torch.empty(requests, 2048, device="meta", dtype=torch.int32)
+        return dws._why_not_these_args(q, cache, table, dv, 132)
+
+    assert why() is None and why(heads=40) is None
+    assert why(n=16, requests=4) is None                            # B = 4 x R = 4: 24 programs
+    assert "bf16 only" in why(dtype=torch.float32)
+    assert "width" in why(width=640) and "width" in why(dv=448)
+    assert "blocks of 16 rows" in why(blocks=(400, 16))
+    assert "strided" in why(cache=torch.empty(100, 64, 640, **meta)[..., :576])
+    assert "passes" in why(n=128, heads=4, requests=8)             # groups of 16 rows of 4 heads
+    assert "split kernel is faster" in why(n=64)                   # B = 16 x R = 4: 96 programs
+
+
+def test_warp_specialized_dense_report_names_the_kernel_that_runs():
+    """h200's `runs` from fake tensors: this kernel at a one-row decode, the split kernel at
+    R = 4, mla.py's for an FP8 cache; with a symbolic row count the launcher that decides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+    h200 = lookup("k31c::dense_mla", "h200")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    table = torch.empty(16, 2048, device="meta", dtype=torch.int32)
+    cache = torch.empty(100, 64, 576, **meta)
+
+    def args(q, cache=cache):
+        return (q, cache, table, None, None, 0.1, 512)
+
+    seesaw = "triton:k31c.lowering.triton.mla_dense_ws.dense_mla"
+    split = "triton:k31c.lowering.triton.mla_dense.dense_mla"
+    one_row = torch.empty(16, 96, 576, **meta)
+    assert h200.name_for(args(one_row)) == (seesaw if dws.GLUON_ERROR is None else split)
+    assert h200.name_for(args(torch.empty(64, 96, 576, **meta))) == split
+    fp8 = torch.empty(100, 64, 656, device="meta", dtype=torch.uint8)
+    assert h200.name_for(args(one_row, fp8)) == "triton:k31c.lowering.triton.mla.dense_mla"
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC,
+                                                      DimDynamic.STATIC])
+    rows = mode.from_tensor(torch.empty(16, 96, 576, dtype=torch.bfloat16),
+                            symbolic_context=dynamic)
+    assert not isinstance(rows.shape[0], int)
+    assert h200.name_for(args(rows)) == seesaw
 
 
 # ---- the split-key dense kernel (mla_dense.py) -----------------------------------------------

@@ -8,7 +8,7 @@ registry calls it the first time a GPU target's kernels are asked for); the shar
 import importlib
 
 KERNEL_MODULES = ("cache_write", "indexer", "topk", "indexer_topk",
-                  "mla", "mla_dense", "mla_two_pass", "mla_sparse_ws",
+                  "mla", "mla_dense", "mla_dense_ws", "mla_two_pass", "mla_sparse_ws",
                   "linear_group", "attn_res",
                   "kda_decode", "kda_prefill", "moe_route", "moe_experts")
 

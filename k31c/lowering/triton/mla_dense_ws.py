@@ -1,0 +1,244 @@
+"""Warp-specialized kernel for `k31c::dense_mla` on sm_90a (Gluon), the h200 choice where its
+programs leave most SMs idle (a decode step of one row a request); the kernel is in
+`mla_dense_ws_kernel.py`.
+
+The work is cut as in mla_dense.py: a *group* of G consecutive query rows (`rows_per_group`: the
+R rows of a request in the decode layout) shares its request's latent rows, so its G x H (row,
+head) pairs are one M dimension, cut into 64-pair *slabs* (one wgmma M). A program takes one
+slab of one group and one split of the cache blocks; the slabs of a (group, split) are adjacent
+in the grid, so they read the same blocks together. Inside a program, three partitions:
+
+- a producer (1 warp) loads each 64-row cache block of the split as two 32-key blocks a (rows
+  0-31) and b (rows 32-63), each two TMA boxes ([32, 512] values part, [32, 64] rope part) of the
+  contiguous cache viewed as [blocks x 64, 576], into one of four buffers, so the next block is
+  in flight while this one is computed;
+- two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
+  pairs' q, in shared memory, against the block's 32 keys), at the same time. Group 0 takes its
+  row max, stores its P over block a's rope part (dead once scored) with the max, and signals;
+  group 1 takes the running max from it, does the same for block b and signals back. Each
+  group accumulates both blocks' values into its half of the output columns ([64, 256] fp32),
+  rescaling when the max moves; each sums its own blocks' P, and the sums are added at the end.
+
+Any row_req: the slab's rows may belong to several requests. The program runs one *pass* per
+request among them (the request of the first row not yet done, then all of its rows), each over
+that request's blocks below the longest of its rows' lengths; a pair whose row is not of the
+pass's request sees no key in it, so its running max, sums and output do not move. Every
+partition plans the passes from the same loads of row_req / row_len; the producer hands each
+step's request, first position and limit to the math groups through shared memory with the
+block, and the barrier phases run on across passes. In the decode layout a slab's rows are one
+request's: one pass.
+
+Masks: a key at or past its row's length, and a -1 block (read as zeros: negative TMA
+coordinates), is no key; rows past the pass's longest length in its last block are set to zero
+before they meet P (unwritten slots may hold NaN). A row with no key gives out = 0,
+lse = +inf. Where the programs leave SMs idle each also takes a split of the blocks
+(`plan_splits`: one wave, one program an SM, as its ~220 KB of shared memory allows) and
+writes fp32 partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
+
+CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
+kernel does not take go to mla_dense.py's split kernel (`why_split` names the reason): another
+dtype, width or block size, a strided cache, more passes than MAX_PASSES, a GPU other than
+sm_90, no Gluon, and the shapes whose programs fill more than half the SMs (`seesaw_wins`). An
+FP8 latent cache (uint8) runs mla.py's one-pass kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from k31c.lowering.aot_spec import descriptor_type, kernel_spec
+from k31c.lowering.registry import register
+from k31c.lowering.targets import get_target, targets_running
+from k31c.lowering.triton import mla
+from k31c.lowering.triton import mla_dense as split_dense
+from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.mla_common import LOG2E, merge_spec, merge_splits, table_width
+from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, rows_per_group
+from k31c.lowering.triton.mla_dense_ws_kernel import GLUON_ERROR, NUM_WARPS
+
+if GLUON_ERROR is None:
+    from triton.experimental.gluon import language as gl
+    from k31c.lowering.triton.mla_dense_ws_kernel import dense_ws_kernel
+
+OP = "k31c::dense_mla"
+VARIANT = "warp_specialized"        # the `Target.variant` name of this kernel
+WIDTH, DV, BLOCK_SIZE = 576, 512, 64    # the latent row and cache block it is written for
+SLAB = 64                           # (row, head) pairs a program takes: one wgmma M
+HALF = 32                           # keys a TMA box pair (a buffer) holds
+MIN_SPLIT_BLOCKS = 4                # cache blocks a split takes at least
+MAX_PASSES = 8                      # requests a slab may need (more: the pass plan's unrolled
+                                    # code and registers grow; such calls run the split kernel)
+
+
+def layout(n_rows: int, n_heads: int, n_req: int) -> tuple[int, int, int, int]:
+    """(G, groups, slabs, passes): rows a group (static shapes only), groups, 64-pair slabs a
+    group, and the passes a slab can need: the rows 64 consecutive pairs can touch, at most G."""
+    g = rows_per_group(n_rows, n_req)
+    return (g, -(-n_rows // g), -(-(g * n_heads) // SLAB),
+            min(g, -(-(SLAB - 1) // max(n_heads, 1)) + 1))
+
+
+def seesaw_wins(programs: int, sm_count: int) -> bool:
+    """Whether this kernel runs rather than the split kernel, by the (group, slab) programs."""
+    # H200, B = 16: 32 programs (R = 1) 1.35-1.4x faster; 96 (R = 4) 0.4-5% slower (BENCHMARKS.md)
+    return programs <= sm_count // 2
+
+
+def plan_splits(programs: int, n_blocks: int, sm_count: int) -> int:
+    """Splits of the `n_blocks` table columns: one program an SM in one wave, each split at
+    least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS (the fp32 workspace)."""
+    return max(1, min(sm_count // max(programs, 1), n_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+
+
+def _layout_of(shape):
+    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)       # once a device, not once a call
+
+
+def why_split(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+              dv: int) -> str | None:
+    """Why a call with a float cache goes to the split kernel, or None when this kernel takes
+    it (the device, then `_why_not_these_args`)."""
+    if GLUON_ERROR is None and (interpreting() or q.device.type != "cuda" or torch.version.hip):
+        return "not an NVIDIA GPU (the kernel is sm_90a code)"
+    if GLUON_ERROR is None and _capability(q.device) != (9, 0):
+        return f"compute capability {_capability(q.device)} is not sm_90"
+    if GLUON_ERROR is None and latent_cache.data_ptr() % 16:
+        return "a cache not 16-byte aligned (TMA)"
+    return _why_not_these_args(q, latent_cache, block_table, dv, target_of(q.device).sm_count)
+
+
+def _why_not_these_args(q, latent_cache, block_table, dv, sm_count: int) -> str | None:
+    """The reasons `why_split` finds in the arguments' shapes, dtypes and layouts alone (and in
+    this Triton), which the compiler's report can tell before anything runs."""
+    if GLUON_ERROR is not None:
+        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
+    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
+        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
+    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
+        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    if latent_cache.shape[1] != BLOCK_SIZE:
+        return (f"cache blocks of {latent_cache.shape[1]} rows: the kernel is written for "
+                f"{BLOCK_SIZE}")
+    if not latent_cache.is_contiguous():
+        return "a strided cache (the kernel reads it as TMA boxes of [blocks x 64, 576])"
+    n, heads = q.shape[0], q.shape[1]
+    _, groups, slabs, passes = layout(n, heads, block_table.shape[0])
+    if passes > MAX_PASSES:
+        return f"{heads} heads in groups of {n // groups} rows: a slab may need {passes} passes"
+    if not seesaw_wins(groups * slabs, sm_count):
+        return (f"{groups * slabs} programs fill more than half of {sm_count} SMs: the split "
+                "kernel is faster")
+    return None
+
+
+def runs(q, latent_cache, block_table, row_req, row_len, sm_scale, dv):
+    """The launcher that runs a call with these arguments on an H200 (the registry's `runs`: the
+    report names the kernel that runs). With a symbolic row count the choice is made at each
+    call: this module's launcher, which makes it."""
+    if latent_cache.dtype == torch.uint8:
+        return mla.dense_mla
+    if not isinstance(q.shape[0], int) or not isinstance(block_table.shape[0], int):
+        return dense_mla
+    declined = _why_not_these_args(q, latent_cache, block_table, dv, get_target("h200").sm_count)
+    return split_dense.dense_mla if declined else dense_mla
+
+
+@register(OP, targets_running(OP, VARIANT), runs=runs)
+def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+              row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
+              dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`k31c::dense_mla`: this kernel, or the split kernel where `why_split` names a reason; an
+    FP8 latent cache (uint8) is read by mla.py's one-pass kernel, which dequantises on chip."""
+    if latent_cache.dtype == torch.uint8:
+        return mla.dense_mla(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)
+    split_dense.check_dense(q, latent_cache, block_table, row_req, row_len, dv)
+    if why_split(q, latent_cache, block_table, dv) is not None:
+        return split_dense.launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)
+    return launch(q, latent_cache, block_table, row_req, row_len, sm_scale)
+
+
+def key_descriptors(latent_cache: torch.Tensor):
+    """The Gluon TMA descriptors of the values part [rows, 512] and the rope part [rows, 64] of
+    the cache viewed as [blocks x 64, 576], one [32, part] box a load."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    flat = latent_cache.view(-1, WIDTH)
+    rows = flat.shape[0]
+    return (TensorDescriptor(flat, [rows, DV], [WIDTH, 1], [HALF, DV], _layout_of([HALF, DV])),
+            TensorDescriptor(flat[:, DV:], [rows, WIDTH - DV], [WIDTH, 1], [HALF, WIDTH - DV],
+                             _layout_of([HALF, WIDTH - DV])))
+
+
+def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int | None = None):
+    """This kernel's launch on checked arguments (callers check `why_split` first); `splits`
+    overrides `plan_splits` (tests, benchmarks)."""
+    n, heads, _ = q.shape
+    n_req, max_blocks = block_table.shape
+    out = q.new_empty((n, heads, DV))
+    lse = q.new_empty((n, heads), dtype=torch.float32)
+    if n == 0 or heads == 0:
+        return out, lse
+    if max_blocks == 0 or latent_cache.shape[0] == 0:           # no position has a key
+        return out.zero_(), lse.fill_(float("inf"))
+    g, groups, slabs, passes = layout(n, heads, n_req)
+    if splits is None:
+        splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
+    if splits == 1:
+        dst, dst_lse, empty_lse = out, lse, float("inf")
+    else:       # partials; an empty split's lse is -inf (no weight in the merge)
+        dst = q.new_empty((splits, n, heads, DV), dtype=torch.float32)
+        dst_lse = q.new_empty((splits, n, heads), dtype=torch.float32)
+        empty_lse = float("-inf")
+    kv_desc, kr_desc = key_descriptors(latent_cache)
+    dense_ws_kernel[(groups * slabs * splits,)](
+        q, kv_desc, kr_desc, block_table, row_req, row_len, dst, dst_lse, n, heads, n_req, g,
+        slabs, splits, triton.cdiv(max_blocks, splits), max_blocks, q.stride(0), q.stride(1),
+        block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
+        ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS)
+    if splits > 1:
+        merge_splits(dst, dst_lse, out, lse)
+    return out, lse
+
+
+def aot_specs(shapes) -> list:
+    """The launches at `shapes` (aot_spec.AotShapes): for each row count a request where this
+    kernel runs, its launch with the planned splits and their merge; where the split kernel
+    runs (`seesaw_wins`, or a model this kernel is not written for), mla_dense.py's launches."""
+    cfg = shapes.cfg
+    heads, dt, sm = cfg.num_attention_heads, cfg.torch_dtype, shapes.target.sm_count
+    table = table_width(shapes)
+    fits = (GLUON_ERROR is None and dt == torch.bfloat16 and shapes.block_size == BLOCK_SIZE
+            and (cfg.latent_dim, cfg.kv_lora_rank) == (WIDTH, DV))
+    specs, split_rows = [], set()
+    for r in shapes.rows_per_request:
+        n = shapes.batch * r
+        g, groups, slabs, passes = layout(n, heads, shapes.batch)
+        if not fits or passes > MAX_PASSES or not seesaw_wins(groups * slabs, sm):
+            split_rows.add(f"R={r}")
+            continue
+        splits = plan_splits(groups * slabs, table, sm)
+        ints = dict(n_rows=n, n_heads=heads, n_req=shapes.batch, group_rows=g, n_slabs=slabs,
+                    n_splits=splits, blocks_per_split=-(-table // splits), max_blocks=table,
+                    stride_qn=heads * WIDTH, stride_qh=WIDTH, stride_bt=table)
+        descs = {f"{part}_desc": descriptor_type(dt, (HALF, cols), _layout_of([HALF, cols]))
+                 for part, cols in (("kv", DV), ("kr", WIDTH - DV))}
+        specs.append(kernel_spec(
+            dense_ws_kernel, OP, f"R={r},splits={splits}",
+            dict(PASSES=passes, ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS),
+            dict(q_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32, len_ptr=torch.int32,
+                 out_ptr=dt if splits == 1 else torch.float32, lse_ptr=torch.float32,
+                 scale_log2="fp32", empty_lse="fp32", **descs),
+            num_warps=NUM_WARPS, ints=ints))
+        if splits > 1:
+            specs.append(merge_spec(OP, DV, dt, n, heads, splits))
+    # the split kernel's launches (its variants "R=<r>,final|split" and its merge)
+    split_specs = split_dense.aot_specs(shapes) if split_rows else []
+    return specs + [s for s in split_specs if s.variant.split(",")[0] in split_rows
+                    or s.variant == "merge"]
