@@ -24,23 +24,16 @@ read on the device. Splits: one program an SM (the two math groups hold 232 regi
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.aot_spec import kernel_spec
-from k31c.lowering.triton.device import interpreting, target_of
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    _sync = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
-    GLUON_ERROR = None
-except ImportError as e:                       # a Triton without Gluon's Hopper API
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+if GLUON_ERROR is None:
+    from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
+                                                 tma, warpgroup_mma, warpgroup_mma_wait)
 
 ROWS, HEADS, D, BLOCK = 4, 32, 128, 64          # what the kernel is written for (K3.1 Pro)
 BLOCK_BYTES = BLOCK * (D + 4)                    # an FP8 cache block: 64 keys, then 64 fp32 scales
@@ -129,7 +122,7 @@ if GLUON_ERROR is None:
             w = gl.load(w_ptr + at, mask=(m >= 0) & ok, other=0.0)
             w_smem.slice((ROLE * 2 + c) * H_C, H_C, dim=0).store(w * scale)
         fence_async_shared()
-        _sync()
+        sync()
         mbarrier.arrive(q_bar, count=1)
         mbarrier.wait(q_bar, 0)
 
@@ -162,7 +155,7 @@ if GLUON_ERROR is None:
                     sc = gl.convert_layout(gl.sum(gl.reshape(x, [BK_C, R_C, H_C]), 2), ST_L)
                     ks = s_bufs.index(b)._reinterpret(gl.float32, [BK_C], SC_L).load(
                         gl.SliceLayout(1, ST_L))
-                    _sync()
+                    sync()
                     mbarrier.arrive(empty.index(b), count=1)        # the stage is free again
                     pos = (step0 + g - base) * BK_C + key
                     sc = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0),
@@ -204,7 +197,7 @@ if GLUON_ERROR is None:
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=1)
         fence_async_shared()          # the barriers' initialisation before any partition uses them
-        _sync()
+        sync()
         out_row0 = out_ptr + row0.to(gl.int64) * capacity
         scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
                  n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
@@ -217,20 +210,12 @@ if GLUON_ERROR is None:
             [4, 1], [232, 24])
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)       # once a device, not once a call
-
-
 def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None:
     """Why `indexer.launch_indexer` runs another kernel for this call, or None when this one
     takes it (arguments already checked by `check_indexer`)."""
-    if GLUON_ERROR is not None:
-        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
-    if interpreting() or q.device.type != "cuda" or torch.version.hip:
-        return "not an NVIDIA GPU (the kernel is sm_90a code)"
-    if _capability(q.device) != (9, 0):
-        return f"compute capability {_capability(q.device)} is not sm_90"
+    reason = why_not_sm90(q.device)
+    if reason is not None:
+        return reason
     if index_cache.dtype != torch.uint8 or is_mxfp8_index_cache(index_cache):
         return "not the FP8 (e4m3 + fp32 scale) index cache"
     n, heads, d = q.shape

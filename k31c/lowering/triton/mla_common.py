@@ -218,6 +218,16 @@ def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_he
     tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
 
 
+def split_outputs(out: torch.Tensor, lse: torch.Tensor, splits: int):
+    """Where a kernel of `splits` key splits writes: out and lse themselves (an empty row's lse
+    +inf) for one split, else fp32 partials [S, N, Hq, dv] / [S, N, Hq] (an empty split's lse
+    -inf: no weight in `merge_splits`). Returns (dst, dst_lse, empty_lse)."""
+    if splits == 1:
+        return out, lse, float("inf")
+    return (out.new_empty((splits, *out.shape), dtype=torch.float32),
+            lse.new_empty((splits, *lse.shape), dtype=torch.float32), float("-inf"))
+
+
 def merge_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """out [N, Hq, dv], lse [N, Hq] from the splits' partial outputs [S, N, Hq, dv] and LSEs [S, N, Hq]."""
     splits, n, n_heads, dv = part.shape

@@ -43,8 +43,6 @@ FP8 latent cache (uint8) runs mla.py's one-pass kernel.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -53,10 +51,14 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import get_target, targets_running
 from k31c.lowering.triton import mla
 from k31c.lowering.triton import mla_dense as split_dense
-from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, merge_spec, merge_splits, table_width
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.gluon_sm90 import why_not_sm90
+from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
+                                             table_width)
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, rows_per_group
-from k31c.lowering.triton.mla_dense_ws_kernel import GLUON_ERROR, NUM_WARPS
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+from k31c.lowering.triton.mla_dense_ws_kernel import NUM_WARPS
+from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
@@ -64,7 +66,7 @@ if GLUON_ERROR is None:
 
 OP = "k31c::dense_mla"
 VARIANT = "warp_specialized"        # the `Target.variant` name of this kernel
-WIDTH, DV, BLOCK_SIZE = 576, 512, 64    # the latent row and cache block it is written for
+BLOCK_SIZE = 64                     # the cache block it is written for
 SLAB = 64                           # (row, head) pairs a program takes: one wgmma M
 HALF = 32                           # keys a TMA box pair (a buffer) holds
 MIN_SPLIT_BLOCKS = 4                # cache blocks a split takes at least
@@ -96,33 +98,23 @@ def _layout_of(shape):
     return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)       # once a device, not once a call
-
-
 def why_split(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               dv: int) -> str | None:
     """Why a call with a float cache goes to the split kernel, or None when this kernel takes
     it (the device, then `_why_not_these_args`)."""
-    if GLUON_ERROR is None and (interpreting() or q.device.type != "cuda" or torch.version.hip):
-        return "not an NVIDIA GPU (the kernel is sm_90a code)"
-    if GLUON_ERROR is None and _capability(q.device) != (9, 0):
-        return f"compute capability {_capability(q.device)} is not sm_90"
-    if GLUON_ERROR is None and latent_cache.data_ptr() % 16:
-        return "a cache not 16-byte aligned (TMA)"
-    return _why_not_these_args(q, latent_cache, block_table, dv, target_of(q.device).sm_count)
+    reason = why_not_sm90(q.device)
+    if reason is None and latent_cache.data_ptr() % 16:
+        reason = "a cache not 16-byte aligned (TMA)"
+    return reason or _why_not_these_args(q, latent_cache, block_table, dv,
+                                         target_of(q.device).sm_count)
 
 
 def _why_not_these_args(q, latent_cache, block_table, dv, sm_count: int) -> str | None:
     """The reasons `why_split` finds in the arguments' shapes, dtypes and layouts alone (and in
     this Triton), which the compiler's report can tell before anything runs."""
-    if GLUON_ERROR is not None:
-        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
-    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
-        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
-    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
-        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    reason = latent_reason(q, latent_cache, dv)
+    if reason is not None:
+        return reason
     if latent_cache.shape[1] != BLOCK_SIZE:
         return (f"cache blocks of {latent_cache.shape[1]} rows: the kernel is written for "
                 f"{BLOCK_SIZE}")
@@ -190,12 +182,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
     g, groups, slabs, passes = layout(n, heads, n_req)
     if splits is None:
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
-    if splits == 1:
-        dst, dst_lse, empty_lse = out, lse, float("inf")
-    else:       # partials; an empty split's lse is -inf (no weight in the merge)
-        dst = q.new_empty((splits, n, heads, DV), dtype=torch.float32)
-        dst_lse = q.new_empty((splits, n, heads), dtype=torch.float32)
-        empty_lse = float("-inf")
+    dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     kv_desc, kr_desc = key_descriptors(latent_cache)
     dense_ws_kernel[(groups * slabs * splits,)](
         q, kv_desc, kr_desc, block_table, row_req, row_len, dst, dst_lse, n, heads, n_req, g,

@@ -8,15 +8,12 @@ loaded as two 32-key blocks a (rows 0-31) and b (rows 32-63).
 """
 from __future__ import annotations
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    _sync = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
-    GLUON_ERROR = None
-except ImportError as e:                       # a Triton without Gluon's Hopper API
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+
+if GLUON_ERROR is None:
+    from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, tma, warpgroup_mma
+    from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
+                                                 row_sums, seesaw_buffers, seesaw_pair, store_q)
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -26,8 +23,6 @@ if GLUON_ERROR is None:
     MATH_REGS = gl.constexpr(240)       # math group 1's registers; group 0 (the default
     LOAD_REGS = gl.constexpr(32)        # partition) runs on what is left (232), the producer
                                         # on 32: none spills
-    BK = gl.constexpr(32)               # keys a block (a buffer)
-    NB = gl.constexpr(4)                # buffers: two pairs of blocks
 
     @gluon.jit
     def _slab_rows(rows, ROWS: gl.constexpr, L: gl.constexpr):
@@ -112,35 +107,6 @@ if GLUON_ERROR is None:
                                                     kr_bufs.index(buf))
 
     @gluon.jit
-    def _zero_tail(buf, first, limit, COL0: gl.constexpr):
-        # a block's rows at positions >= limit (past every selected row's length), in this
-        # group's value columns, set to 0: unwritten slots may hold NaN, and 0 x NaN is NaN in
-        # P @ V. Called once no wgmma reads those columns of the block but this group's next.
-        Z_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        keep = gl.expand_dims(first + gl.arange(0, BK, gl.SliceLayout(1, Z_L)) < limit, 1)
-        for c in gl.static_range(4):
-            part = buf.slice(COL0 + 64 * c, 64, dim=1)
-            x = part.load(Z_L)
-            part.store(gl.where(keep, x, gl.zeros_like(x)))
-        fence_async_shared()
-        _sync()
-
-    @gluon.jit
-    def _weights(s, seen, m_ref, scale_log2, p_smem, m_smem, bar):
-        # a block's scores -> its weights P under the running max m = max(m_ref, the block's):
-        # P (bf16, over the block's rope part) and m go to shared memory for the other group
-        s = gl.where(seen, s * scale_log2, float("-inf"))
-        m = gl.maximum(m_ref, gl.max(s, 1))
-        m_use = gl.where(m == float("-inf"), 0.0, m)      # no key yet: weights 0
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        p_smem.store(p.to(gl.bfloat16))
-        m_smem.store(m)
-        fence_async_shared()
-        _sync()
-        mbarrier.arrive(bar, count=1)
-        return m, m_use, p
-
-    @gluon.jit
     def _half(ROLE: gl.constexpr, smem, bars, rows, keys, outs, PASSES: gl.constexpr,
               ROWS: gl.constexpr):
         # one math warp group: the scores of block 2j + ROLE of pair j, the values' columns
@@ -150,13 +116,6 @@ if GLUON_ERROR is None:
         ready, empty, p_bar, fin, m_a, m_b, l_a, l_b = bars
         req_ptr, len_ptr, t_first, r_lo, r_hi, n_rows, n_req = rows
         out_ptr, lse_ptr, m0, n_m, n_heads, scale_log2, empty_lse = outs
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 32, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         col0: gl.constexpr = ROLE * 256
         # each (row, head) pair's row: its request and length
         mg = m0 + gl.arange(0, 64, ROW_S)
@@ -180,10 +139,7 @@ if GLUON_ERROR is None:
             zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [j], dtype=gl.int32,
                                            is_pure=True, pack=1)
             ba = (j % (NB // 2)) * 2                    # the pair's buffers: ba (a), ba + 1 (b)
-            pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, BK], P_SH)
-            pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, BK], P_SH)
-            va = kv_bufs.index(ba).slice(col0, 256, dim=1)
-            vb = kv_bufs.index(ba + 1).slice(col0, 256, dim=1)
+            views = pair_views(ROLE, kv_bufs, kr_bufs, ba)
             mbarrier.wait(ready.index(ba + ROLE), ph_ready)
             s = warpgroup_mma(qr_smem.index(zr), kr_bufs.index(ba + ROLE).permute((1, 0)),
                               zero_s, use_acc=False, is_async=True)
@@ -199,63 +155,10 @@ if GLUON_ERROR is None:
             rem = gl.where(req_m == b, len_m - (first + ROLE * BK), 0)
             seen = gl.expand_dims(key, 0) < gl.expand_dims(rem, 1)
             tail = first + 64 > limit                   # rows past every length
-            if ROLE == 0:
-                s = warpgroup_mma_wait(0, deps=(s,))
-                if tail:                                # block a: scored (by this group)
-                    _zero_tail(kv_bufs.index(ba), first, limit, col0)
-                m0_, m0_use, p = _weights(s, seen, m_i, scale_log2, pa, m_a, p_bar.index(0))
-                alpha = gl.exp2(m_i - m0_use)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                acc = warpgroup_mma(pa, va, acc, is_async=True)
-                mbarrier.wait(p_bar.index(1), ph)
-                m1 = m_b.load(ROW_S)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                if tail:                                # block b: group 1 has scored it
-                    _zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
-                _sync()
-                mbarrier.arrive(empty.index(ba), count=1)
-                m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                beta = gl.exp2(m0_ - m1_use)
-                l_i = l_i * beta
-                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-            else:
-                mbarrier.wait(p_bar.index(0), ph)
-                m0_ = m_a.load(ROW_S)
-                m0_use = gl.where(m0_ == float("-inf"), 0.0, m0_)
-                alpha = gl.exp2(m_i - m0_use)
-                l_i = l_i * alpha
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                if tail:                                # block a: group 0 has scored it
-                    _zero_tail(kv_bufs.index(ba), first, limit, col0)
-                acc = warpgroup_mma(pa, va, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                if tail:                                # block b: scored (by this group)
-                    _zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
-                m1, m1_use, p = _weights(s, seen, m0_, scale_log2, pb, m_b, p_bar.index(1))
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _sync()
-                mbarrier.arrive(empty.index(ba), count=1)
-                beta = gl.exp2(m0_ - m1_use)
-                l_i = l_i * beta + gl.sum(p, 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-            # block b's values, then its buffer is free as far as this group goes
-            acc = warpgroup_mma(pb, vb, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _sync()
-            mbarrier.arrive(empty.index(ba + 1), count=1)
-            m_i = m1
-        # the row sums: each group summed its own blocks' P
-        if ROLE == 0:
-            l_a.store(l_i)
-        else:
-            l_b.store(l_i)
-        _sync()
-        mbarrier.arrive(fin, count=1)
-        mbarrier.wait(fin, 0)
-        l_i = l_a.load(ROW_S) + l_b.load(ROW_S)
-        has = l_i > 0
-        out = acc / gl.expand_dims(gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O), 1)
+            m_i, l_i, acc = seesaw_pair(ROLE, s, seen, m_i, l_i, acc, views, kv_bufs, ba, m_a,
+                                        m_b, p_bar, empty, ph, scale_log2, True, tail, first,
+                                        limit)
+        out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key
         m_o = m0 + gl.arange(0, 64, ROW_O)
         c_o = col0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
         real_o = (m_o < n_m) & (t_first + m_o // n_heads < n_rows)
@@ -287,31 +190,10 @@ if GLUON_ERROR is None:
         n_m = group_rows * n_heads
         m0 = slab * 64
         t_first = group * group_rows
-        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-        SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-        # q with a leading dimension of 1: the math groups index it with an opaque 0 (`_half`)
-        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
-        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
-        SH_BR: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)
-        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 512], SH_BW)
-        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 64], SH_BR)
-        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        info = gl.allocate_shared_memory(gl.int32, [2, 4], VEC)     # a step's facts (`_load`)
-        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(ready.index(b), count=1)
-            mbarrier.init(empty.index(b), count=2)       # both warp groups' values read it
-        for b in gl.static_range(2):
-            mbarrier.init(p_bar.index(b), count=1)
-        mbarrier.init(fin, count=2)
+        (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
+         fin) = seesaw_buffers(1)
+        # a step's facts (`_load`)
+        info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         # q of the slab's pairs (pairs past the group or the rows read zeros)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         mq = m0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
@@ -320,12 +202,7 @@ if GLUON_ERROR is None:
         q_mask = gl.expand_dims((mq < n_m) & (tq < n_rows), 1) & gl.expand_dims(c >= 0, 0)
         q_at = (q_ptr + gl.expand_dims(tq.to(gl.int64) * stride_qn + (mq % n_heads) * stride_qh, 1)
                 + gl.expand_dims(c, 0))
-        for j in gl.static_range(8):
-            qv_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask,
-                                                                    other=0.0))
-        qr_smem.index(0).store(gl.load(q_at + 512, mask=q_mask, other=0.0))
-        fence_async_shared()
-        _sync()
+        store_q(qv_smem, qr_smem, q_at, q_mask)
         rows = (req_ptr, len_ptr, t_first, m0 // n_heads, gl.minimum(m0 + 63, n_m - 1) // n_heads,
                 n_rows, n_req)
         keys = (table_ptr, stride_bt, max_blocks, split * blocks_per_split, blocks_per_split)

@@ -16,6 +16,8 @@ finds the row's gathered latent rows in L2. The row's selected keys go in pairs 
   ([64, 256] fp32, K = 32 wgmmas), rescaling when the max moves; each sums the P of its own
   blocks, and the two sums are added at the end. One group's softmax runs under the other's
   wgmmas.
+  The seesaw step, the buffers and the row sums are `mla_seesaw.py`'s, shared with the dense
+  kernel (mla_dense_ws_kernel.py).
 
 q is loaded once with masked pointer loads (heads past the last are zero rows); out and lse go
 out with masked stores. Masked keys get -inf; a row with no key yet keeps 0 weights; a row with
@@ -33,29 +35,23 @@ layout, a GPU other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla_two_pass as two_pass
-from k31c.lowering.triton.device import interpreting, target_of
-from k31c.lowering.triton.mla_common import LOG2E, merge_spec, merge_splits, table_width
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
+from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
+                                             table_width)
+from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    _sync = getattr(gl, "barrier", None) or gl.thread_barrier     # renamed after Triton 3.6
-    GLUON_ERROR = None
-except ImportError as e:                       # a Triton without Gluon's Hopper API
-    GLUON_ERROR = f"{type(e).__name__}: {e}"
+if GLUON_ERROR is None:
+    from k31c.lowering.triton.gluon_sm90 import async_copy, gl, gluon, mbarrier, warpgroup_mma
+    from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
+                                                 row_sums, seesaw_buffers, seesaw_pair, store_q)
 
-WIDTH, DV = 576, 512                # the latent row this kernel is written for (K3.1 Pro MLA)
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
 KEYS_STEP = 64                      # selected rows a pair of blocks holds (a split's unit)
 MIN_SPLIT_STEPS = 4                 # pairs a split takes at least (its q load and first
@@ -66,8 +62,6 @@ NUM_WARPS = 4                       # the default partition (the producer); 12 w
 if GLUON_ERROR is None:
     MATH_REGS = gl.constexpr(224)       # each math warp group's registers (no spill); the
                                         # producer runs on what is left (56)
-    BK = gl.constexpr(32)               # keys a block (a buffer)
-    NB = gl.constexpr(4)                # buffers: two pairs of blocks
 
     @gluon.jit
     def _gather(cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs, ready, empty,
@@ -99,34 +93,12 @@ if GLUON_ERROR is None:
             pos, blk, pos_n = pos_n, blk_n, pos_nn
 
     @gluon.jit
-    def _weights(s, keep, m_ref, scale_log2, p_smem, m_smem, bar):
-        # a block's scores -> its weights P under the running max m = max(m_ref, the block's):
-        # P (bf16, over the block's rope part) and m go to shared memory for the other group
-        s = gl.where(gl.expand_dims(keep, 0), s * scale_log2, float("-inf"))
-        m = gl.maximum(m_ref, gl.max(s, 1))
-        m_use = gl.where(m == float("-inf"), 0.0, m)      # no key yet: weights 0
-        p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        p_smem.store(p.to(gl.bfloat16))
-        m_smem.store(m)
-        fence_async_shared()
-        _sync()
-        mbarrier.arrive(bar, count=1)
-        return m, m_use, p
-
-    @gluon.jit
     def _half(ROLE: gl.constexpr, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin,
               m_a, m_b, l_a, l_b, idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0,
               n_heads, empty_lse):
         # one math warp group: the scores of block 2j + ROLE of pair j, the values' columns
         # [256 ROLE, 256 ROLE + 256) of both blocks; the other group's P and running max come
         # through shared memory (p_bar: group 0's of block a, group 1's of block b)
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 32, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 256, 16])
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
-        ROW_S: gl.constexpr = gl.SliceLayout(1, S_L)
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_L)
         m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, 256], gl.float32, O_L)
@@ -142,10 +114,7 @@ if GLUON_ERROR is None:
             # wgmma descriptors would be hoisted out of the loop and spill
             zr = j // (n_pairs + 1)
             ba = (j % (NB // 2)) * 2                    # the pair's buffers: ba (a), ba + 1 (b)
-            pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, BK], P_SH)
-            pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, BK], P_SH)
-            va = kv_bufs.index(ba).slice(col0, 256, dim=1)
-            vb = kv_bufs.index(ba + 1).slice(col0, 256, dim=1)
+            views = pair_views(ROLE, kv_bufs, kr_bufs, ba)
             kr = kr_bufs.index(ba + ROLE)
             kv = kv_bufs.index(ba + ROLE)
             mbarrier.wait(ready.index(ba + ROLE), ph_ready)
@@ -154,57 +123,11 @@ if GLUON_ERROR is None:
             s = warpgroup_mma(qv_smem.index(zr), kv.permute((1, 0)), s, is_async=True)
             nxt = (2 * j + 2 + ROLE) * BK + key
             keep_next = gl.load(idx_row + nxt, mask=nxt < n_keys, other=-1) >= 0
-            if ROLE == 0:
-                s = warpgroup_mma_wait(0, deps=(s,))
-                m0, m0_use, p = _weights(s, keep, m_i, scale_log2, pa, m_a, p_bar.index(0))
-                alpha = gl.exp2(m_i - m0_use)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                acc = warpgroup_mma(pa, va, acc, is_async=True)
-                mbarrier.wait(p_bar.index(1), ph)
-                m1 = m_b.load(ROW_S)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _sync()
-                mbarrier.arrive(empty.index(ba), count=1)
-                m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-                beta = gl.exp2(m0 - m1_use)
-                l_i = l_i * beta
-                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-            else:
-                mbarrier.wait(p_bar.index(0), ph)
-                m0 = m_a.load(ROW_S)
-                m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
-                alpha = gl.exp2(m_i - m0_use)
-                l_i = l_i * alpha
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-                acc = warpgroup_mma(pa, va, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                m1, m1_use, p = _weights(s, keep, m0, scale_log2, pb, m_b, p_bar.index(1))
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                _sync()
-                mbarrier.arrive(empty.index(ba), count=1)
-                beta = gl.exp2(m0 - m1_use)
-                l_i = l_i * beta + gl.sum(p, 1)
-                acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-            # block b's values, then its buffer is free as far as this group goes
-            acc = warpgroup_mma(pb, vb, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _sync()
-            mbarrier.arrive(empty.index(ba + 1), count=1)
-            m_i = m1
+            m_i, l_i, acc = seesaw_pair(ROLE, s, gl.expand_dims(keep, 0), m_i, l_i, acc, views,
+                                        kv_bufs, ba, m_a, m_b, p_bar, empty, ph, scale_log2,
+                                        False, False, 0, 0)
             keep = keep_next
-        # the row sums: each group summed its own blocks' P
-        if ROLE == 0:
-            l_a.store(l_i)
-        else:
-            l_b.store(l_i)
-        _sync()
-        mbarrier.arrive(fin, count=1)
-        mbarrier.wait(fin, 0)
-        l_i = l_a.load(ROW_S) + l_b.load(ROW_S)
-        has = l_i > 0
-        l_o = gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O)
-        out = acc / gl.expand_dims(l_o, 1)                            # 0 where no key
+        out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key
         h_o = head0 + gl.arange(0, 64, ROW_O)
         c_o = col0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
         o_mask = gl.expand_dims(h_o < n_heads, 1) & gl.expand_dims(c_o >= 0, 0)
@@ -238,41 +161,15 @@ if GLUON_ERROR is None:
         split = (pid // n_tiles) % n_splits
         t = pid // (n_tiles * n_splits)
         head0 = tile * 64
-        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
-        SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-        # q with a leading dimension of 1: the math groups index it with an opaque 0 (`_half`)
-        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
-        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
-        SH_BR: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)
-        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 512], SH_BW)
-        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 64], SH_BR)
-        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(ready.index(b), count=128)
-            mbarrier.init(empty.index(b), count=2)       # both warp groups' values read it
-        for b in gl.static_range(2):
-            mbarrier.init(p_bar.index(b), count=1)
-        mbarrier.init(fin, count=2)
+        (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
+         fin) = seesaw_buffers(128)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
         q_mask = gl.expand_dims(h < n_heads, 1) & gl.expand_dims(c >= 0, 0)
         q_at = (q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1)
                 + gl.expand_dims(c, 0))
-        for j in gl.static_range(8):
-            qv_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask, other=0.0))
-        qr_smem.index(0).store(gl.load(q_at + 512, mask=q_mask, other=0.0))
-        fence_async_shared()
-        _sync()
+        store_q(qv_smem, qr_smem, q_at, q_mask)
         idx_row = idx_ptr + t.to(gl.int64) * stride_in + split * keys_per_split
         n_here = gl.maximum(gl.minimum(keys_per_split, n_keys - split * keys_per_split), 0)
         table_row = table_ptr + gl.load(req_ptr + t).to(gl.int64) * stride_bt
@@ -303,30 +200,18 @@ def split_keys(n_keys: int, splits: int) -> int:
     return -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)       # once a device, not once a call
-
-
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
                  dv: int) -> str | None:
     """Why this call goes to the two-pass kernel, or None when this kernel takes it."""
-    if GLUON_ERROR is None and (interpreting() or q.device.type != "cuda" or torch.version.hip):
-        return "not an NVIDIA GPU (the kernel is sm_90a code)"
-    if GLUON_ERROR is None and _capability(q.device) != (9, 0):
-        return f"compute capability {_capability(q.device)} is not sm_90"
-    return _why_not_these_args(q, latent_cache, indices, dv)
+    return why_not_sm90(q.device) or _why_not_these_args(q, latent_cache, indices, dv)
 
 
 def _why_not_these_args(q, latent_cache, indices, dv) -> str | None:
     """The reasons `why_two_pass` finds in the arguments' dtypes, widths and layouts alone (and
     in this Triton), which the compiler's report can tell before anything runs."""
-    if GLUON_ERROR is not None:
-        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
-    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
-        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
-    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
-        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    reason = latent_reason(q, latent_cache, dv)
+    if reason is not None:
+        return reason
     if not latent_cache.is_contiguous() or q.stride(2) != 1 or indices.stride(1) != 1:
         return "a cache, q or indices layout with strided rows"
     return None
@@ -364,12 +249,7 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     if splits is None:
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
     per_split = split_keys(n_keys, splits)
-    if splits == 1:
-        dst, dst_lse, empty_lse = out, lse, float("inf")
-    else:       # partials; an empty split's lse is -inf (no weight in the merge)
-        dst = q.new_empty((splits, n, n_heads, DV), dtype=torch.float32)
-        dst_lse = q.new_empty((splits, n, n_heads), dtype=torch.float32)
-        empty_lse = float("-inf")
+    dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     _sparse_ws_kernel[(n * n_tiles * splits,)](
         q, latent_cache, block_table, row_req, indices, dst, dst_lse, n, n_heads, n_tiles, n_keys,
         splits, per_split, latent_cache.shape[1], q.stride(0), q.stride(1), indices.stride(0),

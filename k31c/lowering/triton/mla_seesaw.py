@@ -1,0 +1,200 @@
+"""The seesaw of two math warp groups that the Gluon MLA kernels share (mla_sparse_ws.py,
+mla_dense_ws_kernel.py): one pair of 32-key blocks (a, b) a step. Group 0 scores block a while
+group 1 scores block b; group 0 turns its scores into weights under the running max and passes
+P (over block a's rope part, dead once scored) and the max to group 1 through shared memory,
+which does the same for block b and passes back. Each group accumulates both blocks' values into
+its 256 output columns, rescaling when the max moves, and sums the P of its own blocks; the sums
+are added at the end (`row_sums`). A leaf below the kernels: registers nothing."""
+from __future__ import annotations
+
+import torch
+
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+
+WIDTH, DV = 576, 512                # the latent row the seesaw kernels are written for (K3.1 Pro)
+
+
+def latent_reason(q, latent_cache, dv: int) -> str | None:
+    """Why a seesaw kernel cannot take these arguments by Triton, dtype and width, or None."""
+    if GLUON_ERROR is not None:
+        return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
+    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
+        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
+    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
+        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    return None
+
+
+if GLUON_ERROR is None:
+    from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
+                                                 warpgroup_mma, warpgroup_mma_wait)
+
+    BK = gl.constexpr(32)               # keys a block (a buffer)
+    NB = gl.constexpr(4)                # buffers: two pairs of blocks
+    # a math group's scores [64, 32] and its half of the output [64, 256], and their rows
+    S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 32, 16]))
+    O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 256, 16]))
+    ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
+    ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
+
+    @gluon.jit
+    def seesaw_buffers(READY_COUNT: gl.constexpr):
+        """The shared memory of a seesaw program: q [64, 512] + [64, 64] (with a leading
+        dimension of 1: the math groups index it with an opaque 0, or its loop-invariant wgmma
+        descriptors are hoisted and spill), NB [32, 512] + [32, 64] key buffers, the exchanged
+        maxima and row sums, and the barriers, initialised: ready (READY_COUNT arrivals a fill),
+        empty (both groups' values read the buffer), p_bar (each group's P), fin (the sums)."""
+        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
+        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
+        SH_BR: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)
+        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 512], SH_BW)
+        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 64], SH_BR)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NB):
+            mbarrier.init(ready.index(b), count=READY_COUNT)
+            mbarrier.init(empty.index(b), count=2)
+        for b in gl.static_range(2):
+            mbarrier.init(p_bar.index(b), count=1)
+        mbarrier.init(fin, count=2)
+        return qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar, fin
+
+    @gluon.jit
+    def store_q(qv_smem, qr_smem, q_at, q_mask):
+        """q's 64 rows (pointers q_at [64, 64] to each row's first 64 columns; masked rows
+        read zeros) into shared memory, fenced for the wgmmas."""
+        for j in gl.static_range(8):
+            qv_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask,
+                                                                    other=0.0))
+        qr_smem.index(0).store(gl.load(q_at + 512, mask=q_mask, other=0.0))
+        fence_async_shared()
+        sync()
+
+    @gluon.jit
+    def weights(s, keep, m_ref, scale_log2, p_smem, m_smem, bar):
+        # a block's scores -> its weights P under the running max m = max(m_ref, the block's):
+        # P (bf16, over the block's rope part) and m go to shared memory for the other group
+        s = gl.where(keep, s * scale_log2, float("-inf"))
+        m = gl.maximum(m_ref, gl.max(s, 1))
+        m_use = gl.where(m == float("-inf"), 0.0, m)      # no key yet: weights 0
+        p = gl.exp2(s - gl.expand_dims(m_use, 1))
+        p_smem.store(p.to(gl.bfloat16))
+        m_smem.store(m)
+        fence_async_shared()
+        sync()
+        mbarrier.arrive(bar, count=1)
+        return m, m_use, p
+
+    @gluon.jit
+    def zero_tail(buf, first, limit, COL0: gl.constexpr):
+        # a block's rows at positions >= limit (past every selected row's length), in this
+        # group's value columns, set to 0: unwritten slots may hold NaN, and 0 x NaN is NaN in
+        # P @ V. Called once no wgmma reads those columns of the block but this group's next.
+        Z_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keep = gl.expand_dims(first + gl.arange(0, BK, gl.SliceLayout(1, Z_L)) < limit, 1)
+        for c in gl.static_range(4):
+            part = buf.slice(COL0 + 64 * c, 64, dim=1)
+            x = part.load(Z_L)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        sync()
+
+    @gluon.jit
+    def pair_views(ROLE: gl.constexpr, kv_bufs, kr_bufs, ba):
+        """The pair's P (over each block's rope part) and this group's value columns of each
+        block, in buffers ba (block a) and ba + 1 (block b)."""
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
+        pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, BK], P_SH)
+        pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, BK], P_SH)
+        va = kv_bufs.index(ba).slice(ROLE * 256, 256, dim=1)
+        vb = kv_bufs.index(ba + 1).slice(ROLE * 256, 256, dim=1)
+        return pa, pb, va, vb
+
+    @gluon.jit
+    def seesaw_pair(ROLE: gl.constexpr, s, keep, m_i, l_i, acc, views, kv_bufs, ba, m_a, m_b,
+                    p_bar, empty, ph, scale_log2, TAIL: gl.constexpr, tail, first, limit):
+        """One pair's step for math group ROLE, from its block's scores `s` (wgmma issued, not
+        waited) and their key mask `keep`: returns the running max, row sum and accumulator
+        after both blocks. `views`: `pair_views` of buffers ba (block a) and ba + 1 (block b).
+        TAIL: zero the value rows at positions >= limit (`zero_tail`) where the runtime `tail`
+        says the pair holds any."""
+        col0: gl.constexpr = ROLE * 256
+        pa, pb, va, vb = views
+        if ROLE == 0:
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if TAIL:
+                if tail:                                # block a: scored (by this group)
+                    zero_tail(kv_bufs.index(ba), first, limit, col0)
+            m0, m0_use, p = weights(s, keep, m_i, scale_log2, pa, m_a, p_bar.index(0))
+            alpha = gl.exp2(m_i - m0_use)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            acc = warpgroup_mma(pa, va, acc, is_async=True)
+            mbarrier.wait(p_bar.index(1), ph)
+            m1 = m_b.load(ROW_S)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            if TAIL:
+                if tail:                                # block b: group 1 has scored it
+                    zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
+            sync()
+            mbarrier.arrive(empty.index(ba), count=1)
+            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+            beta = gl.exp2(m0 - m1_use)
+            l_i = l_i * beta
+            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+        else:
+            mbarrier.wait(p_bar.index(0), ph)
+            m0 = m_a.load(ROW_S)
+            m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
+            alpha = gl.exp2(m_i - m0_use)
+            l_i = l_i * alpha
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            if TAIL:
+                if tail:                                # block a: group 0 has scored it
+                    zero_tail(kv_bufs.index(ba), first, limit, col0)
+            acc = warpgroup_mma(pa, va, acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if TAIL:
+                if tail:                                # block b: scored (by this group)
+                    zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
+            m1, m1_use, p = weights(s, keep, m0, scale_log2, pb, m_b, p_bar.index(1))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            sync()
+            mbarrier.arrive(empty.index(ba), count=1)
+            beta = gl.exp2(m0 - m1_use)
+            l_i = l_i * beta + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+        # block b's values, then its buffer is free as far as this group goes
+        acc = warpgroup_mma(pb, vb, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        sync()
+        mbarrier.arrive(empty.index(ba + 1), count=1)
+        return m1, l_i, acc
+
+    @gluon.jit
+    def row_sums(ROLE: gl.constexpr, l_i, acc, l_a, l_b, fin):
+        """After the last pair: the row sums of both groups' blocks (each summed its own), and
+        this group's output columns normalised by them (0 where a row saw no key)."""
+        if ROLE == 0:
+            l_a.store(l_i)
+        else:
+            l_b.store(l_i)
+        sync()
+        mbarrier.arrive(fin, count=1)
+        mbarrier.wait(fin, 0)
+        l_i = l_a.load(ROW_S) + l_b.load(ROW_S)
+        has = l_i > 0
+        out = acc / gl.expand_dims(gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O), 1)
+        return out, l_i, has
