@@ -1,6 +1,5 @@
-"""Warp-specialized kernel for `k31c::dense_mla` on sm_90a (Gluon), the h200 choice where its
-programs leave most SMs idle (a decode step of one row a request); the kernel is in
-`mla_dense_ws_kernel.py`.
+"""Warp-specialized kernel for `k31c::dense_mla` on sm_90a (Gluon), the h200 choice; the kernel
+is in `mla_dense_ws_kernel.py`.
 
 The work is cut as in mla_dense.py: a *group* of G consecutive query rows (`rows_per_group`: the
 R rows of a request in the decode layout) shares its request's latent rows, so its G x H (row,
@@ -31,15 +30,14 @@ request's: one pass.
 Masks: a key at or past its row's length, and a -1 block (read as zeros: negative TMA
 coordinates), is no key; rows past the pass's longest length in its last block are set to zero
 before they meet P (unwritten slots may hold NaN). A row with no key gives out = 0,
-lse = +inf. Where the programs leave SMs idle each also takes a split of the blocks
-(`plan_splits`: one wave, one program an SM, as its ~220 KB of shared memory allows) and
-writes fp32 partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
+lse = +inf. Each program also takes a split of the blocks (`plan_splits`: the count that
+fills whole waves of one program an SM, as its ~220 KB of shared memory allows) and writes fp32
+partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
 
 CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
 kernel does not take go to mla_dense.py's split kernel (`why_split` names the reason): another
 dtype, width or block size, a strided cache, more passes than MAX_PASSES, a GPU other than
-sm_90, no Gluon, and the shapes whose programs fill more than half the SMs (`seesaw_wins`). An
-FP8 latent cache (uint8) runs mla.py's one-pass kernel.
+sm_90, no Gluon. An FP8 latent cache (uint8) runs mla.py's one-pass kernel.
 """
 from __future__ import annotations
 
@@ -48,14 +46,14 @@ import triton
 
 from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.registry import register
-from k31c.lowering.targets import get_target, targets_running
+from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import why_not_sm90
 from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
                                              table_width)
-from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, rows_per_group
+from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.mla_dense_ws_kernel import NUM_WARPS
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
@@ -82,16 +80,13 @@ def layout(n_rows: int, n_heads: int, n_req: int) -> tuple[int, int, int, int]:
             min(g, -(-(SLAB - 1) // max(n_heads, 1)) + 1))
 
 
-def seesaw_wins(programs: int, sm_count: int) -> bool:
-    """Whether this kernel runs rather than the split kernel, by the (group, slab) programs."""
-    # H200, B = 16: 32 programs (R = 1) 1.35-1.4x faster; 96 (R = 4) 0.4-5% slower (BENCHMARKS.md)
-    return programs <= sm_count // 2
-
-
 def plan_splits(programs: int, n_blocks: int, sm_count: int) -> int:
-    """Splits of the `n_blocks` table columns: one program an SM in one wave, each split at
-    least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS (the fp32 workspace)."""
-    return max(1, min(sm_count // max(programs, 1), n_blocks // MIN_SPLIT_BLOCKS, MAX_SPLITS))
+    """Splits of the `n_blocks` table columns, one program an SM: the count with the shortest
+    estimated makespan in whole waves (`mla_dense_plan.choose_splits`), each split at least
+    MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS (the fp32 workspace). B = 16 x R = 4 (96
+    programs): 4 splits, 384 programs in 3 waves, where 1 split leaves 36 SMs idle."""
+    most = min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS)
+    return choose_splits(max(programs, 1), n_blocks, sm_count, most)
 
 
 def _layout_of(shape):
@@ -105,11 +100,10 @@ def why_split(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
     reason = why_not_sm90(q.device)
     if reason is None and latent_cache.data_ptr() % 16:
         reason = "a cache not 16-byte aligned (TMA)"
-    return reason or _why_not_these_args(q, latent_cache, block_table, dv,
-                                         target_of(q.device).sm_count)
+    return reason or _why_not_these_args(q, latent_cache, block_table, dv)
 
 
-def _why_not_these_args(q, latent_cache, block_table, dv, sm_count: int) -> str | None:
+def _why_not_these_args(q, latent_cache, block_table, dv) -> str | None:
     """The reasons `why_split` finds in the arguments' shapes, dtypes and layouts alone (and in
     this Triton), which the compiler's report can tell before anything runs."""
     reason = latent_reason(q, latent_cache, dv)
@@ -124,9 +118,6 @@ def _why_not_these_args(q, latent_cache, block_table, dv, sm_count: int) -> str 
     _, groups, slabs, passes = layout(n, heads, block_table.shape[0])
     if passes > MAX_PASSES:
         return f"{heads} heads in groups of {n // groups} rows: a slab may need {passes} passes"
-    if not seesaw_wins(groups * slabs, sm_count):
-        return (f"{groups * slabs} programs fill more than half of {sm_count} SMs: the split "
-                "kernel is faster")
     return None
 
 
@@ -138,7 +129,7 @@ def runs(q, latent_cache, block_table, row_req, row_len, sm_scale, dv):
         return mla.dense_mla
     if not isinstance(q.shape[0], int) or not isinstance(block_table.shape[0], int):
         return dense_mla
-    declined = _why_not_these_args(q, latent_cache, block_table, dv, get_target("h200").sm_count)
+    declined = _why_not_these_args(q, latent_cache, block_table, dv)
     return split_dense.dense_mla if declined else dense_mla
 
 
@@ -197,7 +188,7 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
 def aot_specs(shapes) -> list:
     """The launches at `shapes` (aot_spec.AotShapes): for each row count a request where this
     kernel runs, its launch with the planned splits and their merge; where the split kernel
-    runs (`seesaw_wins`, or a model this kernel is not written for), mla_dense.py's launches."""
+    runs (a model this kernel is not written for, too many passes), mla_dense.py's launches."""
     cfg = shapes.cfg
     heads, dt, sm = cfg.num_attention_heads, cfg.torch_dtype, shapes.target.sm_count
     table = table_width(shapes)
@@ -207,7 +198,7 @@ def aot_specs(shapes) -> list:
     for r in shapes.rows_per_request:
         n = shapes.batch * r
         g, groups, slabs, passes = layout(n, heads, shapes.batch)
-        if not fits or passes > MAX_PASSES or not seesaw_wins(groups * slabs, sm):
+        if not fits or passes > MAX_PASSES:
             split_rows.add(f"R={r}")
             continue
         splits = plan_splits(groups * slabs, table, sm)
