@@ -6,8 +6,8 @@ Shapes: B = 16 requests x R rows, 96 heads, 576-wide latent rows (512 + 64), dv 
 rows, `fp8_rows`). Sparse rows at
 R = 4; dense rows at R = 1 and R = 4.
 
-Dense: the registered kernel (k31c column; on the H200 mla_dense_ws's launcher, which runs the
-Gluon seesaw at R = 1 and hands R = 4 to the split kernel) and the other kernels by name
+Dense: the registered kernel (k31c column; on the H200 mla_dense_ws's launcher, the Gluon
+seesaw) and the other kernels by name
 (mla_dense.py's split-key kernel, mla.py's one-pass kernel; at 128K also the split kernel's 32-key steps and its pointer
 loads in place of TMA boxes), beside four plain-PyTorch peers: the paged formulation
 (`plain_dense_mla`: the rows gathered through the block table per query row, then softmax) and
