@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
-from k31c.lowering.aot_spec import kernel_spec
+from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
 
@@ -279,8 +279,8 @@ def aot_spec(shapes, op: str):
         _indexer_ws_kernel, op, f"fp8,R={ROWS},ws", dict(num_warps=NUM_WARPS),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
-             k_desc=f"tensordesc<fp8e4nv[{BLOCK},{D}],{k_lay}>",
-             s_desc=f"tensordesc<fp32[2,32],{s_lay}>"),
+             k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
+             s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
         ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
                   capacity=shapes.context,
