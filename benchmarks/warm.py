@@ -32,8 +32,8 @@ except ImportError:  # run as a script from benchmarks/
 
 SMALL_CTX = 8 << 10
 BN32 = {"bn": 32, "num_stages": 3}         # bench_mla's other candidate tile of the split kernel
-JOBS = ("split-r1", "split-r4", "split-bn32-r1", "split-bn32-r4", "one-pass", "dense-peers",
-        "layer-kernels", "layer-peers")
+JOBS = ("seesaw", "split-r1", "split-r4", "split-bn32-r1", "split-bn32-r4", "one-pass",
+        "dense-peers", "layer-kernels", "layer-peers")
 
 
 def _dense_kernel(r: int, config: dict | None) -> None:
@@ -48,6 +48,21 @@ def _dense_kernel(r: int, config: dict | None) -> None:
                                       small=False)["splits"]
         mla_dense.launch(q, pool.cache, table, rr, row_len, bm.SM_SCALE, bm.DV,
                          config={**(config or {}), "splits": planned})
+
+
+def _seesaw() -> None:
+    """The registered dense kernel on the H200 (mla_dense_ws's Gluon seesaw) at each R with the
+    splits the quick contexts plan."""
+    from k31c.lowering.targets import get_target
+    from k31c.lowering.triton import mla_dense_ws
+    sms = get_target("h200").sm_count
+    pool = bm.Pool(SMALL_CTX)
+    for r in bm.DENSE_ROWS:
+        q, table, rr, row_len = bm.dense_inputs(pool, SMALL_CTX, r)
+        _, groups, slabs, _ = mla_dense_ws.layout(bm.B * r, bm.HEADS, bm.B)
+        for ctx in bm.QUICK_CONTEXTS:
+            splits = mla_dense_ws.plan_splits(groups * slabs, ctx // bm.BLOCK, sms)
+            mla_dense_ws.launch(q, pool.cache, table, rr, row_len, bm.SM_SCALE, splits=splits)
 
 
 def _one_pass() -> None:
@@ -112,7 +127,7 @@ def _layer_peers() -> None:
 
 def run_job(name: str) -> None:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
-    {"split-r1": lambda: _dense_kernel(1, None), "split-r4": lambda: _dense_kernel(4, None),
+    {"seesaw": _seesaw, "split-r1": lambda: _dense_kernel(1, None), "split-r4": lambda: _dense_kernel(4, None),
      "split-bn32-r1": lambda: _dense_kernel(1, BN32), "split-bn32-r4": lambda: _dense_kernel(4, BN32),
      "one-pass": _one_pass, "dense-peers": _dense_peers, "layer-kernels": _layer_kernels,
      "layer-peers": _layer_peers}[name]()
