@@ -127,7 +127,8 @@ def _layer_peers() -> None:
 
 def run_job(name: str) -> None:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
-    {"seesaw": _seesaw, "split-r1": lambda: _dense_kernel(1, None), "split-r4": lambda: _dense_kernel(4, None),
+    {"seesaw": _seesaw,
+     "split-r1": lambda: _dense_kernel(1, None), "split-r4": lambda: _dense_kernel(4, None),
      "split-bn32-r1": lambda: _dense_kernel(1, BN32), "split-bn32-r4": lambda: _dense_kernel(4, BN32),
      "one-pass": _one_pass, "dense-peers": _dense_peers, "layer-kernels": _layer_kernels,
      "layer-peers": _layer_peers}[name]()

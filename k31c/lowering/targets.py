@@ -61,8 +61,9 @@ TARGETS = {
     "cpu": Target("cpu", "cpu", "host"),
     "h200": Target("h200", "cuda", "sm_90a", "cuda", 90, warp_size=32, sm_count=132,
                    executor="program", fast_dot_precision="tf32", exact_dot_precision="tf32x3",
-                   # dense_mla: "warp_specialized" (mla_dense_ws.py; it runs mla_dense.py's split
-                   # kernel where that is faster), "split" (mla_dense.py) or "one_pass" (mla.py)
+                   # dense_mla: "warp_specialized" (mla_dense_ws.py; it hands the calls it
+                   # declines to mla_dense.py's split kernel), "split" (mla_dense.py) or
+                   # "one_pass" (mla.py)
                    default_variants=(("k31c::lightning_indexer", "warp_specialized"),
                                      ("k31c::dense_mla", "warp_specialized"),
                                      ("k31c::sparse_mla", "warp_specialized")),

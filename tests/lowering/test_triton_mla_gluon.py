@@ -106,7 +106,7 @@ def dense_ws_case(heads, requests, rows, max_blocks, lens, seed, row_req=None, u
     # decode, one row a request: rows of every length class (empty, one key, block ends)
     (96, 16, 1, None, [0, 1, 63, 64, 65, 2560, 1000, 2000, 7, 128, 129, 2559, 300, 301, 5, 0]),
     (40, 6, 1, None, [0, 1, 64, 2000, 77, 2559]),
-    # decode, 4 rows a request (few requests: this kernel runs): 2 passes a slab, one empty
+    # decode, 4 rows a request (few requests): 2 passes a slab, one empty
     (96, 4, 4, None, [100, 101, 102, 103, 0, 0, 0, 0, 1, 64, 65, 2000, 2560, 2559, 2558, 1]),
     (40, 3, 4, None, [0, 1, 2, 3, 640, 641, 642, 643, 1000, 0, 1500, 64]),
     # rows of 3 requests interleaved (groups of 3 rows: a slab holds rows of 2 requests, of 3
@@ -159,8 +159,8 @@ def test_warp_specialized_dense_never_reads_past_the_lengths(rows, row_req):
 
 @cuda_only
 def test_warp_specialized_dense_at_four_rows_a_request():
-    """B = 16 x R = 4 (96 programs): the registered launcher runs this kernel with the splits
-    that fill whole waves (4), and any other split count gives the same result."""
+    """B = 16 x R = 4 (96 programs): the registered launcher runs this kernel with its planned
+    splits, and one split gives the same result."""
     c = make_case(**{**K31, "k": 4, "max_blocks": 40}, device="cuda", dtype=torch.bfloat16,
                   seed=90)
     assert dws.why_split(c["q"], c["latent_cache"], c["block_table"], c["dv"]) is None

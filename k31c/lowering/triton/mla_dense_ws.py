@@ -50,11 +50,10 @@ from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton.device import target_of
-from k31c.lowering.triton.gluon_sm90 import why_not_sm90
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
 from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
                                              table_width)
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
-from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.mla_dense_ws_kernel import NUM_WARPS
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
