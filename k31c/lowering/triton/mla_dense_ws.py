@@ -7,32 +7,36 @@ head) pairs are one M dimension, cut into 64-pair *slabs* (one wgmma M). A progr
 slab of one group and one split of the cache blocks; the slabs of a (group, split) are adjacent
 in the grid, so they read the same blocks together. Inside a program, three partitions:
 
-- a producer (1 warp) loads each 64-row cache block of the split as two 32-key blocks a (rows
-  0-31) and b (rows 32-63), each two TMA boxes ([32, 512] values part, [32, 64] rope part) of the
-  contiguous cache viewed as [blocks x 64, 576], into one of four buffers, so the next block is
-  in flight while this one is computed;
-- two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
-  pairs' q, in shared memory, against the block's 32 keys), at the same time. Group 0 takes its
-  row max, stores its P over block a's rope part (dead once scored) with the max, and signals;
-  group 1 takes the running max from it, does the same for block b and signals back. Each
-  group accumulates both blocks' values into its half of the output columns ([64, 256] fp32),
-  rescaling when the max moves; each sums its own blocks' P, and the sums are added at the end.
+- a producer (1 warp) loads the split's 64-row cache blocks two a step, block a into buffer 0
+  and block b into buffer 1, each as 9 TMA boxes of [64 keys, 64 columns] (*chunks*: 8 of
+  values, the rope part) of the contiguous cache viewed as [blocks x 64, 576], each chunk with
+  its own ready barrier. A buffer's chunks are released in three groups (values 0-3, 4-7, the
+  rope part), so the next step's first chunks load while the last P @ V of this one still
+  reads the others;
+- two math warp groups in a seesaw: group 0 scores block a, group 1 block b, at the same time,
+  each a chain of 9 m64 n64 wgmmas (the 64 pairs' q, in shared memory, against the block's
+  keys), each issued as soon as its chunk has landed. Group 0 takes its row max, stores its P
+  over block a's rope part (dead once scored) with the max, and signals; group 1 takes the
+  running max from it, does the same for block b and signals back. Each group accumulates both
+  blocks' values into its half of the output columns ([64, 256] fp32), rescaling when the max
+  moves; each sums its own blocks' P, and the sums are added at the end.
 
 Any row_req: the slab's rows may belong to several requests. The program runs one *pass* per
 request among them (the request of the first row not yet done, then all of its rows), each over
 that request's blocks below the longest of its rows' lengths; a pair whose row is not of the
 pass's request sees no key in it, so its running max, sums and output do not move. Every
 partition plans the passes from the same loads of row_req / row_len; the producer hands each
-step's request, first position and limit to the math groups through shared memory with the
-block, and the barrier phases run on across passes. In the decode layout a slab's rows are one
-request's: one pass.
+step's requests (of block a and of block b), first position and limit to the math groups
+through shared memory with the blocks, and the barrier phases run on across passes. In the
+decode layout a slab's rows are one request's: one pass.
 
 Masks: a key at or past its row's length, and a -1 block (read as zeros: negative TMA
-coordinates), is no key; rows past the pass's longest length in its last block are set to zero
-before they meet P (unwritten slots may hold NaN). A row with no key gives out = 0,
-lse = +inf. Each program also takes a split of the blocks (`plan_splits`: the count that
-fills whole waves of one program an SM, as its ~220 KB of shared memory allows) and writes fp32
-partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
+coordinates; a pass's odd last step loads one), is no key; rows past the pass's longest length
+in its last step are set to zero before they meet P (unwritten slots may hold NaN). A row with
+no key gives out = 0, lse = +inf. Each program also takes a split of the blocks (`plan_splits`:
+the count that fills whole waves of one program an SM, as its ~220 KB of shared memory allows;
+an even number of blocks a split, so only a pass's last step can hold one block) and writes
+fp32 partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
 
 CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
 kernel does not take go to mla_dense.py's split kernel (`why_split` names the reason): another
@@ -54,7 +58,7 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
 from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
                                              table_width)
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
-from k31c.lowering.triton.mla_dense_ws_kernel import NUM_WARPS
+from k31c.lowering.triton.mla_dense_ws_kernel import BLOCK, CHUNK, NUM_WARPS
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
@@ -63,9 +67,7 @@ if GLUON_ERROR is None:
 
 OP = "k31c::dense_mla"
 VARIANT = "warp_specialized"        # the `Target.variant` name of this kernel
-BLOCK_SIZE = 64                     # the cache block it is written for
 SLAB = 64                           # (row, head) pairs a program takes: one wgmma M
-HALF = 32                           # keys a TMA box pair (a buffer) holds
 MIN_SPLIT_BLOCKS = 4                # cache blocks a split takes at least
 MAX_PASSES = 8                      # requests a slab may need (more: the pass plan's unrolled
                                     # code and registers grow; such calls run the split kernel)
@@ -108,9 +110,9 @@ def _why_not_these_args(q, latent_cache, block_table, dv) -> str | None:
     reason = latent_reason(q, latent_cache, dv)
     if reason is not None:
         return reason
-    if latent_cache.shape[1] != BLOCK_SIZE:
+    if latent_cache.shape[1] != BLOCK:
         return (f"cache blocks of {latent_cache.shape[1]} rows: the kernel is written for "
-                f"{BLOCK_SIZE}")
+                f"{BLOCK}")
     if not latent_cache.is_contiguous():
         return "a strided cache (the kernel reads it as TMA boxes of [blocks x 64, 576])"
     n, heads = q.shape[0], q.shape[1]
@@ -146,16 +148,20 @@ def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
     return launch(q, latent_cache, block_table, row_req, row_len, sm_scale)
 
 
-def key_descriptors(latent_cache: torch.Tensor):
-    """The Gluon TMA descriptors of the values part [rows, 512] and the rope part [rows, 64] of
-    the cache viewed as [blocks x 64, 576], one [32, part] box a load."""
+def key_descriptor(latent_cache: torch.Tensor):
+    """The Gluon TMA descriptor of the cache viewed as [blocks x 64, 576], one [64, 64] box (a
+    chunk) a load: 576 = 9 x 64, so the values and the rope part are boxes of one descriptor."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     flat = latent_cache.view(-1, WIDTH)
-    rows = flat.shape[0]
-    return (TensorDescriptor(flat, [rows, DV], [WIDTH, 1], [HALF, DV], _layout_of([HALF, DV])),
-            TensorDescriptor(flat[:, DV:], [rows, WIDTH - DV], [WIDTH, 1], [HALF, WIDTH - DV],
-                             _layout_of([HALF, WIDTH - DV])))
+    return TensorDescriptor(flat, [flat.shape[0], WIDTH], [WIDTH, 1], [BLOCK, CHUNK],
+                            _layout_of([BLOCK, CHUNK]))
+
+
+def blocks_per_split(max_blocks: int, splits: int) -> int:
+    """The table columns a split takes: an even number (two blocks a step)."""
+    per = -(-max_blocks // splits)
+    return per + (per & 1)
 
 
 def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int | None = None):
@@ -173,10 +179,9 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
     if splits is None:
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
-    kv_desc, kr_desc = key_descriptors(latent_cache)
     dense_ws_kernel[(groups * slabs * splits,)](
-        q, kv_desc, kr_desc, block_table, row_req, row_len, dst, dst_lse, n, heads, n_req, g,
-        slabs, splits, triton.cdiv(max_blocks, splits), max_blocks, q.stride(0), q.stride(1),
+        q, key_descriptor(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads, n_req, g,
+        slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0), q.stride(1),
         block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
         ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS)
     if splits > 1:
@@ -191,7 +196,7 @@ def aot_specs(shapes) -> list:
     cfg = shapes.cfg
     heads, dt, sm = cfg.num_attention_heads, cfg.torch_dtype, shapes.target.sm_count
     table = table_width(shapes)
-    fits = (GLUON_ERROR is None and dt == torch.bfloat16 and shapes.block_size == BLOCK_SIZE
+    fits = (GLUON_ERROR is None and dt == torch.bfloat16 and shapes.block_size == BLOCK
             and (cfg.latent_dim, cfg.kv_lora_rank) == (WIDTH, DV))
     specs, split_rows = [], set()
     for r in shapes.rows_per_request:
@@ -202,16 +207,16 @@ def aot_specs(shapes) -> list:
             continue
         splits = plan_splits(groups * slabs, table, sm)
         ints = dict(n_rows=n, n_heads=heads, n_req=shapes.batch, group_rows=g, n_slabs=slabs,
-                    n_splits=splits, blocks_per_split=-(-table // splits), max_blocks=table,
+                    n_splits=splits, blocks_per_split=blocks_per_split(table, splits),
+                    max_blocks=table,
                     stride_qn=heads * WIDTH, stride_qh=WIDTH, stride_bt=table)
-        descs = {f"{part}_desc": descriptor_type(dt, (HALF, cols), _layout_of([HALF, cols]))
-                 for part, cols in (("kv", DV), ("kr", WIDTH - DV))}
         specs.append(kernel_spec(
             dense_ws_kernel, OP, f"R={r},splits={splits}",
             dict(PASSES=passes, ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS),
             dict(q_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32, len_ptr=torch.int32,
                  out_ptr=dt if splits == 1 else torch.float32, lse_ptr=torch.float32,
-                 scale_log2="fp32", empty_lse="fp32", **descs),
+                 scale_log2="fp32", empty_lse="fp32",
+                 desc=descriptor_type(dt, (BLOCK, CHUNK), _layout_of([BLOCK, CHUNK]))),
             num_warps=NUM_WARPS, ints=ints))
         if splits > 1:
             specs.append(merge_spec(OP, DV, dt, n, heads, splits))

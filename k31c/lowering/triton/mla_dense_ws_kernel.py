@@ -3,26 +3,55 @@ docstring describes it, and its launcher and `aot_specs` are the only callers.
 
 Terms: a *group* is G consecutive query rows (the R rows of a request in the decode layout), its
 (row, head) pairs numbered m = r·H + h; a *slab* is 64 consecutive pairs of a group (one wgmma
-M); a *pass* is the work of one request on a slab's rows; a *pair* is one 64-row cache block,
-loaded as two 32-key blocks a (rows 0-31) and b (rows 32-63).
+M); a *pass* is the work of one request on a slab's rows; a *step* is a pair of 64-row cache
+blocks, a (buffer 0, scored by math group 0) and b (buffer 1, group 1); a *chunk* is 64 columns
+of a buffer (8 value chunks, then the rope chunk), one TMA box with its own ready barrier.
 """
 from __future__ import annotations
 
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, tma, warpgroup_mma
-    from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
-                                                 row_sums, seesaw_buffers, seesaw_pair, store_q)
+    from k31c.lowering.triton.gluon_sm90 import (gl, gluon, mbarrier, sync, tma, warpgroup_mma,
+                                                 warpgroup_mma_wait)
+    from k31c.lowering.triton.mla_seesaw import row_sums, store_q, weights, zero_tail
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
+BLOCK = 64                          # keys a buffer holds: one cache block
+CHUNK = 64                          # columns a TMA box (a chunk) holds
 
 
 if GLUON_ERROR is None:
     MATH_REGS = gl.constexpr(240)       # math group 1's registers; group 0 (the default
-    LOAD_REGS = gl.constexpr(32)        # partition) runs on what is left (232), the producer
-                                        # on 32: none spills
+    LOAD_REGS = gl.constexpr(40)        # partition) runs on what is left, the producer on 40
+    BK = gl.constexpr(BLOCK)
+    CK = gl.constexpr(CHUNK)
+    NC = gl.constexpr(9)                # chunks a buffer: 8 value chunks, the rope chunk
+    # a math group's scores [64, 64] and its half of the output [64, 256], and their rows
+    S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 64, 16]))
+    O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                 instr_shape=[16, 256, 16]))
+    ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
+    ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
+
+    @gluon.jit
+    def _bar(count: gl.constexpr):
+        # one barrier, its own allocation: Triton's shared-memory analysis (membar) takes two
+        # mbarrier ops on one allocation as conflicting and puts a bar.sync between them, which
+        # would serialise the score chain's chunk waits
+        b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(b, count=count)
+        return b
+
+    @gluon.jit
+    def _buffer_bars():
+        # a buffer's barriers: ready, one a chunk (TMA bytes); empty, one a chunk group (value
+        # chunks 0-3, 4-7, the rope chunk: a group's chunks are released at the same moment, so
+        # this is the per-chunk protocol with fewer arrivals), 2 arrivals each
+        ready = (_bar(1), _bar(1), _bar(1), _bar(1), _bar(1), _bar(1), _bar(1), _bar(1), _bar(1))
+        return ready, (_bar(2), _bar(2), _bar(2))
 
     @gluon.jit
     def _slab_rows(rows, ROWS: gl.constexpr, L: gl.constexpr):
@@ -37,11 +66,17 @@ if GLUON_ERROR is None:
         return req, lens, real & (req >= 0) & (req < n_req)
 
     @gluon.jit
+    def _pass_blocks(limit, kb0, blocks_per_split):
+        # the cache blocks of this split below `limit`
+        return gl.maximum(gl.minimum(blocks_per_split, gl.cdiv(limit, BK) - kb0), 0)
+
+    @gluon.jit
     def _plan(rows, keys, ROWS: gl.constexpr, PASSES: gl.constexpr, NUM: gl.constexpr):
         # the slab's passes: pass p takes the request of the first row still to do and all its
         # rows, and this split's cache blocks below their longest length (`limit`, capped at the
-        # table's width), steps [start, end) of the program's. Each pass's (request, limit,
-        # start, end) is lane p's of the [ROWS] vectors (a lane layout over NUM warps).
+        # table's width), in steps [start, end) of the program's (a pair of blocks a step).
+        # Each pass's (request, limit, start, end) is lane p's of the [ROWS] vectors (a lane
+        # layout over NUM warps).
         table_ptr, stride_bt, max_blocks, kb0, blocks_per_split = keys
         L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM], [0])
         req, lens, todo = _slab_rows(rows, ROWS, L)
@@ -56,25 +91,39 @@ if GLUON_ERROR is None:
             b = gl.max(gl.where(r == first, req, -1), 0)               # -1: no row left
             sel = todo & (req == b)
             todo = todo & (sel == 0)
-            limit = gl.minimum(gl.max(gl.where(sel, lens, 0), 0), max_blocks * 64)
-            n_pairs = gl.maximum(gl.minimum(blocks_per_split, gl.cdiv(limit, 64) - kb0), 0)
+            limit = gl.minimum(gl.max(gl.where(sel, lens, 0), 0), max_blocks * BK)
             at = r == p
             b_v = gl.where(at, b, b_v)
             lim_v = gl.where(at, limit, lim_v)
             start_v = gl.where(at, total, start_v)
-            total += n_pairs
+            total += (_pass_blocks(limit, kb0, blocks_per_split) + 1) // 2
             end_v = gl.where(at, total, end_v)
         return (r, b_v, lim_v, start_v, end_v), total
 
     @gluon.jit
-    def _load(kv_desc, kr_desc, kv_bufs, kr_bufs, info, ready, empty, rows, keys,
-              PASSES: gl.constexpr, ROWS: gl.constexpr):
-        # the producer (1 warp), a pass at a time: each step's cache block as two 32-key blocks
-        # of two TMA boxes each (values part, rope part; a -1 block's rows are negative
-        # coordinates, read as zeros), and the step's facts for the math groups in `info`
+    def _fill(desc, kv_buf, kr_buf, ready, empty, blk, ph):
+        # one buffer's 9 chunks in order, each as soon as its chunk group is released (both
+        # readers of its last use); a -1 block's rows are negative coordinates, read as zeros
+        row = blk * BK
+        for c in gl.static_range(8):
+            if c % 4 == 0:
+                mbarrier.wait(empty[c // 4], ph)
+            mbarrier.expect(ready[c], desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, CK * c], ready[c],
+                                            kv_buf.slice(CK * c, CK, dim=1))
+        mbarrier.wait(empty[2], ph)
+        mbarrier.expect(ready[8], desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 8 * CK], ready[8], kr_buf)
+
+    @gluon.jit
+    def _load(desc, kv_bufs, kr_bufs, info, bars, rows, keys, PASSES: gl.constexpr,
+              ROWS: gl.constexpr):
+        # the producer (1 warp), a pass at a time: each step's blocks a and b into buffers 0
+        # and 1, and the step's facts for the math groups in `info`
         plan, total = _plan(rows, keys, ROWS, PASSES, 1)
         r, b_v, lim_v, start_v, end_v = plan
         table_ptr, stride_bt, max_blocks, kb0, blocks_per_split = keys
+        ready0, empty0, ready1, empty1 = bars
         I_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         field = gl.arange(0, 4, I_L)
         for p in range(PASSES):
@@ -82,38 +131,121 @@ if GLUON_ERROR is None:
             b = gl.max(gl.where(at, b_v, -1), 0)
             limit = gl.max(gl.where(at, lim_v, 0), 0)
             start = gl.max(gl.where(at, start_v, 0), 0)
-            table_row = table_ptr + gl.maximum(b, 0).to(gl.int64) * stride_bt + (kb0 - start)
+            n_blk = _pass_blocks(limit, kb0, blocks_per_split)
+            table_row = table_ptr + gl.maximum(b, 0).to(gl.int64) * stride_bt + kb0
             for j in range(start, gl.max(gl.where(at, end_v, 0), 0)):
-                blk = gl.load(table_row + j)
-                first = (kb0 + j - start) * 64              # the block's first position
-                for half in gl.static_range(2):
-                    i = 2 * j + half
-                    buf = i % NB
-                    mbarrier.wait(empty.index(buf), ((i // NB) & 1) ^ 1)    # both groups done
-                    if half == 0:
-                        # the step's request (-2 for a -1 block: no row's), first position
-                        # and limit. The groups read the slot before they free block a; every
-                        # lane stores the same values, so the lane that arrives below (a
-                        # release) has published them with the block.
-                        facts = gl.where(field == 0, gl.where(blk >= 0, b, -2),
-                                         gl.where(field == 1, first, limit))
-                        info.index(j % 2).store(facts)
-                    mbarrier.expect(ready.index(buf),
-                                    kv_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-                    at_row = blk * 64 + half * BK
-                    tma.async_copy_global_to_shared(kv_desc, [at_row, 0], ready.index(buf),
-                                                    kv_bufs.index(buf))
-                    tma.async_copy_global_to_shared(kr_desc, [at_row, 0], ready.index(buf),
-                                                    kr_bufs.index(buf))
+                i = 2 * (j - start)                         # block a's index in the split
+                blk_a = gl.load(table_row + i)
+                blk_b = gl.load(table_row + i + 1, mask=i + 1 < n_blk, other=-1)
+                ph = (j & 1) ^ 1                            # the buffers' previous use released
+                # the step's facts: block a's and b's request (-2 for a -1 block: no row's),
+                # block a's first position, the pass's limit. Written once step j - 1's block a
+                # is released (both groups have read that step's facts by then), before this
+                # step's first fill: every lane stores the same values, so the lane that
+                # arrives (the fills' expect) has published them with the block.
+                mbarrier.wait(empty0[0], ph)
+                facts = gl.where(field == 0, gl.where(blk_a >= 0, b, -2),
+                                 gl.where(field == 1, gl.where(blk_b >= 0, b, -2),
+                                          gl.where(field == 2, (kb0 + i) * BK, limit)))
+                info.index(j % 2).store(facts)
+                _fill(desc, kv_bufs.index(0), kr_bufs.index(0), ready0, empty0, blk_a, ph)
+                _fill(desc, kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
 
     @gluon.jit
-    def _half(ROLE: gl.constexpr, smem, bars, rows, keys, outs, PASSES: gl.constexpr,
+    def _score(qv, qr, kv, kr, ready, ph, zero_s):
+        # a block's scores [64 pairs, 64 keys]: 9 chained wgmmas, each after its chunk's fill
+        s = zero_s
+        for c in gl.static_range(8):
+            mbarrier.wait(ready[c], ph)
+            s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
+                              kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
+                              use_acc=c > 0, is_async=True)
+        mbarrier.wait(ready[8], ph)
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _release(empty, G0: gl.constexpr, G1: gl.constexpr, ROPE: gl.constexpr):
+        # one arrival on a buffer's value chunk groups G0..G1-1 (and on its rope chunk);
+        # callers sync their warp group first
+        for g in gl.static_range(G0, G1):
+            mbarrier.arrive(empty[g], count=1)
+        if ROPE:
+            mbarrier.arrive(empty[2], count=1)
+
+    @gluon.jit
+    def _step(ROLE: gl.constexpr, s, seen, m_i, l_i, acc, kv_bufs, kr_bufs, bars, m_a, m_b, p_bar,
+              ph, scale_log2, tail, first, limit):
+        # one step for math group ROLE (mla_seesaw.seesaw_pair with 64-key blocks and chunk
+        # releases): group 0's P and max of block a go to group 1, group 1's of block b back.
+        # A value chunk group is released by its block's scorer (scores done) and its owner
+        # (P @ V done); the rope chunk, which holds P, by both groups after their P @ V.
+        col0: gl.constexpr = ROLE * 256
+        _, empty0, _, empty1 = bars
+        SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16)
+        # the P @ V operands through their own opaque 0 (see `_half`): derived from the scores'
+        # one, their descriptors were kept live across the score chain and spilled
+        zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [ph], dtype=gl.int32,
+                                       is_pure=True, pack=1)
+        pa = kr_bufs.index(zr)._reinterpret(gl.bfloat16, [64, BK], SH_P)
+        pb = kr_bufs.index(zr + 1)._reinterpret(gl.bfloat16, [64, BK], SH_P)
+        va = kv_bufs.index(zr).slice(col0, 256, dim=1)
+        vb = kv_bufs.index(zr + 1).slice(col0, 256, dim=1)
+        if ROLE == 0:
+            s = warpgroup_mma_wait(0, deps=(s,))
+            if tail:                                    # block a: scored (by this group)
+                zero_tail(kv_bufs.index(zr), first, limit, col0)
+            m0, m0_use, p = weights(s, seen, m_i, scale_log2, pa, m_a, p_bar.index(0))
+            _release(empty0, 0, 2, False)
+            alpha = gl.exp2(m_i - m0_use)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            acc = warpgroup_mma(pa, va, acc, is_async=True)
+            mbarrier.wait(p_bar.index(1), ph)
+            m1 = m_b.load(ROW_S)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            if tail:                                    # block b: group 1 has scored it
+                zero_tail(kv_bufs.index(zr + 1), first + BK, limit, col0)
+            sync()
+            _release(empty0, 0, 1, True)                # block a: chunks 0-3 (owner), P
+            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+            beta = gl.exp2(m0 - m1_use)
+            l_i = l_i * beta
+            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+        else:
+            mbarrier.wait(p_bar.index(0), ph)
+            m0 = m_a.load(ROW_S)
+            m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
+            alpha = gl.exp2(m_i - m0_use)
+            l_i = l_i * alpha
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+            if tail:                                    # block a: group 0 has scored it
+                zero_tail(kv_bufs.index(zr), first, limit, col0)
+            acc = warpgroup_mma(pa, va, acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            if tail:                                    # block b: scored (by this group)
+                zero_tail(kv_bufs.index(zr + 1), first + BK, limit, col0)
+            m1, m1_use, p = weights(s, seen, m0, scale_log2, pb, m_b, p_bar.index(1))
+            _release(empty1, 0, 2, False)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            sync()
+            _release(empty0, 1, 2, True)                # block a: chunks 4-7 (owner), P
+            beta = gl.exp2(m0 - m1_use)
+            l_i = l_i * beta + gl.sum(p, 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
+        acc = warpgroup_mma(pb, vb, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        sync()
+        _release(empty1, ROLE, ROLE + 1, True)          # block b: owned chunks, P
+        return m1, l_i, acc
+
+    @gluon.jit
+    def _half(ROLE: gl.constexpr, smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr,
               ROWS: gl.constexpr):
-        # one math warp group: the scores of block 2j + ROLE of pair j, the values' columns
-        # [256 ROLE, 256 ROLE + 256) of both blocks; the other group's P and running max come
-        # through shared memory (p_bar: group 0's of block a, group 1's of block b)
+        # one math warp group: the scores of block ROLE of each step, the values' columns
+        # [256 ROLE, 256 ROLE + 256) of both blocks
         qv_smem, qr_smem, kv_bufs, kr_bufs, info = smem
-        ready, empty, p_bar, fin, m_a, m_b, l_a, l_b = bars
+        m_a, m_b, l_a, l_b, p_bar, fin = ex
+        ready_own = bars[2 * ROLE]
         req_ptr, len_ptr, t_first, r_lo, r_hi, n_rows, n_req = rows
         out_ptr, lse_ptr, m0, n_m, n_heads, scale_log2, empty_lse = outs
         col0: gl.constexpr = ROLE * 256
@@ -132,32 +264,26 @@ if GLUON_ERROR is None:
         acc = gl.zeros([64, 256], gl.float32, O_L)
         zero_s = gl.zeros([64, BK], gl.float32, S_L)
         for j in range(total):
-            ph = j & 1                                  # the pair's exchange barriers
-            ph_ready = (j // (NB // 2)) & 1             # its buffers' fills
-            # q through an index the compiler cannot prove constant (always 0): its
-            # loop-invariant wgmma descriptors would be hoisted out of the loop and spill
+            ph = j & 1                          # each buffer and exchange is used once a step
+            # shared memory through an index the compiler cannot prove constant (always 0):
+            # the loop-invariant wgmma descriptors of q and of the buffers would be hoisted
+            # out of the loop and spill
             zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [j], dtype=gl.int32,
                                            is_pure=True, pack=1)
-            ba = (j % (NB // 2)) * 2                    # the pair's buffers: ba (a), ba + 1 (b)
-            views = pair_views(ROLE, kv_bufs, kr_bufs, ba)
-            mbarrier.wait(ready.index(ba + ROLE), ph_ready)
-            s = warpgroup_mma(qr_smem.index(zr), kr_bufs.index(ba + ROLE).permute((1, 0)),
-                              zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma(qv_smem.index(zr), kv_bufs.index(ba + ROLE).permute((1, 0)), s,
-                              is_async=True)
-            # the step's request, first position and limit (from the producer), under the
-            # scores: each pair sees the block's keys below its length if its row is of that
-            # request, else none (its running max, sums and output do not move)
+            s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
+                       kr_bufs.index(zr + ROLE), ready_own, ph, zero_s)
+            # the step's facts (from the producer, published with the blocks), under the
+            # scores: each pair sees this group's block's keys below its length if its row is
+            # of that block's request
             facts = info.index(j % 2).load(I_L)
-            b = gl.sum(gl.where(field == 0, facts, 0), 0)
-            first = gl.sum(gl.where(field == 1, facts, 0), 0)
-            limit = gl.sum(gl.where(field == 2, facts, 0), 0)
+            b = gl.sum(gl.where(field == ROLE, facts, 0), 0)
+            first = gl.sum(gl.where(field == 2, facts, 0), 0)
+            limit = gl.sum(gl.where(field == 3, facts, 0), 0)
             rem = gl.where(req_m == b, len_m - (first + ROLE * BK), 0)
+            tail = first + 2 * BK > limit               # rows past every length
             seen = gl.expand_dims(key, 0) < gl.expand_dims(rem, 1)
-            tail = first + 64 > limit                   # rows past every length
-            m_i, l_i, acc = seesaw_pair(ROLE, s, seen, m_i, l_i, acc, views, kv_bufs, ba, m_a,
-                                        m_b, p_bar, empty, ph, scale_log2, True, tail, first,
-                                        limit)
+            m_i, l_i, acc = _step(ROLE, s, seen, m_i, l_i, acc, kv_bufs, kr_bufs, bars, m_a, m_b,
+                                  p_bar, ph, scale_log2, tail, first, limit)
         out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key
         m_o = m0 + gl.arange(0, 64, ROW_O)
         c_o = col0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))
@@ -171,15 +297,15 @@ if GLUON_ERROR is None:
             gl.store(lse_ptr + mg, lse, mask=real)
 
     @gluon.jit
-    def _half0(smem, bars, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
-        _half(0, smem, bars, rows, keys, outs, PASSES, ROWS)
+    def _half0(smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
+        _half(0, smem, bars, ex, rows, keys, outs, PASSES, ROWS)
 
     @gluon.jit
-    def _half1(smem, bars, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
-        _half(1, smem, bars, rows, keys, outs, PASSES, ROWS)
+    def _half1(smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
+        _half(1, smem, bars, ex, rows, keys, outs, PASSES, ROWS)
 
     @gluon.jit
-    def dense_ws_kernel(q_ptr, kv_desc, kr_desc, table_ptr, req_ptr, len_ptr, out_ptr, lse_ptr,
+    def dense_ws_kernel(q_ptr, desc, table_ptr, req_ptr, len_ptr, out_ptr, lse_ptr,
                         n_rows, n_heads, n_req, group_rows, n_slabs, n_splits, blocks_per_split,
                         max_blocks, stride_qn, stride_qh, stride_bt, scale_log2, empty_lse,
                         PASSES: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
@@ -190,10 +316,26 @@ if GLUON_ERROR is None:
         n_m = group_rows * n_heads
         m0 = slab * 64
         t_first = group * group_rows
-        (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
-         fin) = seesaw_buffers(1)
-        # a step's facts (`_load`)
-        info = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # q [64, 512] + [64, 64] with a leading dimension of 1 (indexed with an opaque 0), the
+        # two block buffers, the exchanged maxima and row sums, a step's facts (`_load`)
+        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
+        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 512], SH_W)
+        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 64], SH_R)
+        m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
+        info = gl.allocate_shared_memory(gl.int32, [2, 4], VEC)
+        ready0, empty0 = _buffer_bars()
+        ready1, empty1 = _buffer_bars()
+        p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(2):
+            mbarrier.init(p_bar.index(b), count=1)
+        fin = _bar(2)
         # q of the slab's pairs (pairs past the group or the rows read zeros)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         mq = m0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
@@ -211,10 +353,10 @@ if GLUON_ERROR is None:
         outs = (out_ptr + out_row * 512, lse_ptr + out_row, m0, n_m, n_heads, scale_log2,
                 empty_lse)
         smem = (qv_smem, qr_smem, kv_bufs, kr_bufs, info)
-        bars = (ready, empty, p_bar, fin, m_a, m_b, l_a, l_b)
+        bars = (ready0, empty0, ready1, empty1)
+        ex = (m_a, m_b, l_a, l_b, p_bar, fin)
         gl.warp_specialize([
-            (_half0, (smem, bars, rows, keys, outs, PASSES, ROWS)),
-            (_half1, (smem, bars, rows, keys, outs, PASSES, ROWS)),
-            (_load, (kv_desc, kr_desc, kv_bufs, kr_bufs, info, ready, empty, rows, keys, PASSES,
-                     ROWS))],
+            (_half0, (smem, bars, ex, rows, keys, outs, PASSES, ROWS)),
+            (_half1, (smem, bars, ex, rows, keys, outs, PASSES, ROWS)),
+            (_load, (desc, kv_bufs, kr_bufs, info, bars, rows, keys, PASSES, ROWS))],
             [4, 1], [MATH_REGS, LOAD_REGS])

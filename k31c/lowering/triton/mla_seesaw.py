@@ -103,7 +103,8 @@ if GLUON_ERROR is None:
         # group's value columns, set to 0: unwritten slots may hold NaN, and 0 x NaN is NaN in
         # P @ V. Called once no wgmma reads those columns of the block but this group's next.
         Z_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        keep = gl.expand_dims(first + gl.arange(0, BK, gl.SliceLayout(1, Z_L)) < limit, 1)
+        KEYS: gl.constexpr = buf.shape[0]
+        keep = gl.expand_dims(first + gl.arange(0, KEYS, gl.SliceLayout(1, Z_L)) < limit, 1)
         for c in gl.static_range(4):
             part = buf.slice(COL0 + 64 * c, 64, dim=1)
             x = part.load(Z_L)
@@ -194,7 +195,7 @@ if GLUON_ERROR is None:
         sync()
         mbarrier.arrive(fin, count=1)
         mbarrier.wait(fin, 0)
-        l_i = l_a.load(ROW_S) + l_b.load(ROW_S)
+        l_i = l_a.load(l_i.type.layout) + l_b.load(l_i.type.layout)
         has = l_i > 0
         out = acc / gl.expand_dims(gl.convert_layout(gl.where(has, l_i, 1.0), ROW_O), 1)
         return out, l_i, has
