@@ -12,9 +12,8 @@ from __future__ import annotations
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from k31c.lowering.triton.gluon_sm90 import (gl, gluon, mbarrier, sync, tma, warpgroup_mma,
-                                                 warpgroup_mma_wait)
-    from k31c.lowering.triton.mla_seesaw import row_sums, store_q, weights, zero_tail
+    from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, tma, warpgroup_mma
+    from k31c.lowering.triton.mla_seesaw import O_L, ROW_O, row_sums, seesaw_pair, store_q
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -27,14 +26,10 @@ if GLUON_ERROR is None:
     LOAD_REGS = gl.constexpr(40)        # partition) runs on what is left, the producer on 40
     BK = gl.constexpr(BLOCK)
     CK = gl.constexpr(CHUNK)
-    NC = gl.constexpr(9)                # chunks a buffer: 8 value chunks, the rope chunk
-    # a math group's scores [64, 64] and its half of the output [64, 256], and their rows
+    # a math group's scores [64, 64] and their rows (its half of the output: the seesaw's O_L)
     S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, 64, 16]))
-    O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 256, 16]))
     ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
-    ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
 
     @gluon.jit
     def _bar(count: gl.constexpr):
@@ -164,79 +159,14 @@ if GLUON_ERROR is None:
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _release(empty, G0: gl.constexpr, G1: gl.constexpr, ROPE: gl.constexpr):
-        # one arrival on a buffer's value chunk groups G0..G1-1 (and on its rope chunk);
-        # callers sync their warp group first
-        for g in gl.static_range(G0, G1):
-            mbarrier.arrive(empty[g], count=1)
-        if ROPE:
-            mbarrier.arrive(empty[2], count=1)
-
-    @gluon.jit
-    def _step(ROLE: gl.constexpr, s, seen, m_i, l_i, acc, kv_bufs, kr_bufs, bars, m_a, m_b, p_bar,
-              ph, scale_log2, tail, first, limit):
-        # one step for math group ROLE (mla_seesaw.seesaw_pair with 64-key blocks and chunk
-        # releases): group 0's P and max of block a go to group 1, group 1's of block b back.
-        # A value chunk group is released by its block's scorer (scores done) and its owner
-        # (P @ V done); the rope chunk, which holds P, by both groups after their P @ V.
-        col0: gl.constexpr = ROLE * 256
-        _, empty0, _, empty1 = bars
+    def _views(ROLE: gl.constexpr, kv_bufs, kr_bufs, zv):
+        # the step's P (over each block's rope part) and this group's value columns of each
+        # block, in buffers zv (block a) and zv + 1 (block b)
         SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16)
-        # the P @ V operands through their own opaque 0 (see `_half`): derived from the scores'
-        # one, their descriptors were kept live across the score chain and spilled
-        zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [ph], dtype=gl.int32,
-                                       is_pure=True, pack=1)
-        pa = kr_bufs.index(zr)._reinterpret(gl.bfloat16, [64, BK], SH_P)
-        pb = kr_bufs.index(zr + 1)._reinterpret(gl.bfloat16, [64, BK], SH_P)
-        va = kv_bufs.index(zr).slice(col0, 256, dim=1)
-        vb = kv_bufs.index(zr + 1).slice(col0, 256, dim=1)
-        if ROLE == 0:
-            s = warpgroup_mma_wait(0, deps=(s,))
-            if tail:                                    # block a: scored (by this group)
-                zero_tail(kv_bufs.index(zr), first, limit, col0)
-            m0, m0_use, p = weights(s, seen, m_i, scale_log2, pa, m_a, p_bar.index(0))
-            _release(empty0, 0, 2, False)
-            alpha = gl.exp2(m_i - m0_use)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-            acc = warpgroup_mma(pa, va, acc, is_async=True)
-            mbarrier.wait(p_bar.index(1), ph)
-            m1 = m_b.load(ROW_S)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            if tail:                                    # block b: group 1 has scored it
-                zero_tail(kv_bufs.index(zr + 1), first + BK, limit, col0)
-            sync()
-            _release(empty0, 0, 1, True)                # block a: chunks 0-3 (owner), P
-            m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-            beta = gl.exp2(m0 - m1_use)
-            l_i = l_i * beta
-            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-        else:
-            mbarrier.wait(p_bar.index(0), ph)
-            m0 = m_a.load(ROW_S)
-            m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
-            alpha = gl.exp2(m_i - m0_use)
-            l_i = l_i * alpha
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
-            if tail:                                    # block a: group 0 has scored it
-                zero_tail(kv_bufs.index(zr), first, limit, col0)
-            acc = warpgroup_mma(pa, va, acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))
-            if tail:                                    # block b: scored (by this group)
-                zero_tail(kv_bufs.index(zr + 1), first + BK, limit, col0)
-            m1, m1_use, p = weights(s, seen, m0, scale_log2, pb, m_b, p_bar.index(1))
-            _release(empty1, 0, 2, False)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            sync()
-            _release(empty0, 1, 2, True)                # block a: chunks 4-7 (owner), P
-            beta = gl.exp2(m0 - m1_use)
-            l_i = l_i * beta + gl.sum(p, 1)
-            acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
-        acc = warpgroup_mma(pb, vb, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        sync()
-        _release(empty1, ROLE, ROLE + 1, True)          # block b: owned chunks, P
-        return m1, l_i, acc
+        return (kr_bufs.index(zv)._reinterpret(gl.bfloat16, [64, BK], SH_P),
+                kr_bufs.index(zv + 1)._reinterpret(gl.bfloat16, [64, BK], SH_P),
+                kv_bufs.index(zv).slice(ROLE * 256, 256, dim=1),
+                kv_bufs.index(zv + 1).slice(ROLE * 256, 256, dim=1))
 
     @gluon.jit
     def _half(ROLE: gl.constexpr, smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr,
@@ -246,6 +176,8 @@ if GLUON_ERROR is None:
         qv_smem, qr_smem, kv_bufs, kr_bufs, info = smem
         m_a, m_b, l_a, l_b, p_bar, fin = ex
         ready_own = bars[2 * ROLE]
+        empty0 = bars[1]
+        empty1 = bars[3]
         req_ptr, len_ptr, t_first, r_lo, r_hi, n_rows, n_req = rows
         out_ptr, lse_ptr, m0, n_m, n_heads, scale_log2, empty_lse = outs
         col0: gl.constexpr = ROLE * 256
@@ -282,8 +214,14 @@ if GLUON_ERROR is None:
             rem = gl.where(req_m == b, len_m - (first + ROLE * BK), 0)
             tail = first + 2 * BK > limit               # rows past every length
             seen = gl.expand_dims(key, 0) < gl.expand_dims(rem, 1)
-            m_i, l_i, acc = _step(ROLE, s, seen, m_i, l_i, acc, kv_bufs, kr_bufs, bars, m_a, m_b,
-                                  p_bar, ph, scale_log2, tail, first, limit)
+            # the P @ V operands through their own opaque 0: derived from the scores' one,
+            # their descriptors were kept live across the score chain and spilled
+            zv = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [ph], dtype=gl.int32,
+                                           is_pure=True, pack=1)
+            m_i, l_i, acc = seesaw_pair(ROLE, s, seen, m_i, l_i, acc,
+                                        _views(ROLE, kv_bufs, kr_bufs, zv), kv_bufs, zv, m_a, m_b,
+                                        p_bar, (empty0, empty1), ph, scale_log2, True, tail,
+                                        first, limit, True)
         out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key
         m_o = m0 + gl.arange(0, 64, ROW_O)
         c_o = col0 + gl.arange(0, 256, gl.SliceLayout(0, O_L))

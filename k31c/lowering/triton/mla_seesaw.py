@@ -126,14 +126,44 @@ if GLUON_ERROR is None:
         return pa, pb, va, vb
 
     @gluon.jit
+    def release_chunks(empty, G0: gl.constexpr, G1: gl.constexpr, ROPE: gl.constexpr):
+        """One arrival on a chunked buffer's value chunk groups G0..G1-1 (`empty`: its three
+        barriers, values 0-3, values 4-7, the rope part) and on its rope group if ROPE;
+        callers sync their warp group first."""
+        for g in gl.static_range(G0, G1):
+            mbarrier.arrive(empty[g], count=1)
+        if ROPE:
+            mbarrier.arrive(empty[2], count=1)
+
+    @gluon.jit
+    def _release_scored(ROLE: gl.constexpr, empty, CHUNKED: gl.constexpr):
+        # the scorer is done with its block's value chunks (chunked buffers only)
+        if CHUNKED:
+            release_chunks(empty[ROLE], 0, 2, False)
+
+    @gluon.jit
+    def _release_read(ROLE: gl.constexpr, empty, ba, B: gl.constexpr, CHUNKED: gl.constexpr):
+        # this group is done with block B of the pair (its P @ V): its value columns and P
+        if CHUNKED:
+            release_chunks(empty[B], ROLE, ROLE + 1, True)
+        else:
+            mbarrier.arrive(empty.index(ba + B), count=1)
+
+    @gluon.jit
     def seesaw_pair(ROLE: gl.constexpr, s, keep, m_i, l_i, acc, views, kv_bufs, ba, m_a, m_b,
-                    p_bar, empty, ph, scale_log2, TAIL: gl.constexpr, tail, first, limit):
+                    p_bar, empty, ph, scale_log2, TAIL: gl.constexpr, tail, first, limit,
+                    CHUNKED: gl.constexpr):
         """One pair's step for math group ROLE, from its block's scores `s` (wgmma issued, not
         waited) and their key mask `keep`: returns the running max, row sum and accumulator
         after both blocks. `views`: `pair_views` of buffers ba (block a) and ba + 1 (block b).
         TAIL: zero the value rows at positions >= limit (`zero_tail`) where the runtime `tail`
-        says the pair holds any."""
+        says the pair holds any. `empty`: the buffers' release barriers, one a buffer (both
+        groups arrive once they have read it), or CHUNKED (the dense kernel's 64-row blocks):
+        a pair (block a's, block b's) of `release_chunks` groups, a value chunk group released
+        by its block's scorer and its owner, the rope part (P) by both groups."""
         col0: gl.constexpr = ROLE * 256
+        KEYS: gl.constexpr = kv_bufs.shape[1]
+        ROW: gl.constexpr = m_i.type.layout
         pa, pb, va, vb = views
         if ROLE == 0:
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -141,25 +171,26 @@ if GLUON_ERROR is None:
                 if tail:                                # block a: scored (by this group)
                     zero_tail(kv_bufs.index(ba), first, limit, col0)
             m0, m0_use, p = weights(s, keep, m_i, scale_log2, pa, m_a, p_bar.index(0))
+            _release_scored(0, empty, CHUNKED)
             alpha = gl.exp2(m_i - m0_use)
             l_i = l_i * alpha + gl.sum(p, 1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             acc = warpgroup_mma(pa, va, acc, is_async=True)
             mbarrier.wait(p_bar.index(1), ph)
-            m1 = m_b.load(ROW_S)
+            m1 = m_b.load(ROW)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if TAIL:
                 if tail:                                # block b: group 1 has scored it
-                    zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
+                    zero_tail(kv_bufs.index(ba + 1), first + KEYS, limit, col0)
             sync()
-            mbarrier.arrive(empty.index(ba), count=1)
+            _release_read(0, empty, ba, 0, CHUNKED)
             m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
             beta = gl.exp2(m0 - m1_use)
             l_i = l_i * beta
             acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
         else:
             mbarrier.wait(p_bar.index(0), ph)
-            m0 = m_a.load(ROW_S)
+            m0 = m_a.load(ROW)
             m0_use = gl.where(m0 == float("-inf"), 0.0, m0)
             alpha = gl.exp2(m_i - m0_use)
             l_i = l_i * alpha
@@ -171,11 +202,12 @@ if GLUON_ERROR is None:
             s = warpgroup_mma_wait(1, deps=(s,))
             if TAIL:
                 if tail:                                # block b: scored (by this group)
-                    zero_tail(kv_bufs.index(ba + 1), first + BK, limit, col0)
+                    zero_tail(kv_bufs.index(ba + 1), first + KEYS, limit, col0)
             m1, m1_use, p = weights(s, keep, m0, scale_log2, pb, m_b, p_bar.index(1))
+            _release_scored(1, empty, CHUNKED)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             sync()
-            mbarrier.arrive(empty.index(ba), count=1)
+            _release_read(1, empty, ba, 0, CHUNKED)
             beta = gl.exp2(m0 - m1_use)
             l_i = l_i * beta + gl.sum(p, 1)
             acc = acc * gl.expand_dims(gl.convert_layout(beta, ROW_O), 1)
@@ -183,7 +215,7 @@ if GLUON_ERROR is None:
         acc = warpgroup_mma(pb, vb, acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         sync()
-        mbarrier.arrive(empty.index(ba + 1), count=1)
+        _release_read(ROLE, empty, ba, 1, CHUNKED)
         return m1, l_i, acc
 
     @gluon.jit

@@ -125,7 +125,7 @@ if GLUON_ERROR is None:
             keep_next = gl.load(idx_row + nxt, mask=nxt < n_keys, other=-1) >= 0
             m_i, l_i, acc = seesaw_pair(ROLE, s, gl.expand_dims(keep, 0), m_i, l_i, acc, views,
                                         kv_bufs, ba, m_a, m_b, p_bar, empty, ph, scale_log2,
-                                        False, False, 0, 0)
+                                        False, False, 0, 0, False)
             keep = keep_next
         out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key
         h_o = head0 + gl.arange(0, 64, ROW_O)
