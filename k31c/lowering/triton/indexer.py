@@ -54,12 +54,10 @@ from k31c.lowering.targets import GPU_TARGETS
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton import indexer_mxfp8, indexer_tma, indexer_ws
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
-from k31c.lowering.triton.indexer_plan import MX_VARIANT, check_variant, mx_plan, plan
+from k31c.lowering.triton.indexer_plan import MX_VARIANT, OP, check_variant, mx_plan, plan
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
                                                score_keys)
 from k31c.lowering.triton.unit_stride import require_unit_stride
-
-_OP = "k31c::lightning_indexer"
 
 
 @triton.jit
@@ -166,7 +164,9 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     scores = torch.empty((n, capacity), dtype=torch.float32, device=q.device)
     if n == 0 or capacity == 0:
         return scores
-    not_ws = indexer_ws.why_not(q, weights, index_cache, block_table, block_size)
+    # the warp-specialized kernel's checks only where it may run (the target's default or named)
+    not_ws = (indexer_ws.why_not(q, weights, index_cache, block_table, block_size)
+              if variant in (None, "warp_specialized") else f"variant {variant!r} named")
     if variant == "warp_specialized" and not_ws:       # asked for by name: no quiet substitute
         raise ValueError(f"variant 'warp_specialized' cannot run this call: {not_ws}")
     if is_mxfp8_index_cache(index_cache):
@@ -212,7 +212,7 @@ def launch_indexer(q, weights, index_cache, block_table, row_req, row_len, *, ke
     return scores
 
 
-@register(_OP, GPU_TARGETS)
+@register(OP, GPU_TARGETS)
 def lightning_indexer(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                       block_table: torch.Tensor, row_req: torch.Tensor,
                       row_len: torch.Tensor) -> torch.Tensor:
@@ -239,16 +239,16 @@ def aot_specs(shapes) -> list:
         tag = "fp8" if fp8 else "bf16"
         for r in shapes.rows_per_request:
             n = shapes.batch * r
-            ws = indexer_ws.aot_spec(shapes, _OP) if fp8 and r == indexer_ws.ROWS else None
+            ws = indexer_ws.aot_spec(shapes, OP) if fp8 and r == indexer_ws.ROWS else None
             p = plan(shapes.target, n, heads, d, shapes.batch, shapes.context, bs,
                      torch.uint8 if fp8 else torch.bfloat16, ws_ok=ws is not None)
             at = ints(n, p, bs * (d + 4 if fp8 else d))
             if p.variant == "warp_specialized":
                 specs.append(ws)
             elif p.variant == "tma":   # as indexer_tma.launch_indexer_tma (q_rcp off: no register cap)
-                specs.append(indexer_tma.aot_spec(p, bs, ptrs, f"{tag},R={r}", _OP, at))
+                specs.append(indexer_tma.aot_spec(p, bs, ptrs, f"{tag},R={r}", OP, at))
             else:
-                specs.append(kernel_spec(_indexer_kernel, _OP, f"{tag},R={r}", p.gather_constexprs(bs),
+                specs.append(kernel_spec(_indexer_kernel, OP, f"{tag},R={r}", p.gather_constexprs(bs),
                                          dict(ptrs, cache_ptr=cache_dt), num_warps=p.num_warps, ints=at))
     specs += mx_aot_specs(shapes, MX_VARIANT)
     return specs
@@ -270,9 +270,9 @@ def mx_aot_specs(shapes, variant: str) -> list:
         at = _launch_ints(shapes, n, p, bs * mx_row_bytes(d), heads, d, table_width(shapes))
         if p.variant == "tma":
             specs.append(indexer_tma.aot_spec(p, bs, dict(ptrs, cache_f32_ptr=torch.float8_e4m3fn),
-                                              f"mxfp8,R={r}", _OP, at, mx=True))
+                                              f"mxfp8,R={r}", OP, at, mx=True))
         else:
-            specs.append(indexer_mxfp8.aot_spec(p, bs, ptrs, f"mxfp8,R={r}", _OP, at))
+            specs.append(indexer_mxfp8.aot_spec(p, bs, ptrs, f"mxfp8,R={r}", OP, at))
     return specs
 
 

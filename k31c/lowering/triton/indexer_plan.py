@@ -12,7 +12,7 @@ import triton.language as tl
 from k31c.lowering.targets import Target
 from k31c.lowering.triton import indexer_ws
 
-_OP = "k31c::lightning_indexer"
+OP = "k31c::lightning_indexer"
 MX_VARIANT = "tma"          # the MXFP8 cache's kernel: the TMA kernel's MX form (measured faster)
 _MAX_TILE_M = 256           # rows x heads per tl.dot (accumulator [keys, M] in registers)
 _GPU_KEYS_PER_STEP = 128
@@ -87,7 +87,7 @@ def plan(target: Target, n: int, heads: int, d: int, n_req: int, capacity: int, 
     kernel (`indexer_tma.tma_supported`); ws_ok: whether indexer_ws takes the call
     (`indexer_ws.why_not` found nothing); the knobs as `launch_indexer`'s."""
     if variant is None:
-        variant = target.variant(_OP, "tma")
+        variant = target.variant(OP, "tma")
     check_variant(variant)
     on_gpu = target.device == "cuda"
     fp8 = cache_dtype == torch.uint8

@@ -13,7 +13,8 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, tma, warpgroup_mma
-    from k31c.lowering.triton.mla_seesaw import O_L, ROW_O, row_sums, seesaw_pair, store_q
+    from k31c.lowering.triton.mla_seesaw import (O_L, ROW_O, pair_views, row_sums, seesaw_pair,
+                                                 store_q)
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -159,16 +160,6 @@ if GLUON_ERROR is None:
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _views(ROLE: gl.constexpr, kv_bufs, kr_bufs, zv):
-        # the step's P (over each block's rope part) and this group's value columns of each
-        # block, in buffers zv (block a) and zv + 1 (block b)
-        SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BK], gl.bfloat16)
-        return (kr_bufs.index(zv)._reinterpret(gl.bfloat16, [64, BK], SH_P),
-                kr_bufs.index(zv + 1)._reinterpret(gl.bfloat16, [64, BK], SH_P),
-                kv_bufs.index(zv).slice(ROLE * 256, 256, dim=1),
-                kv_bufs.index(zv + 1).slice(ROLE * 256, 256, dim=1))
-
-    @gluon.jit
     def _half(ROLE: gl.constexpr, smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr,
               ROWS: gl.constexpr):
         # one math warp group: the scores of block ROLE of each step, the values' columns
@@ -218,8 +209,8 @@ if GLUON_ERROR is None:
             # their descriptors were kept live across the score chain and spilled
             zv = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [ph], dtype=gl.int32,
                                            is_pure=True, pack=1)
-            m_i, l_i, acc = seesaw_pair(ROLE, s, seen, m_i, l_i, acc,
-                                        _views(ROLE, kv_bufs, kr_bufs, zv), kv_bufs, zv, m_a, m_b,
+            views = pair_views(ROLE, kv_bufs, kr_bufs, zv)
+            m_i, l_i, acc = seesaw_pair(ROLE, s, seen, m_i, l_i, acc, views, kv_bufs, zv, m_a, m_b,
                                         p_bar, (empty0, empty1), ph, scale_log2, True, tail,
                                         first, limit, True)
         out, l_i, has = row_sums(ROLE, l_i, acc, l_a, l_b, fin)      # out 0 where no key

@@ -116,11 +116,12 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def pair_views(ROLE: gl.constexpr, kv_bufs, kr_bufs, ba):
-        """The pair's P (over each block's rope part) and this group's value columns of each
-        block, in buffers ba (block a) and ba + 1 (block b)."""
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
-        pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, BK], P_SH)
-        pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, BK], P_SH)
+        """The pair's P (over each block's rope part: [64 pairs, the block's keys]) and this
+        group's value columns of each block, in buffers ba (block a) and ba + 1 (block b)."""
+        KEYS: gl.constexpr = kv_bufs.shape[1]
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, KEYS], gl.bfloat16)
+        pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, KEYS], P_SH)
+        pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, KEYS], P_SH)
         va = kv_bufs.index(ba).slice(ROLE * 256, 256, dim=1)
         vb = kv_bufs.index(ba + 1).slice(ROLE * 256, 256, dim=1)
         return pa, pb, va, vb
