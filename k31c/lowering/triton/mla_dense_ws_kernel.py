@@ -67,14 +67,14 @@ if GLUON_ERROR is None:
         return gl.maximum(gl.minimum(blocks_per_split, gl.cdiv(limit, BK) - kb0), 0)
 
     @gluon.jit
-    def _plan(rows, keys, ROWS: gl.constexpr, PASSES: gl.constexpr, NUM: gl.constexpr):
+    def _plan(rows, keys, ROWS: gl.constexpr, PASSES: gl.constexpr):
         # the slab's passes: pass p takes the request of the first row still to do and all its
         # rows, and this split's cache blocks below their longest length (`limit`, capped at the
         # table's width), in steps [start, end) of the program's (a pair of blocks a step).
-        # Each pass's (request, limit, start, end) is lane p's of the [ROWS] vectors (a lane
-        # layout over NUM warps).
+        # Each pass's (request, limit, start, end) is lane p's of the [ROWS] vectors (the
+        # producer warp's lanes).
         table_ptr, stride_bt, max_blocks, kb0, blocks_per_split = keys
-        L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM], [0])
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         req, lens, todo = _slab_rows(rows, ROWS, L)
         r = gl.arange(0, ROWS, L)
         b_v = gl.full([ROWS], -1, gl.int32, L)
@@ -116,12 +116,16 @@ if GLUON_ERROR is None:
               ROWS: gl.constexpr):
         # the producer (1 warp), a pass at a time: each step's blocks a and b into buffers 0
         # and 1, and the step's facts for the math groups in `info`
-        plan, total = _plan(rows, keys, ROWS, PASSES, 1)
+        plan, total = _plan(rows, keys, ROWS, PASSES)
         r, b_v, lim_v, start_v, end_v = plan
         table_ptr, stride_bt, max_blocks, kb0, blocks_per_split = keys
-        ready0, empty0, ready1, empty1 = bars
+        ready0, empty0, ready1, empty1, plan_bar = bars
         I_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         field = gl.arange(0, 4, I_L)
+        # the program's step count, for the math groups (planned there as well, the passes'
+        # code made ptxas spill in their loop): every lane stores it, one arrives
+        info.index(2).store(gl.where(field == 0, total, 0))
+        mbarrier.arrive(plan_bar, count=1)
         for p in range(PASSES):
             at = r == p
             b = gl.max(gl.where(at, b_v, -1), 0)
@@ -160,8 +164,7 @@ if GLUON_ERROR is None:
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _half(ROLE: gl.constexpr, smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr,
-              ROWS: gl.constexpr):
+    def _half(ROLE: gl.constexpr, smem, bars, ex, rows, outs):
         # one math warp group: the scores of block ROLE of each step, the values' columns
         # [256 ROLE, 256 ROLE + 256) of both blocks
         qv_smem, qr_smem, kv_bufs, kr_bufs, info = smem
@@ -178,9 +181,10 @@ if GLUON_ERROR is None:
         real = (mg < n_m) & (t < n_rows)
         req_m = gl.load(req_ptr + t, mask=real, other=-1)
         len_m = gl.load(len_ptr + t, mask=real, other=0)
-        _, total = _plan(rows, keys, ROWS, PASSES, 4)          # the steps (the producer's)
         I_L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
         field = gl.arange(0, 4, I_L)
+        mbarrier.wait(bars[4], 0)                              # the producer's step count
+        total = gl.sum(gl.where(field == 0, info.index(2).load(I_L), 0), 0)
         key = gl.arange(0, BK, gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
         l_i = gl.zeros([64], gl.float32, ROW_S)
@@ -226,12 +230,12 @@ if GLUON_ERROR is None:
             gl.store(lse_ptr + mg, lse, mask=real)
 
     @gluon.jit
-    def _half0(smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
-        _half(0, smem, bars, ex, rows, keys, outs, PASSES, ROWS)
+    def _half0(smem, bars, ex, rows, outs):
+        _half(0, smem, bars, ex, rows, outs)
 
     @gluon.jit
-    def _half1(smem, bars, ex, rows, keys, outs, PASSES: gl.constexpr, ROWS: gl.constexpr):
-        _half(1, smem, bars, ex, rows, keys, outs, PASSES, ROWS)
+    def _half1(smem, bars, ex, rows, outs):
+        _half(1, smem, bars, ex, rows, outs)
 
     @gluon.jit
     def dense_ws_kernel(q_ptr, desc, table_ptr, req_ptr, len_ptr, out_ptr, lse_ptr,
@@ -249,7 +253,8 @@ if GLUON_ERROR is None:
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         # q [64, 512] + [64, 64] with a leading dimension of 1 (indexed with an opaque 0), the
-        # two block buffers, the exchanged maxima and row sums, a step's facts (`_load`)
+        # two block buffers, the exchanged maxima and row sums, two steps' facts and the step
+        # count (`_load`)
         qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
         kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 512], SH_W)
@@ -258,7 +263,7 @@ if GLUON_ERROR is None:
         m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
         l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
         l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
-        info = gl.allocate_shared_memory(gl.int32, [2, 4], VEC)
+        info = gl.allocate_shared_memory(gl.int32, [3, 4], VEC)
         ready0, empty0 = _buffer_bars()
         ready1, empty1 = _buffer_bars()
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -282,10 +287,10 @@ if GLUON_ERROR is None:
         outs = (out_ptr + out_row * 512, lse_ptr + out_row, m0, n_m, n_heads, scale_log2,
                 empty_lse)
         smem = (qv_smem, qr_smem, kv_bufs, kr_bufs, info)
-        bars = (ready0, empty0, ready1, empty1)
+        bars = (ready0, empty0, ready1, empty1, _bar(1))
         ex = (m_a, m_b, l_a, l_b, p_bar, fin)
         gl.warp_specialize([
-            (_half0, (smem, bars, ex, rows, keys, outs, PASSES, ROWS)),
-            (_half1, (smem, bars, ex, rows, keys, outs, PASSES, ROWS)),
+            (_half0, (smem, bars, ex, rows, outs)),
+            (_half1, (smem, bars, ex, rows, outs)),
             (_load, (desc, kv_bufs, kr_bufs, info, bars, rows, keys, PASSES, ROWS))],
             [4, 1], [MATH_REGS, LOAD_REGS])
