@@ -24,11 +24,12 @@ in the grid, so they read the same blocks together. Inside a program, three part
 Any row_req: the slab's rows may belong to several requests. The program runs one *pass* per
 request among them (the request of the first row not yet done, then all of its rows), each over
 that request's blocks below the longest of its rows' lengths; a pair whose row is not of the
-pass's request sees no key in it, so its running max, sums and output do not move. Every
-partition plans the passes from the same loads of row_req / row_len; the producer hands each
-step's requests (of block a and of block b), first position and limit to the math groups
-through shared memory with the blocks, and the barrier phases run on across passes. In the
-decode layout a slab's rows are one request's: one pass.
+pass's request sees no key in it, so its running max, sums and output do not move. The
+producer alone plans the passes (from row_req / row_len; planned in the math groups too, the
+passes' code made ptxas spill in their loop): it hands the math groups the step count once, and
+each step's requests (of block a and of block b), first position and limit with the blocks,
+through shared memory; the barrier phases run on across passes. In the decode layout a slab's
+rows are one request's: one pass.
 
 Masks: a key at or past its row's length, and a -1 block (read as zeros: negative TMA
 coordinates; a pass's odd last step loads one), is no key; rows past the pass's longest length
