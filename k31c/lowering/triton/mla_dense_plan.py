@@ -3,6 +3,8 @@
 whether the full key steps can load TMA boxes."""
 from __future__ import annotations
 
+import functools
+
 import triton
 
 from k31c.lowering.targets import Target
@@ -18,6 +20,7 @@ def rows_per_group(n_rows: int, n_req: int) -> int:
     return n_rows // n_req if n_req > 0 and n_rows >= n_req and n_rows % n_req == 0 else 1
 
 
+@functools.lru_cache(maxsize=256)   # every direct launch asks (12-25 us of Python a call)
 def choose_splits(programs: int, n_blocks: int, slots: int, most: int) -> int:
     """The split count with the shortest estimated makespan: waves of `slots` concurrent programs
     x key blocks per split (programs = tiles; one split = one program per tile). The smallest
