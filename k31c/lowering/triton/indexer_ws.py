@@ -41,7 +41,10 @@ MIN_STEPS = 4                                    # blocks a split takes at least
 NUM_WARPS = 4                                    # the default partition (math group 0)
 
 if GLUON_ERROR is None:
-    NB = gl.constexpr(8)                         # ring stages (8 x 8.4 KB)
+    # ring stages (8 x 8.4 KB): even, so each stage feeds one math group only (they take
+    # alternate blocks). On a stage both fed, a group could wait for the fill after the one in
+    # flight; that parity already reads as complete, and the wait would pass at once.
+    NB = gl.constexpr(8)
     R_C = gl.constexpr(ROWS)                     # the module's sizes as the kernels see them
     H_C = gl.constexpr(HEADS)
     D_C = gl.constexpr(D)
