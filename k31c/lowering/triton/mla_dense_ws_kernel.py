@@ -172,6 +172,7 @@ if GLUON_ERROR is None:
         ready_own = bars[2 * ROLE]
         empty0 = bars[1]
         empty1 = bars[3]
+        plan_bar = bars[4]
         req_ptr, len_ptr, t_first, r_lo, r_hi, n_rows, n_req = rows
         out_ptr, lse_ptr, m0, n_m, n_heads, scale_log2, empty_lse = outs
         col0: gl.constexpr = ROLE * 256
@@ -183,7 +184,7 @@ if GLUON_ERROR is None:
         len_m = gl.load(len_ptr + t, mask=real, other=0)
         I_L: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
         field = gl.arange(0, 4, I_L)
-        mbarrier.wait(bars[4], 0)                              # the producer's step count
+        mbarrier.wait(plan_bar, 0)                             # the producer's step count
         total = gl.sum(gl.where(field == 0, info.index(2).load(I_L), 0), 0)
         key = gl.arange(0, BK, gl.SliceLayout(0, S_L))
         m_i = gl.full([64], float("-inf"), gl.float32, ROW_S)
