@@ -28,9 +28,9 @@ import sys
 import torch
 
 try:
-    from benchmarks.harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
+    from benchmarks.harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms, try_ms
 except ImportError:  # run as a script from benchmarks/
-    from harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms
+    from harness import Machine, Row, bytes_floor_ms, graph_ms, markdown, measure_machine, time_ms, try_ms
 
 HEADS, DIM, BLOCK = 32, 128, 64
 ROW_BYTES = DIM + 4                 # 132 B per token
@@ -91,15 +91,6 @@ def scan_bytes(ctx: int) -> float:
             + N * ctx * 4)
 
 
-def _try_time(fn, timer=None, **kw) -> float | None:
-    try:
-        return (timer or time_ms)(fn, **kw)
-    except Exception as e:  # noqa: BLE001  (a peer that fails to run or compile is reported absent)
-        print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        torch.cuda.empty_cache()
-        return None
-
-
 def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
     from k31c.lowering.triton import indexer as tix
 
@@ -111,21 +102,21 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
         ms = time_ms(lambda: tix.lightning_indexer(*args))
         peers = {}
         slow = ctx >= (256 << 10)
-        t = _try_time(lambda: torch.ops.k31c.lightning_indexer(*args), warmup=1, reps=3 if slow else 10)
+        t = try_ms(lambda: torch.ops.k31c.lightning_indexer(*args), warmup=1, reps=3 if slow else 10)
         if t is not None:
             peers["eager ref"] = t
         if ctx <= COMPILE_MAX:
-            t = _try_time(lambda: compiled(pool.q, pool.weights, pool.cache, table, row_len, BLOCK),
+            t = try_ms(lambda: compiled(pool.q, pool.weights, pool.cache, table, row_len, BLOCK),
                           warmup=2, reps=10)
             if t is not None:
                 peers["torch.compile"] = t
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         keys_only = bytes_floor_ms(B * ctx * ROW_BYTES, machine)
         replay = graph_ms(lambda: tix.lightning_indexer(*args))
-        t_tma = _try_time(lambda: tix.launch_indexer(*args, variant="tma"), timer=graph_ms)
+        t_tma = try_ms(lambda: tix.launch_indexer(*args, variant="tma"), timer=graph_ms)
         if t_tma is not None:
             peers["tma kernel"] = t_tma
-        t = _try_time(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
+        t = try_ms(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
         if t is not None:
             peers["gather kernel"] = t
         note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor"
@@ -161,18 +152,18 @@ def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
         fp8_args = (pool.q, pool.weights, pool.cache, table, pool.row_req, row_len)
         ms = graph_ms(lambda: tix.lightning_indexer(*args))
         peers = {"fp8 kernel": graph_ms(lambda: tix.lightning_indexer(*fp8_args))}
-        t = _try_time(lambda: tix.launch_indexer(*fp8_args, variant="gather"), timer=graph_ms)
+        t = try_ms(lambda: tix.launch_indexer(*fp8_args, variant="gather"), timer=graph_ms)
         if t is not None:
             peers["fp8 gather kernel"] = t
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
         # (keys a step, warps): the default spills 1,424 B at R = 4 in its sm_90a build; 64 keys on
         # 8 warps 40 B, 32 keys on 8 warps none
-        tiles = {kw: _try_time(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1],
+        tiles = {kw: try_ms(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1],
                                                                 variant="gather"),
                                timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
         for name, knobs in (("mxfp8 gather kernel", dict(variant="gather")),     # the registered: tma
                             ("mxfp8 tma kernel, no register cap", dict(variant="tma", maxnreg=0))):
-            t = _try_time(lambda knobs=knobs: tix.launch_indexer(*args, **knobs), timer=graph_ms)
+            t = try_ms(lambda knobs=knobs: tix.launch_indexer(*args, **knobs), timer=graph_ms)
             if t is not None:
                 peers[name] = t
         rows.append(Row("lightning_indexer (mxfp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K",
@@ -217,7 +208,7 @@ def _write_rows(machine: Machine) -> list[Row]:
         for name, nbytes, kernel, eager in cases:
             ms = time_ms(kernel)
             peers = {}
-            t = _try_time(eager, warmup=2, reps=10)
+            t = try_ms(eager, warmup=2, reps=10)
             if t is not None:
                 peers["eager ref"] = t
             rows.append(Row(name, f"{n} tokens", ms, bytes_floor_ms(nbytes, machine), "bytes", peers,

@@ -38,11 +38,11 @@ import torch
 try:
     from benchmarks import peers as pp
     from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, \
-        markdown, measure_machine, record_goal, time_ms, graph_ms
+        markdown, measure_machine, record_goal, time_ms, graph_ms, try_ms
 except ImportError:  # run as a script from benchmarks/
     import peers as pp
     from harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, markdown, \
-        measure_machine, record_goal, time_ms, graph_ms
+        measure_machine, record_goal, time_ms, graph_ms, try_ms
 
 HEADS, WIDTH, DV, TOPK, BLOCK = 96, 576, 512, 2048, 64
 B, R = 16, 4
@@ -112,24 +112,6 @@ def _rate_note(ms: float, flops: float, nbytes: float, m: Machine) -> str:
             f"bytes floor {bytes_floor_ms(nbytes, m) * 1e3:.1f} us")
 
 
-def _try_time(fn, **kw) -> float | None:
-    try:
-        return time_ms(fn, **kw)
-    except Exception as e:  # noqa: BLE001  (a peer that fails to run or compile is reported absent)
-        print(f"# peer failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        return None
-
-
-def _try_graph(fn, **kw) -> float | None:
-    """fn's time per call replayed from a CUDA graph (what a decode step pays), or None where
-    it cannot be captured (reported)."""
-    try:
-        return graph_ms(fn, **kw)
-    except Exception as e:  # noqa: BLE001
-        print(f"# graph capture failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        return None
-
-
 def run(machine: Machine, contexts=CONTEXTS, dense_rows=DENSE_ROWS, sparse: bool = True) -> list[Row]:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
 
@@ -167,7 +149,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
         peers = {}
         for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
                          ("torch.compile", lambda: compiled_sparse(*args))):
-            t = _try_time(fn, warmup=2, reps=10)
+            t = try_ms(fn, warmup=2, reps=10)
             if t is not None:
                 peers[name] = t
         ref = torch.ops.k31c.sparse_mla(*args)
@@ -226,12 +208,12 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     args = lambda c: (q, c, table, rr, idx, SM_SCALE, DV)  # noqa: E731
     ms = time_ms(lambda: two_pass.sparse_mla(*args(fp8)))
     peers = {"bf16 cache": time_ms(lambda: two_pass.sparse_mla(*args(cache)))}
-    t = _try_time(lambda: two_pass.sparse_mla(*args(raw8)))
+    t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)))
     if t is not None:
         peers["raw e4m3 (no scale)"] = t
     # the FP8 default is 128 value columns a values program (one scale a row per tile); 256
     # (the bf16 cache's) spans two scale groups
-    t = _try_time(lambda: two_pass.launch(*args(fp8), config={"dvc": 256}))
+    t = try_ms(lambda: two_pass.launch(*args(fp8), config={"dvc": 256}))
     if t is not None:
         peers["fp8, 256 value columns"] = t
     flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
@@ -278,11 +260,11 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
             *dargs, config={"bn": 32, "num_stages": 3})
         kernels["split kernel, pointer loads"] = lambda: mla_dense.launch(
             *dargs, config={"tma": False})
-    peers = {name: t for name, fn in kernels.items() if (t := _try_time(fn, **reps)) is not None}
+    peers = {name: t for name, fn in kernels.items() if (t := try_ms(fn, **reps)) is not None}
     # the registered kernel as a decode step runs it (graph replay, the goal's time) and as a
     # direct call (host launch cost included)
-    ms = _try_graph(lambda: registered.fn(*dargs), calls=3, warmup=2, reps=10)
-    direct = _try_time(lambda: registered.fn(*dargs), **reps)
+    ms = try_ms(lambda: registered.fn(*dargs), graph_ms, calls=3, warmup=2, reps=10)
+    direct = try_ms(lambda: registered.fn(*dargs), **reps)
     notes = [f"registered: {registered.name.removeprefix('triton:k31c.lowering.triton.')}; "
              f"graph replay (direct call: {direct if direct is None else round(direct, 4)} ms)"]
     if ms is None:                   # reported, not fatal: the peers below still get timed
@@ -300,12 +282,12 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
                  "contiguous torch.compile": lambda: compiled["contiguous torch.compile"](
                      qh, contiguous, lens, SM_SCALE, DV)}
         for name, fn in plain.items():
-            t = _try_time(fn, warmup=2 if "compile" in name else 1, reps=5)
+            t = try_ms(fn, warmup=2 if "compile" in name else 1, reps=5)
             if t is not None:
                 peers[name] = t
             torch.cuda.empty_cache()
         # the stronger peer replayed from a graph too (its launch cost removed, as k31c's)
-        t = _try_graph(plain["contiguous torch.compile"], warmup=1, reps=5)
+        t = try_ms(plain["contiguous torch.compile"], graph_ms, warmup=1, reps=5)
         if t is not None:
             peers["contiguous torch.compile, graph"] = t
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ times measured in the same process.
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,17 @@ def graph_ms(fn, calls: int = 1, warmup: int = 5, reps: int = 30) -> float:
     """Median time per call of fn replayed from a CUDA graph of `calls` calls (no Python launch
     cost, as in a decode step)."""
     return time_ms(graphed(fn, calls), warmup=warmup, reps=reps) / calls
+
+
+def try_ms(fn, timer=None, **kw) -> float | None:
+    """fn's time by `timer` (time_ms, or graph_ms for graph replay), or None where it fails to
+    run, compile or be captured: reported on stderr, so a peer that fails is absent, not fatal."""
+    try:
+        return (timer or time_ms)(fn, **kw)
+    except Exception as e:  # noqa: BLE001
+        print(f"# failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        torch.cuda.empty_cache()
+        return None
 
 
 def measure_machine() -> Machine:

@@ -181,9 +181,9 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     dense_ws_kernel[(groups * slabs * splits,)](
-        q, key_descriptor(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads, n_req, g,
-        slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0), q.stride(1),
-        block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
+        q, key_descriptor(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads,
+        n_req, g, slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0),
+        q.stride(1), block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
         ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)

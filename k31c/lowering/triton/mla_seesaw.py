@@ -1,12 +1,12 @@
-"""The seesaw of two math warp groups in the sparse Gluon MLA kernel (mla_sparse_ws.py): one pair
-of 32-key blocks (a, b) a step. Group 0 scores block a while group 1 scores block b; group 0
-turns its scores into weights under the running max and passes P (over block a's rope part, dead
-once scored) and the max to group 1 through shared memory, which does the same for block b and
-passes back. Each group accumulates both blocks' values into its 256 output columns, rescaling
-when the max moves, and sums the P of its own blocks; the sums are added at the end
-(`row_sums`). The dense kernel (mla_dense_ws_kernel.py, the same exchange over whole 64-row
-blocks) shares q's load, `weights`, `zero_tail` and `row_sums`. A leaf below the kernels:
-registers nothing."""
+"""The seesaw of two math warp groups that the Gluon MLA kernels share: one pair of key blocks
+(a, b) a step, 32-key blocks in the sparse kernel (mla_sparse_ws.py), whole 64-row cache blocks
+in chunked buffers in the dense one (mla_dense_ws_kernel.py). Group 0 scores block a while
+group 1 scores block b; group 0 turns its scores into weights under the running max and passes
+P (over block a's rope part, dead once scored) and the max to group 1 through shared memory,
+which does the same for block b and passes back. Each group accumulates both blocks' values
+into its 256 output columns, rescaling when the max moves, and sums the P of its own blocks;
+the sums are added at the end (`row_sums`). The sparse kernel also takes its buffers from
+`seesaw_buffers`. A leaf below the kernels: registers nothing."""
 from __future__ import annotations
 
 import torch

@@ -17,7 +17,7 @@ finds the row's gathered latent rows in L2. The row's selected keys go in pairs 
   blocks, and the two sums are added at the end. One group's softmax runs under the other's
   wgmmas.
   The seesaw step, the buffers and the row sums are `mla_seesaw.py`'s (the dense kernel,
-  mla_dense_ws_kernel.py, shares its weights, tail zeroing and row sums).
+  mla_dense_ws_kernel.py, shares the step and the row sums over its own chunked buffers).
 
 q is loaded once with masked pointer loads (heads past the last are zero rows); out and lse go
 out with masked stores. Masked keys get -inf; a row with no key yet keeps 0 weights; a row with
