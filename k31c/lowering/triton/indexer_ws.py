@@ -5,14 +5,16 @@ A program takes a tile of 4 consecutive query rows (one request in the decode la
 heads = 128 query columns, m = r * 32 + h) and one of `splits` slices of each request's 64-key
 cache blocks. Three partitions:
 
-- two math warp groups first quantise q, each its 64 query columns: e4m3 per (row, head), scale
+- three math warp groups first quantise q, group k the rows r with r % 3 == k (32 query columns
+  each, group 0 also row 3): e4m3 per (row, head), scale
   max(amax, 1e-4) / 448, x / scale computed as x * (1 / scale) plus one FMA correction (the
   correctly rounded quotient, as the TMA kernel's true division gives), clamped to +-448; the
   scales are folded into the head weights. q stays in shared memory;
 - a 1-warp producer bulk-copies each block (its 64 e4m3 keys as a [64, 128] TMA box, its 64 fp32
   scales as a [2, 32] box of the same 8448-byte block; a -1 block is read as zeros) into a ring
-  of 8 stages, its first copies running under the q prologue;
-- the two math groups take alternate blocks, so one's epilogue runs under the other's wgmma: the
+  of 9 stages, its first copies running under the q prologue;
+- math group k takes blocks g with g % 3 == k, so two groups' epilogues run under the third's
+  wgmma (ncu finds the math groups setting the pace; a third group hides more of it): the
   keys-as-M FP8 wgmma [64 keys, 128 query columns], ReLU, times the head weights, the sum over
   each row's 32 heads, times the key scale, -inf at or past the row's length.
 
@@ -20,7 +22,7 @@ The producer also writes -inf past a request's last block (shared out over the s
 row_req is taken: a tile whose rows belong to several requests runs one pass per run of rows of
 one request, each pass scoring and writing only its own rows (in the decode layout there is one
 pass). The grid depends on static shapes only (CUDA-graph safe); lengths, requests and blocks are
-read on the device. Splits: one program an SM (the two math groups hold 232 registers a thread).
+read on the device. Splits: one program an SM (the math groups hold 152-176 registers a thread).
 """
 from __future__ import annotations
 
@@ -41,10 +43,12 @@ MIN_STEPS = 4                                    # blocks a split takes at least
 NUM_WARPS = 4                                    # the default partition (math group 0)
 
 if GLUON_ERROR is None:
-    # ring stages (8 x 8.4 KB): even, so each stage feeds one math group only (they take
-    # alternate blocks). On a stage both fed, a group could wait for the fill after the one in
-    # flight; that parity already reads as complete, and the wait would pass at once.
-    NB = gl.constexpr(8)
+    # ring stages (9 x 8.4 KB): a multiple of NG, so each stage feeds one math group only (group
+    # k takes blocks g % NG == k). On a stage two groups fed, a group could wait for the fill after
+    # the one in flight; that parity already reads as complete, and the wait would pass at once
+    # (build/iws_ring_model.py finds such early passes and deadlocks for 3 groups on 8 stages).
+    NG = gl.constexpr(3)                         # math groups
+    NB = gl.constexpr(3 * NG)
     R_C = gl.constexpr(ROWS)                     # the module's sizes as the kernels see them
     H_C = gl.constexpr(HEADS)
     D_C = gl.constexpr(D)
@@ -106,13 +110,13 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
-        # this group's 64 query columns (rows 2 ROLE, 2 ROLE + 1 of the tile) -> e4m3 in shared
-        # memory, their scales folded into the head weights; then wait for the other group's
+        # this group's rows of the tile (r % NG == ROLE) -> e4m3 in shared memory, their scales
+        # folded into the head weights; then wait for the other groups'
         Q_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         cols = gl.arange(0, D_C, gl.SliceLayout(0, Q_L))
-        for c in gl.static_range(2):
-            m = (ROLE * 2 + c) * H_C + gl.arange(0, H_C, gl.SliceLayout(1, Q_L))
-            ok = row0 + ROLE * 2 + c < n_rows
+        for c in gl.static_range(ROLE, R_C, NG):
+            m = c * H_C + gl.arange(0, H_C, gl.SliceLayout(1, Q_L))
+            ok = row0 + c < n_rows
             at = (row0 * H_C + m).to(gl.int64)
             qx = gl.load(q_ptr + gl.expand_dims(at, 1) * D_C + gl.expand_dims(cols, 0),
                          mask=gl.expand_dims(m >= 0, 1) & ok, other=0.0).to(gl.float32)
@@ -121,9 +125,9 @@ if GLUON_ERROR is None:
             y0 = qx * inv
             qy = gl.fma(gl.fma(-y0, gl.expand_dims(scale, 1), qx), inv, y0)
             qy = gl.minimum(gl.maximum(qy, -448.0), 448.0).to(gl.float8e4nv)
-            q_smem.slice((ROLE * 2 + c) * H_C, H_C, dim=0).store(qy)
+            q_smem.slice(c * H_C, H_C, dim=0).store(qy)
             w = gl.load(w_ptr + at, mask=(m >= 0) & ok, other=0.0)
-            w_smem.slice((ROLE * 2 + c) * H_C, H_C, dim=0).store(w * scale)
+            w_smem.slice(c * H_C, H_C, dim=0).store(w * scale)
         fence_async_shared()
         sync()
         mbarrier.arrive(q_bar, count=1)
@@ -148,7 +152,7 @@ if GLUON_ERROR is None:
             first, req, sel, lens, n_steps, step0, n_my = _run(
                 row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
             if first:
-                for g in range(base + (base + ROLE) % 2, base + n_my, 2):    # this group's blocks
+                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):  # g % NG == ROLE
                     b = g % NB
                     mbarrier.wait(ready.index(b), (g // NB) & 1)
                     acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
@@ -180,6 +184,12 @@ if GLUON_ERROR is None:
                split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
+    def _score2(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
+                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+        _score(2, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
+               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
                            len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
                            num_warps: gl.constexpr):
@@ -195,7 +205,7 @@ if GLUON_ERROR is None:
         ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=2)
+        mbarrier.init(q_bar, count=NG)
         for b in gl.static_range(NB):
             mbarrier.init(ready.index(b), count=1)
             mbarrier.init(empty.index(b), count=1)
@@ -207,10 +217,11 @@ if GLUON_ERROR is None:
         gl.warp_specialize([
             (_score0, scans),
             (_score1, scans),
+            (_score2, scans),
             (_loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
                        row0, n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready,
                        empty))],
-            [4, 1], [232, 24])
+            [4, 4, 1], [152, 152, 32])   # the default math group gets 176
 
 
 def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None:
