@@ -14,7 +14,9 @@ Floor of the scan (bytes over the copy bandwidth measured now), counting exactly
 + block table                       B·(L/64)·4
 + q (bf16) and weights (fp32)       N·32·128·2 + N·32·4
 + scores written                    N·L·4         (the op's [N, L] fp32 output, -inf tail included)
-The note also gives the ratio against the keys-only floor of spec §6 (B·L·132).
+The note also gives the ratio against the keys-only floor of spec §6 (B·L·132), and a call's
+time from a graph of RING calls (`ring_ms`) for the default and the TMA kernel: a graph of one
+call carries its own launch (~7 us on the H200), which a decode step's graph shares.
 time_ms does not flush L2 (50 MB): at 16K the 35 MB of keys can stay in L2, so the ratio there
 may fall below 1.
 
@@ -38,6 +40,7 @@ B, R = 16, 4
 N = B * R
 CONTEXTS = (16 << 10, 32 << 10, 128 << 10, 256 << 10, 1 << 20)
 COMPILE_MAX = 256 << 10             # the plain formulation materialises [B, R, H, L] fp32 logits
+RING = 8                            # calls a graph in ring_ms
 
 
 def plain_indexer(q, weights, cache, block_table, row_len, block_size: int):
@@ -86,6 +89,21 @@ class Pool:
         return self.block_table[:, : ctx // BLOCK], row_len
 
 
+def ring_ms(fn, pool: Pool, ctx: int) -> float:
+    """Per-call time of fn(block_table, row_len) replayed from one CUDA graph of RING calls, as
+    a decode step's graph shares its launch; the calls cycle over disjoint slices of the pool's
+    blocks, so no call finds the previous one's keys in L2 (at 1M one slice: 2.2 GB of keys)."""
+    width = ctx // BLOCK
+    slices = max(1, min(RING, pool.block_table.shape[1] // width))
+    tables = [pool.block_table[:, (i % slices) * width:(i % slices + 1) * width] for i in range(RING)]
+    row_len = pool.context(ctx)[1]
+
+    def calls():
+        for table in tables:
+            fn(table, row_len)
+    return graph_ms(calls) / RING
+
+
 def scan_bytes(ctx: int) -> float:
     return (B * ctx * ROW_BYTES + B * (ctx // BLOCK) * 4 + N * HEADS * DIM * 2 + N * HEADS * 4
             + N * ctx * 4)
@@ -116,12 +134,19 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
         t_tma = try_ms(lambda: tix.launch_indexer(*args, variant="tma"), timer=graph_ms)
         if t_tma is not None:
             peers["tma kernel"] = t_tma
+        rest = (pool.q, pool.weights, pool.cache)
+        ring = ring_ms(lambda t, n: tix.lightning_indexer(*rest, t, pool.row_req, n), pool, ctx)
+        ring_tma = try_ms(lambda: ring_ms(
+            lambda t, n: tix.launch_indexer(*rest, t, pool.row_req, n, variant="tma"), pool, ctx),
+            timer=lambda f: f())
         t = try_ms(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
         if t is not None:
             peers["gather kernel"] = t
         note = (f"CUDA-graph replay {replay * 1e3:.1f} us = {replay / floor:.2f}x floor"
                 + (f" (tma kernel {t_tma / floor:.2f}x)" if t_tma is not None else "")
-                + (f" (gather kernel {t / floor:.2f}x)" if t is not None else "") + "; "
+                + (f" (gather kernel {t / floor:.2f}x)" if t is not None else "")
+                + f"; {ring * 1e3:.1f} us = {ring / floor:.2f}x a call from a graph of {RING}"
+                + (f" (tma kernel {ring_tma / floor:.2f}x)" if ring_tma is not None else "") + "; "
                 f"{ms / keys_only:.2f}x the keys-only floor ({keys_only * 1e3:.1f} us)")
         if ctx > COMPILE_MAX:
             note += "; torch.compile peer skipped (its [B,R,H,L] fp32 logits do not fit)"
