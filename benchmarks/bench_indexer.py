@@ -92,15 +92,16 @@ class Pool:
 def ring_ms(fn, pool: Pool, ctx: int) -> float:
     """Per-call time of fn(block_table, row_len) replayed from one CUDA graph of RING calls, as
     a decode step's graph shares its launch; the calls cycle over disjoint slices of the pool's
-    blocks, so no call finds the previous one's keys in L2 (at 1M one slice: 2.2 GB of keys)."""
+    blocks, so no call finds the previous one's keys in L2 (at 1M one slice: 2.2 GB of keys), and
+    each writes scores of its own (at 1M, 8 calls on one score buffer ran 13% slower per call, 4
+    calls did not: unexplained, BENCHMARKS.md)."""
     width = ctx // BLOCK
     slices = max(1, min(RING, pool.block_table.shape[1] // width))
     tables = [pool.block_table[:, (i % slices) * width:(i % slices + 1) * width] for i in range(RING)]
     row_len = pool.context(ctx)[1]
 
     def calls():
-        for table in tables:
-            fn(table, row_len)
+        return [fn(table, row_len) for table in tables]     # outputs kept: one buffer each
     return graph_ms(calls) / RING
 
 
