@@ -97,7 +97,8 @@ def ring_ms(fn, pool: Pool, ctx: int) -> float:
     one, which is not explained yet (BENCHMARKS.md, session 24)."""
     width = ctx // BLOCK
     slices = max(1, min(RING, pool.block_table.shape[1] // width))
-    tables = [pool.block_table[:, (i % slices) * width:(i % slices + 1) * width] for i in range(RING)]
+    tables = [pool.block_table[:, (i % slices) * width:(i % slices + 1) * width]
+              for i in range(RING)]
     row_len = pool.context(ctx)[1]
 
     def calls():

@@ -152,7 +152,8 @@ if GLUON_ERROR is None:
             first, req, sel, lens, n_steps, step0, n_my = _run(
                 row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
             if first:
-                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):  # g % NG == ROLE
+                # this group's blocks: g % NG == ROLE
+                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
                     b = g % NB
                     mbarrier.wait(ready.index(b), (g // NB) & 1)
                     acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
