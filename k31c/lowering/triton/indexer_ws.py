@@ -14,7 +14,7 @@ cache blocks. Three partitions:
   scales as a [2, 32] box of the same 8448-byte block; a -1 block is read as zeros) into a ring
   of 9 stages, its first copies running under the q prologue;
 - math group k takes blocks g with g % 3 == k, so two groups' epilogues run under the third's
-  wgmma (2-3% faster than two groups on alternate blocks; BENCHMARKS.md): the
+  wgmma (the epilogue, not the copies, set the pace with two groups): the
   keys-as-M FP8 wgmma [64 keys, 128 query columns], ReLU, times the head weights, the sum over
   each row's 32 heads, times the key scale, -inf at or past the row's length.
 
