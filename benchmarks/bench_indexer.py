@@ -16,7 +16,7 @@ Floor of the scan (bytes over the copy bandwidth measured now), counting exactly
 + scores written                    N·L·4         (the op's [N, L] fp32 output, -inf tail included)
 The note also gives the ratio against the keys-only floor of spec §6 (B·L·132), and a call's
 time from a graph of RING calls (`ring_ms`) for the default and the TMA kernel: a graph of one
-call carries its own launch (~7 us on the H200), which a decode step's graph shares.
+call carries its own launch (4.5-8 us on the H200), which a decode step's graph shares.
 time_ms does not flush L2 (50 MB): at 16K the 35 MB of keys can stay in L2, so the ratio there
 may fall below 1.
 
