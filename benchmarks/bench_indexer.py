@@ -138,9 +138,8 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
             peers["tma kernel"] = t_tma
         rest = (pool.q, pool.weights, pool.cache)
         ring = ring_ms(lambda t, n: tix.lightning_indexer(*rest, t, pool.row_req, n), pool, ctx)
-        ring_tma = try_ms(lambda: ring_ms(
-            lambda t, n: tix.launch_indexer(*rest, t, pool.row_req, n, variant="tma"), pool, ctx),
-            timer=lambda f: f())
+        ring_tma = try_ms(lambda t, n: tix.launch_indexer(*rest, t, pool.row_req, n, variant="tma"),
+                          ring_ms, pool=pool, ctx=ctx)
         t = try_ms(lambda: tix.launch_indexer(*args, variant="gather"), timer=graph_ms)
         if t is not None:
             peers["gather kernel"] = t

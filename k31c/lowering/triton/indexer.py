@@ -17,8 +17,8 @@ Work split:
 
 The registered launcher runs the target's default variant (`Target.variant`): on h200
 "warp_specialized", indexer_ws.py (Gluon: a TMA producer warp and three math warp groups, each
-taking every third block) for an FP8 cache read by 4 rows a request at K3.1 Pro's widths, "tma" for the
-calls it declines (`indexer_ws.why_not` names the reason); "tma" on mi350x: indexer_tma.py,
+taking every third block) for an FP8 cache read by 4 rows a request at K3.1 Pro's widths, "tma"
+for the calls it declines (`indexer_ws.why_not` names the reason); "tma" on mi350x: indexer_tma.py,
 one cache block a step through a TMA tensor descriptor, q quantised by the hardware conversion
 with a true division (q_rcp=False). Where the cache layout does not fit
 a descriptor (`indexer_tma.tma_supported`: a head dim that is not a power of two, blocks above 256

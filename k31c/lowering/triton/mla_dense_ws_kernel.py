@@ -122,8 +122,8 @@ if GLUON_ERROR is None:
         ready0, empty0, ready1, empty1, plan_bar = bars
         I_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         field = gl.arange(0, 4, I_L)
-        # the program's step count, for the math groups (planned there as well, the passes'
-        # code made ptxas spill in their loop): every lane stores it, one arrives
+        # the program's step count, for the math groups (the passes planned in their code too
+        # made ptxas spill in their loop): every lane stores it, one arrives
         info.index(2).store(gl.where(field == 0, total, 0))
         mbarrier.arrive(plan_bar, count=1)
         for p in range(PASSES):
