@@ -11,6 +11,7 @@ from k31c.lowering.triton import mla_dense_ws as dws
 from k31c.lowering.triton import mla_sparse_ws as ws
 from test_triton_mla import (CUDA, DEV, K31, assert_close, cuda_only, dense_args, make_case,
                              sparse_args)
+from test_triton_mla_fp8 import fp8_case
 
 
 # ---- the warp-specialized sparse kernel (mla_sparse_ws.py, Gluon, sm_90a) ---------------------
@@ -46,6 +47,27 @@ def test_warp_specialized_sparse_key_splits(splits):
     assert_close(ws.launch(*sparse_args(c)[:-1], splits=splits), want, torch.bfloat16)
 
 
+@cuda_only
+@pytest.mark.parametrize("heads,k,rows,block_size,splits", [
+    (96, 2048, 4, 64, None),   # K3.1 Pro decode (R = 4)
+    (96, 1050, 3, 16, None),   # 16-row blocks; the last pair's second block past k
+    (64, 300, 5, 64, None),    # a tail of 44 keys past the last 64-key step
+    (96, 300, 1, 64, 3),       # a one-row decode's key splits
+])
+def test_warp_specialized_sparse_fp8_latent_rows(heads, k, rows, block_size, splits):
+    """FP8 latent rows (656 bytes: e4m3, fp32 scales, bf16 rope), dequantised on chip by the
+    producer, against the reference op on the same FP8 cache (which dequantises in fp32): the
+    bf16 tolerance holds, as both see the same values to bf16 rounding."""
+    c = fp8_case(make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
+                              "requests": 3 if splits else K31["requests"],
+                              "max_blocks": K31["max_blocks"] * 64 // block_size}, device="cuda",
+                           dtype=torch.bfloat16, seed=50 + heads + block_size + rows))
+    assert c["latent_cache"].dtype == torch.uint8 and c["latent_cache"].shape[2] == 656
+    assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"]) is None
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert_close(ws.launch(*sparse_args(c)[:-1], splits=splits), want, torch.bfloat16)
+
+
 def test_warp_specialized_sparse_split_plan():
     """One wave: splits fill the SMs the (row, tile) programs leave, at least 4 steps each."""
     assert ws.plan_splits(64, 96, 2048, 132) == 1          # B = 16 x R = 4: 128 programs
@@ -66,7 +88,10 @@ def test_warp_specialized_sparse_declines_what_it_cannot_run():
     assert reason is None                                     # 8 rows: key splits fill the SMs
     big = make_case(**{**K31, "k": 64}, device="cuda", dtype=torch.bfloat16, seed=32)
     assert ws.why_two_pass(big["q"], big["latent_cache"], big["indices"], 512) is None
-    assert "bf16 only" in ws.why_two_pass(big["q"].float(), big["latent_cache"], big["indices"], 512)
+    assert "bf16 or FP8" in ws.why_two_pass(big["q"].float(), big["latent_cache"], big["indices"], 512)
+    fp8 = fp8_case(big)["latent_cache"]
+    assert ws.why_two_pass(big["q"], fp8, big["indices"], 512) is None
+    assert "cache row 600" in ws.why_two_pass(big["q"], fp8[..., :600], big["indices"], 512)
     assert "width" in ws.why_two_pass(big["q"], big["latent_cache"], big["indices"], 448)
     assert "strided" in ws.why_two_pass(big["q"], big["latent_cache"][::2], big["indices"], 512)
 

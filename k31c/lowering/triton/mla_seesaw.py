@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import torch
 
+from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 
 WIDTH, DV = 576, 512                # the latent row the seesaw kernels are written for (K3.1 Pro)
 
 
-def latent_reason(q, latent_cache, dv: int) -> str | None:
-    """Why a seesaw kernel cannot take these arguments by Triton, dtype and width, or None."""
+FP8_ROW = latent_fp8_row_bytes(DV, WIDTH - DV)       # an FP8 latent row's bytes (656)
+
+
+def latent_reason(q, latent_cache, dv: int, fp8: bool = False) -> str | None:
+    """Why a seesaw kernel cannot take these arguments by Triton, dtype and width, or None.
+    fp8: the kernel also takes FP8 latent rows (a uint8 cache of FP8_ROW-byte rows)."""
     if GLUON_ERROR is not None:
         return f"this Triton has no Gluon Hopper API ({GLUON_ERROR})"
-    if q.dtype != torch.bfloat16 or latent_cache.dtype != torch.bfloat16:
-        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is bf16 only"
-    if q.shape[2] != WIDTH or latent_cache.shape[2] != WIDTH or dv != DV:
-        return f"width {q.shape[2]} / dv {dv}: the kernel is written for {WIDTH} / {DV}"
+    rows_fp8 = fp8 and latent_cache.dtype == torch.uint8
+    if q.dtype != torch.bfloat16 or (latent_cache.dtype != torch.bfloat16 and not rows_fp8):
+        kinds = "bf16 or FP8 latent rows" if fp8 else "bf16 only"
+        return f"q {q.dtype} / cache {latent_cache.dtype}: the kernel is {kinds}"
+    row = FP8_ROW if rows_fp8 else WIDTH
+    if q.shape[2] != WIDTH or latent_cache.shape[2] != row or dv != DV:
+        return (f"width {q.shape[2]} / cache row {latent_cache.shape[2]} / dv {dv}: the kernel is "
+                f"written for {WIDTH} / {row} / {DV}")
     return None
 
 

@@ -43,12 +43,13 @@ from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
-                                             table_width)
+from k31c.lowering.triton.mla_common import (LOG2E, fp8_latent_views, merge_spec, merge_splits,
+                                             split_outputs, table_width)
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
-    from k31c.lowering.triton.gluon_sm90 import async_copy, gl, gluon, mbarrier, warpgroup_mma
+    from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma
+    from k31c.lowering.triton.mla_sparse_gather import fp8_buffers, gather_bf16, gather_fp8
     from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
                                                  row_sums, seesaw_buffers, seesaw_pair, store_q)
 
@@ -62,35 +63,6 @@ NUM_WARPS = 4                       # the default partition (the producer); 12 w
 if GLUON_ERROR is None:
     MATH_REGS = gl.constexpr(224)       # each math warp group's registers (no spill); the
                                         # producer runs on what is left (56)
-
-    @gluon.jit
-    def _gather(cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs, ready, empty,
-                n_steps):
-        G_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, BK, gl.SliceLayout(1, G_L))
-        cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
-        # the lookups run ahead of the copies (positions two blocks early, the block table one),
-        # so a copy's address never waits on a dependent pair of global loads
-        pos = gl.load(idx_row + rows, mask=rows < n_keys, other=-1)
-        pos_n = gl.load(idx_row + BK + rows, mask=BK + rows < n_keys, other=-1)
-        blk = gl.load(table_row + gl.maximum(pos, 0) // block_size, mask=pos >= 0, other=0)
-        for i in range(n_steps):
-            b = i % NB
-            j2 = (i + 2) * BK + rows
-            pos_nn = gl.load(idx_row + j2, mask=j2 < n_keys, other=-1)
-            blk_n = gl.load(table_row + gl.maximum(pos_n, 0) // block_size, mask=pos_n >= 0,
-                            other=0)
-            at = gl.maximum(pos, 0)
-            row = gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
-            ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
-            src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
-            mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # both groups done with it
-            async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
-            for c in gl.static_range(8):
-                async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
-                                                       src + 64 * c, mask=ok)
-            async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
-            pos, blk, pos_n = pos_n, blk_n, pos_nn
 
     @gluon.jit
     def _half(ROLE: gl.constexpr, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin,
@@ -152,17 +124,19 @@ if GLUON_ERROR is None:
               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse)
 
     @gluon.jit
-    def _sparse_ws_kernel(q_ptr, cache_ptr, table_ptr, req_ptr, idx_ptr, out_ptr, lse_ptr,
-                          n_rows, n_heads, n_tiles, n_keys, n_splits, keys_per_split, block_size,
-                          stride_qn, stride_qh, stride_in, stride_bt, scale_log2, empty_lse,
-                          num_warps: gl.constexpr):
+    def _sparse_ws_kernel(q_ptr, cache_ptr, scale_ptr, rope_ptr, table_ptr, req_ptr, idx_ptr,
+                          out_ptr, lse_ptr, n_rows, n_heads, n_tiles, n_keys, n_splits,
+                          keys_per_split, block_size, stride_qn, stride_qh, stride_in, stride_bt,
+                          scale_log2, empty_lse, FP8: gl.constexpr, num_warps: gl.constexpr):
+        # FP8: cache_ptr, scale_ptr and rope_ptr are uint8, fp32 and bf16 views of FP8 latent
+        # rows (else all three the bf16 cache)
         pid = gl.program_id(0)
         tile = pid % n_tiles
         split = (pid // n_tiles) % n_splits
         t = pid // (n_tiles * n_splits)
         head0 = tile * 64
         (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
-         fin) = seesaw_buffers(128)
+         fin) = seesaw_buffers(1 if FP8 else 128)     # FP8: one arrival, the dequant's
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
@@ -178,12 +152,22 @@ if GLUON_ERROR is None:
         args = (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
                 idx_row, n_here, n_pairs, scale_log2, out_ptr + row_out * 512, lse_ptr + row_out,
                 head0, n_heads, empty_lse)
-        gl.warp_specialize([
-            (_gather, (cache_ptr, table_row, idx_row, n_here, block_size, kv_bufs, kr_bufs,
-                       ready, empty, 2 * n_pairs)),
-            (_half0, args),
-            (_half1, args)],
-            [4, 4], [MATH_REGS, MATH_REGS])
+        if FP8:
+            scl_bufs, landed = fp8_buffers()
+            gl.warp_specialize([
+                (gather_fp8, (cache_ptr, scale_ptr, rope_ptr, table_row, idx_row, n_here,
+                              block_size, kv_bufs, kr_bufs, scl_bufs, landed, ready, empty,
+                              n_pairs)),
+                (_half0, args),
+                (_half1, args)],
+                [4, 4], [MATH_REGS, MATH_REGS])
+        else:
+            gl.warp_specialize([
+                (gather_bf16, (cache_ptr, table_row, idx_row, n_here, block_size, kv_bufs,
+                               kr_bufs, ready, empty, 2 * n_pairs)),
+                (_half0, args),
+                (_half1, args)],
+                [4, 4], [MATH_REGS, MATH_REGS])
 
 
 def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
@@ -209,7 +193,7 @@ def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Ten
 def _why_not_these_args(q, latent_cache, indices, dv) -> str | None:
     """The reasons `why_two_pass` finds in the arguments' dtypes, widths and layouts alone (and
     in this Triton), which the compiler's report can tell before anything runs."""
-    reason = latent_reason(q, latent_cache, dv)
+    reason = latent_reason(q, latent_cache, dv, fp8=True)
     if reason is not None:
         return reason
     if not latent_cache.is_contiguous() or q.stride(2) != 1 or indices.stride(1) != 1:
@@ -251,36 +235,40 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     per_split = split_keys(n_keys, splits)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     _sparse_ws_kernel[(n * n_tiles * splits,)](
-        q, latent_cache, block_table, row_req, indices, dst, dst_lse, n, n_heads, n_tiles, n_keys,
-        splits, per_split, latent_cache.shape[1], q.stride(0), q.stride(1), indices.stride(0),
-        block_table.stride(0), sm_scale * LOG2E, empty_lse, num_warps=NUM_WARPS)
+        q, *fp8_latent_views(latent_cache), block_table, row_req, indices, dst, dst_lse, n,
+        n_heads, n_tiles, n_keys, splits, per_split, latent_cache.shape[1], q.stride(0),
+        q.stride(1), indices.stride(0), block_table.stride(0), sm_scale * LOG2E, empty_lse,
+        FP8=latent_cache.dtype == torch.uint8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse
 
 
 def aot_specs(shapes) -> list:
-    """This kernel's launches at `shapes` (aot_spec.AotShapes), one split and the key splits of
-    a one-row decode with their merge, for the ahead-of-time build, and the two-pass kernel's
-    for an FP8 cache (the calls this one declines)."""
+    """This kernel's launches at `shapes` (aot_spec.AotShapes), for a bf16 cache and FP8 latent
+    rows: one split and the key splits of a one-row decode with their merge, for the
+    ahead-of-time build."""
     cfg = shapes.cfg
     heads, k, dt = cfg.num_attention_heads, cfg.index_topk, cfg.torch_dtype
     n_tiles, sm = -(-heads // HEADS_TILE), shapes.target.sm_count
     specs = []
+    caches = {False: dict(cache_ptr=dt, scale_ptr=dt, rope_ptr=dt),
+              True: dict(cache_ptr=torch.uint8, scale_ptr=torch.float32, rope_ptr=dt)}
     for rows in sorted({shapes.batch * r for r in shapes.rows_per_request}):
         splits = plan_splits(rows, heads, k, sm)
         per_split = split_keys(k, splits)
         ints = dict(n_rows=rows, n_heads=heads, n_tiles=n_tiles, n_keys=k, n_splits=splits,
                     keys_per_split=per_split, block_size=shapes.block_size, stride_qn=heads * WIDTH,
                     stride_qh=WIDTH, stride_in=k, stride_bt=table_width(shapes))
-        specs.append(kernel_spec(
-            _sparse_ws_kernel, "k31c::sparse_mla", f"rows={rows},splits={splits}",
-            dict(num_warps=NUM_WARPS),
-            dict(q_ptr=dt, cache_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32,
-                 idx_ptr=torch.int32, out_ptr=dt if splits == 1 else torch.float32,
-                 lse_ptr=torch.float32, scale_log2="fp32", empty_lse="fp32"),
-            num_warps=NUM_WARPS, ints=ints))
+        for fp8, cache in caches.items():
+            specs.append(kernel_spec(
+                _sparse_ws_kernel, "k31c::sparse_mla",
+                f"{'fp8,' if fp8 else ''}rows={rows},splits={splits}",
+                dict(FP8=fp8, num_warps=NUM_WARPS),
+                dict(q_ptr=dt, **cache, table_ptr=torch.int32, req_ptr=torch.int32,
+                     idx_ptr=torch.int32, out_ptr=dt if splits == 1 else torch.float32,
+                     lse_ptr=torch.float32, scale_log2="fp32", empty_lse="fp32"),
+                num_warps=NUM_WARPS, ints=ints))
         if splits > 1:
             specs.append(merge_spec("k31c::sparse_mla", DV, dt, rows, heads, splits))
-    # the two-pass launches an FP8 cache makes (a bf16 one at these widths always runs here)
-    return specs + [s for s in two_pass.aot_specs(shapes) if s.variant.startswith(("fp8", "slots"))]
+    return specs
