@@ -188,13 +188,17 @@ def out_error(got, want, against: str = "bf16 cache") -> str:
 
 def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
     """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
-    the bf16 cache it was written from, in the registered kernels: sparse_mla (two-pass) at `ctx`
-    and dense_mla (one-pass) at `dense_ctx`. Peers: the same kernel on the bf16 cache, and raw
-    e4m3 rows without scales (upcast on load: what dequantisation adds). The note gives the
-    output error against the bf16 cache (what FP8 latent rows cost in accuracy at this shape)."""
+    the bf16 cache it was written from, in the registered kernels: sparse_mla at `ctx` (h200: the
+    warp-specialized kernel, each math group dequantising its block; graph replay) and dense_mla
+    (one-pass) at `dense_ctx`. Peers: the same kernel on the bf16 cache, the two-pass kernel on
+    the FP8 rows (the other targets' path), and raw e4m3 rows without scales (upcast on load:
+    what dequantisation adds). The note gives the output error against the bf16 cache (what FP8
+    latent rows cost in accuracy at this shape)."""
     from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
+    from k31c.lowering.registry import lookup
     from k31c.lowering.triton import mla, mla_two_pass as two_pass
 
+    registered = lookup("k31c::sparse_mla", "h200").fn
     pool = Pool(ctx)
     q, cache, rr = pool.q, pool.cache, pool.row_req
     nb = cache.shape[0]
@@ -206,21 +210,18 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     rows = []
     table, row_len, idx = pool.context(ctx)
     args = lambda c: (q, c, table, rr, idx, SM_SCALE, DV)  # noqa: E731
-    ms = time_ms(lambda: two_pass.sparse_mla(*args(fp8)))
-    peers = {"bf16 cache": time_ms(lambda: two_pass.sparse_mla(*args(cache)))}
-    t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)))
+    ms = graph_ms(lambda: registered(*args(fp8)))
+    peers = {"bf16 cache": graph_ms(lambda: registered(*args(cache))),
+             "two-pass kernel": graph_ms(lambda: two_pass.sparse_mla(*args(fp8)))}
+    t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)), timer=graph_ms)
     if t is not None:
-        peers["raw e4m3 (no scale)"] = t
-    # the FP8 default is 128 value columns a values program (one scale a row per tile); 256
-    # (the bf16 cache's) spans two scale groups
-    t = try_ms(lambda: two_pass.launch(*args(fp8), config={"dvc": 256}))
-    if t is not None:
-        peers["fp8, 256 value columns"] = t
+        peers["raw e4m3 (no scale), two-pass"] = t
     flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
-    rows.append(Row("sparse_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}", ms,
-                    flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
+    module = registered.__module__.rsplit('.', 1)[-1]
+    rows.append(Row(f"sparse_mla fp8_ds_mla ({module})", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}",
+                    ms, flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
-                    + out_error(two_pass.sparse_mla(*args(fp8)), two_pass.sparse_mla(*args(cache)))))
+                    + out_error(registered(*args(fp8)), registered(*args(cache)))))
     table, row_len, _ = pool.context(dense_ctx)
     dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
     ms = time_ms(lambda: mla.dense_mla(*dargs(fp8)), warmup=2, reps=10)

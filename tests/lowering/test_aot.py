@@ -126,8 +126,8 @@ def test_build_default(default_builds, target):
     if target == "mi350x":   # every op registered for mi350x has its kernels built
         assert {op for k in manifest["kernels"] for op in k["ops"]} == set(_registered("mi350x", None))
     else:   # built as the JIT specializes the launches' integers: software-pipelined, no spill
-        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_sparse_ws_kernel[",
-                     "mla_sparse_ws/_scores_kernel[fp8,scores]", "moe_experts/_gate_up_kernel["):
+        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_sparse_ws_kernel[rows",
+                     "mla_sparse_ws/_sparse_ws_kernel[fp8,", "moe_experts/_gate_up_kernel["):
             k = next(k for k in manifest["kernels"] if k["name"].startswith(name))
             assert not k["scratch_bytes"] and k["shared"] > 48 << 10, k
 
@@ -213,9 +213,9 @@ for spec in tix.mx_aot_specs(shapes, "tma")[:1]:
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and regs < 128, (spec.variant, regs, spill)
-# the warp-specialized sparse MLA (a Gluon kernel) builds for sm_90a without spilling
+# the warp-specialized sparse MLA (a Gluon kernel), bf16 and FP8 rows, builds for sm_90a without spilling
 for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
-    if spec.kernel.__name__ != "_sparse_ws_kernel":     # the two-pass fallback's launches
+    if spec.kernel.__name__ != "_sparse_ws_kernel":     # the key splits' merge
         continue
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])

@@ -1,19 +1,19 @@
-"""The producers of the warp-specialized sparse MLA kernel (mla_sparse_ws.py): each turns a row's
-selected positions into cache rows (block table) and fills the seesaw's 32-key buffers
-(mla_seesaw.seesaw_buffers: [32, 512] values + [32, 64] rope, bf16) for the two math groups.
+"""The gather of the warp-specialized sparse MLA kernel (mla_sparse_ws.py): its producer turns a
+row's selected positions into cache rows (block table) and fills the seesaw's 32-key buffers
+(mla_seesaw.seesaw_buffers: [32, 512] values + [32, 64] rope, bf16) with 16-byte cp.async, the
+fill signalled by the copies' own arrivals on `ready`. The lookups run ahead of the copies
+(positions two blocks early, the block table one), so a copy's address never waits on a
+dependent pair of global loads. A -1 position and the tail past the keys are zero-filled.
 
-- `gather_bf16`, a bf16 cache of 576-wide rows: 16-byte cp.async straight into the buffers, the
-  fill signalled by the copies' own arrivals on `ready`.
-- `gather_fp8`, FP8 latent rows (graph/ops/fp8_layouts.py: 512 e4m3, 4 fp32 scales, 64 bf16
-  rope; 656 bytes): the e4m3 bytes go by cp.async into the upper half of the block's own value
-  buffer (16 KB of its 32 KB), the scales into a small buffer of their own, the rope straight to
-  its buffer; once they land (`landed`), the producer dequantises (e4m3 x its row's scale, in
-  fp32, rounded to bf16 once, as the two-pass kernel does) into the value buffer and signals
-  `ready`. Shared memory holds no room for a separate staging area beside q and four buffers.
-
-In both the lookups run ahead of the copies (positions two blocks early, the block table one),
-so a copy's address never waits on a dependent pair of global loads. A -1 position and the tail
-past the keys are zero-filled (an FP8 row's zero scale gives zero values).
+- A bf16 cache of 576-wide rows goes straight into the buffers.
+- FP8 latent rows (graph/ops/fp8_layouts.py: 512 e4m3, 4 fp32 scales, 64 bf16 rope; 656 bytes):
+  the e4m3 bytes go into the upper half of the block's own value buffer (16 KB of its 32 KB;
+  shared memory has no room for a staging area beside q and four buffers), the scales into a
+  buffer of their own, the rope straight to its buffer. The math group that scores the block
+  dequantises it in place once it lands (`dequant_block`: e4m3 x its row's scale in fp32,
+  rounded to bf16 once, as the two-pass kernel does); a zero-filled row's zero scale gives zero
+  values. The producer dequantising both blocks of a pair instead measured the same
+  (BENCHMARKS.md, "Sparse MLA on FP8 latent rows"): the gather's latency bounds both.
 """
 from __future__ import annotations
 
@@ -39,53 +39,39 @@ if GLUON_ERROR is None:
         return gl.maximum(blk, 0).to(gl.int64) * block_size + at % block_size
 
     @gluon.jit
-    def gather_bf16(cache_ptr, table_row, idx_row, n_keys, block_size, kv_bufs, kr_bufs, ready,
-                    empty, n_steps):
-        G_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        rows = gl.arange(0, BK, gl.SliceLayout(1, G_L))
+    def _copy_bf16(cache_ptr, pos, blk, block_size, b, kv_bufs, kr_bufs, ready, empty, phase):
+        # one block's 576-wide bf16 rows straight into buffer b, once it is free
+        G_L: gl.constexpr = pos.type.layout.parent                 # [32, 64] bf16, 16 B a thread
+        row = _cache_rows(pos, blk, block_size)
         cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
-        pos = _positions(idx_row, n_keys, 0, rows)
-        pos_n = _positions(idx_row, n_keys, 1, rows)
-        blk = gl.load(table_row + gl.maximum(pos, 0) // block_size, mask=pos >= 0, other=0)
-        for i in range(n_steps):
-            b = i % NB
-            pos_nn = _positions(idx_row, n_keys, i + 2, rows)
-            blk_n = gl.load(table_row + gl.maximum(pos_n, 0) // block_size, mask=pos_n >= 0,
-                            other=0)
-            row = _cache_rows(pos, blk, block_size)
-            ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
-            src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
-            mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # both groups done with it
-            async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
-            for c in gl.static_range(8):
-                async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
-                                                       src + 64 * c, mask=ok)
-            async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
-            pos, blk, pos_n = pos_n, blk_n, pos_nn
+        ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
+        src = cache_ptr + gl.expand_dims(gl.multiple_of(row * 576, 64), 1) + gl.expand_dims(cols, 0)
+        mbarrier.wait(empty.index(b), phase)
+        async_copy.async_copy_global_to_shared(kr_bufs.index(b), src + 512, mask=ok)
+        for c in gl.static_range(8):
+            async_copy.async_copy_global_to_shared(kv_bufs.index(b).slice(64 * c, 64, dim=1),
+                                                   src + 64 * c, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
-    def fp8_buffers():
-        """The FP8 producer's own shared memory: each buffer's 32 rows of 4 scales, and the
-        barriers its copies arrive on (one arrival a producer thread)."""
-        scl_bufs = gl.allocate_shared_memory(gl.float32, [NB, BK, 4],
-                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        landed = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(NB):
-            mbarrier.init(landed.index(b), count=128)
-        return scl_bufs, landed
+    def fp8_scales():
+        """FP8 rows' scales: each buffer's 32 rows of 4 (fp32)."""
+        return gl.allocate_shared_memory(gl.float32, [NB, BK, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
-    def _copy_fp8(cache_ptr, scale_ptr, rope_ptr, pos, blk, block_size, b, stage, kr_bufs,
-                  scl_bufs, landed):
-        # one block's rows: e4m3 bytes to the staging half of buffer b (four [32, 128] column
-        # groups at views 8b + 4 .. 8b + 7), scales and rope to their buffers
+    def _copy_fp8(cache_ptr, scale_ptr, rope_ptr, pos, blk, block_size, b, kv_bufs, kr_bufs,
+                  scl_bufs, ready, empty, phase):
+        # one block's rows, once buffer b is free: e4m3 bytes to its staging half (four
+        # [32, 128] column groups at views 8b + 4 .. 8b + 7), scales and rope to their buffers
         C_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])    # [32, 128] bytes
         R_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])     # [32, 64] bf16
         F_L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])     # [32, 4] fp32
+        stage = staging(kv_bufs)
         row = _cache_rows(pos, blk, block_size)
         cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 128, gl.SliceLayout(0, C_L)), 16), 16)
         ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
         src = cache_ptr + gl.expand_dims(gl.multiple_of(row * FP8_ROW, 16), 1) + gl.expand_dims(cols, 0)
+        mbarrier.wait(empty.index(b), phase)
         for g in gl.static_range(4):
             async_copy.async_copy_global_to_shared(stage.index(8 * b + 4 + g), src + 128 * g, mask=ok)
         row_r = gl.convert_layout(row, gl.SliceLayout(1, R_L))
@@ -101,7 +87,7 @@ if GLUON_ERROR is None:
         src_f = scale_ptr + gl.expand_dims(row_f * (FP8_ROW // 4) + SCALE_AT, 1) + gl.expand_dims(cols_f, 0)
         async_copy.async_copy_global_to_shared(scl_bufs.index(b), src_f,
                                                mask=gl.expand_dims(ok_f, 1) & gl.expand_dims(cols_f >= 0, 0))
-        async_copy.mbarrier_arrive(landed.index(b), increment_count=False)
+        async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
     def _dequant(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr):
@@ -109,11 +95,18 @@ if GLUON_ERROR is None:
         return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
 
     @gluon.jit
-    def _dequant_fp8(b, stage, kv_bufs, scl_bufs):
-        # buffer b's staged e4m3 columns to bf16 in place: column groups 0 and 1 write the lower
-        # half (nothing staged there); 2 and 3 overwrite the staging, so every thread reads
-        # them before the barrier and writes after it
+    def staging(kv_bufs):
+        """The value buffers as [32, 128]-byte views: buffer b's staged e4m3 column groups are
+        views 8b + 4 .. 8b + 7 (its upper 16 KB)."""
+        return kv_bufs._reinterpret(gl.uint8, [NB * 8, BK, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+    @gluon.jit
+    def dequant_block(b, kv_bufs, scl_bufs):
+        """Buffer b's staged e4m3 columns to bf16 in place, by one warp group, fenced and synced
+        for its wgmmas: column groups 0 and 1 write the lower half (nothing staged there); 2 and
+        3 overwrite the staging, so every thread reads them before the barrier and writes after."""
         C_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        stage = staging(kv_bufs)
         kv = kv_bufs.index(b)
         scl = scl_bufs.index(b)
         for g in gl.static_range(2):
@@ -124,34 +117,33 @@ if GLUON_ERROR is None:
         sync()
         kv.slice(256, 128, dim=1).store(_dequant(x2, scl, 2, C_L))
         kv.slice(384, 128, dim=1).store(_dequant(x3, scl, 3, C_L))
+        fence_async_shared()            # the stores, before the wgmmas read them
+        sync()
 
     @gluon.jit
-    def gather_fp8(cache_ptr, scale_ptr, rope_ptr, table_row, idx_row, n_keys, block_size, kv_bufs,
-                   kr_bufs, scl_bufs, landed, ready, empty, n_pairs):
-        # a pair's two copies are issued together, then each block is dequantised as it lands:
-        # one copy latency a pair, under the math groups' previous pair
-        C_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        stage = kv_bufs._reinterpret(gl.uint8, [NB * 8, BK, 128], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        rows = gl.arange(0, BK, gl.SliceLayout(1, C_L))
+    def gather(cache_ptr, scale_ptr, rope_ptr, table_row, idx_row, n_keys, block_size, kv_bufs,
+               kr_bufs, scl_bufs, ready, empty, n_steps, FP8: gl.constexpr):
+        """The producer: block i into buffer i % NB once both math groups are done with it, the
+        copies arriving on `ready` (one arrival a producer thread). FP8: cache_ptr, scale_ptr
+        and rope_ptr are uint8, fp32 and bf16 views of FP8 latent rows (else each the bf16
+        cache), and each math group dequantises its block (`dequant_block`) once it lands."""
+        if FP8:
+            L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        else:
+            L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        rows = gl.arange(0, BK, gl.SliceLayout(1, L))
         pos = _positions(idx_row, n_keys, 0, rows)
         pos_n = _positions(idx_row, n_keys, 1, rows)
         blk = gl.load(table_row + gl.maximum(pos, 0) // block_size, mask=pos >= 0, other=0)
-        for p in range(n_pairs):
-            for h in gl.static_range(2):
-                i = 2 * p + h
-                b = i % NB
-                pos_nn = _positions(idx_row, n_keys, i + 2, rows)
-                blk_n = gl.load(table_row + gl.maximum(pos_n, 0) // block_size, mask=pos_n >= 0,
-                                other=0)
-                mbarrier.wait(empty.index(b), ((i // NB) & 1) ^ 1)      # both groups done with it
-                _copy_fp8(cache_ptr, scale_ptr, rope_ptr, pos, blk, block_size, b, stage, kr_bufs,
-                          scl_bufs, landed)
-                pos, blk, pos_n = pos_n, blk_n, pos_nn
-            for h in gl.static_range(2):
-                i = 2 * p + h
-                b = i % NB
-                mbarrier.wait(landed.index(b), (i // NB) & 1)
-                _dequant_fp8(b, stage, kv_bufs, scl_bufs)
-                fence_async_shared()            # the stores, before the math groups' wgmmas read them
-                sync()
-                mbarrier.arrive(ready.index(b), count=1)
+        for i in range(n_steps):
+            b = i % NB
+            pos_nn = _positions(idx_row, n_keys, i + 2, rows)
+            blk_n = gl.load(table_row + gl.maximum(pos_n, 0) // block_size, mask=pos_n >= 0,
+                            other=0)
+            phase = ((i // NB) & 1) ^ 1          # of `empty`: both groups done with the buffer
+            if FP8:
+                _copy_fp8(cache_ptr, scale_ptr, rope_ptr, pos, blk, block_size, b, kv_bufs, kr_bufs,
+                          scl_bufs, ready, empty, phase)
+            else:
+                _copy_bf16(cache_ptr, pos, blk, block_size, b, kv_bufs, kr_bufs, ready, empty, phase)
+            pos, blk, pos_n = pos_n, blk_n, pos_nn

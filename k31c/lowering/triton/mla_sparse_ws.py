@@ -4,10 +4,12 @@ One program per (query row, 64-head tile); a row's tiles are adjacent programs, 
 finds the row's gathered latent rows in L2. The row's selected keys go in pairs of 32-key blocks
 (a, b). Inside a program, three warp groups:
 
-- a producer (4 warps, 56 registers) turns the row's selected positions into cache rows (block
-  table; the lookups run ahead of the copies) and gathers each block with 16-byte cp.async into one of four [32, 576] shared buffers
-  (a -1 position and the tail past k are zero-filled): the next pair is in flight while this one
-  is computed, and each row is read once for both products;
+- a producer (4 warps, 56 registers; `mla_sparse_gather.gather`) turns the row's selected
+  positions into cache rows (block table; the lookups run ahead of the copies) and gathers each
+  block with 16-byte cp.async into one of four [32, 576] shared buffers (a -1 position and the
+  tail past k are zero-filled): the next pair is in flight while this one is computed, and each
+  row is read once for both products. FP8 latent rows land as e4m3 in the upper half of the
+  value buffer, and the math group that scores the block dequantises it in place first;
 - two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
   heads against the block's 32 keys, q from shared memory), at the same time. Group 0 takes its
   row max, stores its P over block a's rope part (dead once scored) with the max, and signals;
@@ -30,8 +32,8 @@ that `mla_common.merge_splits` combines by LSE.
 Triton's own pipeliner cannot do this: it warp-specializes on Hopper only around TMA-descriptor
 loads, and the rows here are gathered (BENCHMARKS.md, "Sparse MLA, warp-specialized in Gluon":
 the measurements and the forms that lost). Cases this kernel does not take go to the two-pass
-kernel (`why_two_pass` names the reason): another dtype or width, an FP8 cache, a strided
-layout, a GPU other than sm_90, no Gluon.
+kernel (`why_two_pass` names the reason): another dtype or width, a strided layout, a GPU
+other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma
-    from k31c.lowering.triton.mla_sparse_gather import fp8_buffers, gather_bf16, gather_fp8
+    from k31c.lowering.triton.mla_sparse_gather import dequant_block, fp8_scales, gather
     from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
                                                  row_sums, seesaw_buffers, seesaw_pair, store_q)
 
@@ -67,7 +69,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _half(ROLE: gl.constexpr, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin,
               m_a, m_b, l_a, l_b, idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0,
-              n_heads, empty_lse):
+              n_heads, empty_lse, scl_bufs, DEQUANT: gl.constexpr):
         # one math warp group: the scores of block 2j + ROLE of pair j, the values' columns
         # [256 ROLE, 256 ROLE + 256) of both blocks; the other group's P and running max come
         # through shared memory (p_bar: group 0's of block a, group 1's of block b)
@@ -90,6 +92,8 @@ if GLUON_ERROR is None:
             kr = kr_bufs.index(ba + ROLE)
             kv = kv_bufs.index(ba + ROLE)
             mbarrier.wait(ready.index(ba + ROLE), ph_ready)
+            if DEQUANT:             # FP8 rows: this group's block, staged as e4m3
+                dequant_block(ba + ROLE, kv_bufs, scl_bufs)
             s = warpgroup_mma(qr_smem.index(zr), kr.permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
             s = warpgroup_mma(qv_smem.index(zr), kv.permute((1, 0)), s, is_async=True)
@@ -113,15 +117,19 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _half0(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
-               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
+               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse,
+               scl_bufs, DEQUANT: gl.constexpr):
         _half(0, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
-              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse)
+              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse,
+              scl_bufs, DEQUANT)
 
     @gluon.jit
     def _half1(qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
-               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse):
+               idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse,
+               scl_bufs, DEQUANT: gl.constexpr):
         _half(1, qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
-              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse)
+              idx_row, n_keys, n_pairs, scale_log2, out_ptr, lse_ptr, head0, n_heads, empty_lse,
+              scl_bufs, DEQUANT)
 
     @gluon.jit
     def _sparse_ws_kernel(q_ptr, cache_ptr, scale_ptr, rope_ptr, table_ptr, req_ptr, idx_ptr,
@@ -136,7 +144,7 @@ if GLUON_ERROR is None:
         t = pid // (n_tiles * n_splits)
         head0 = tile * 64
         (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
-         fin) = seesaw_buffers(1 if FP8 else 128)     # FP8: one arrival, the dequant's
+         fin) = seesaw_buffers(128)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
@@ -152,22 +160,14 @@ if GLUON_ERROR is None:
         args = (qv_smem, qr_smem, kv_bufs, kr_bufs, ready, empty, p_bar, fin, m_a, m_b, l_a, l_b,
                 idx_row, n_here, n_pairs, scale_log2, out_ptr + row_out * 512, lse_ptr + row_out,
                 head0, n_heads, empty_lse)
-        if FP8:
-            scl_bufs, landed = fp8_buffers()
-            gl.warp_specialize([
-                (gather_fp8, (cache_ptr, scale_ptr, rope_ptr, table_row, idx_row, n_here,
-                              block_size, kv_bufs, kr_bufs, scl_bufs, landed, ready, empty,
-                              n_pairs)),
-                (_half0, args),
-                (_half1, args)],
-                [4, 4], [MATH_REGS, MATH_REGS])
-        else:
-            gl.warp_specialize([
-                (gather_bf16, (cache_ptr, table_row, idx_row, n_here, block_size, kv_bufs,
-                               kr_bufs, ready, empty, 2 * n_pairs)),
-                (_half0, args),
-                (_half1, args)],
-                [4, 4], [MATH_REGS, MATH_REGS])
+        scl_bufs = fp8_scales() if FP8 else kr_bufs         # (bf16: a placeholder, unused)
+        math_args = args + (scl_bufs, FP8)
+        gl.warp_specialize([
+            (gather, (cache_ptr, scale_ptr, rope_ptr, table_row, idx_row, n_here, block_size,
+                      kv_bufs, kr_bufs, scl_bufs, ready, empty, 2 * n_pairs, FP8)),
+            (_half0, math_args),
+            (_half1, math_args)],
+            [4, 4], [MATH_REGS, MATH_REGS])
 
 
 def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
