@@ -4,7 +4,8 @@ Rows: context 2.3K and 32K tokens per request, B = 1 and 16 requests. Columns, a
 this run: the eager reference, `torch.compile(mode="reduce-overhead")` of the reference, the k31c
 program without device graphs, k31c graph replay (3 streams), k31c graph replay on one stream and
 k31c graph replay with programmatic dependent launch (`options={"pdl": True}`) on 3 streams and
-on one; the bytes floor
+on one, and k31c graph replay over FP8 latent rows (`options={"quantize": {"latent_cache":
+"fp8"}}`: the pool's latent cache in the 656-byte layout, half the bf16 one); the bytes floor
 (`floor_bytes`: the weights a step reads once, each request's caches once, at the copy rate
 measured now), the GPU busy share of the replayed step (from the profiler's trace of 5
 consecutive steps, the first left out: the union of the device's busy time, overlapping streams
@@ -37,6 +38,7 @@ from harness import bench_model, bytes_floor_ms, emit, measure_machine  # noqa: 
 from timeline import idle_gaps, per_step, steady_profile  # noqa: E402
 
 import k31c.api as k31c_api  # noqa: E402
+from k31c.graph.ops.fp8_layouts import quantize_latent_fp8  # noqa: E402
 from k31c.runtime.engine import Engine  # noqa: E402
 
 CONTEXTS = (2304, 32768)
@@ -44,11 +46,24 @@ BATCHES = (1, 16)
 
 
 
+def random_latent(latent: torch.Tensor, cfg, gen: torch.Generator, chunk: int = 1 << 16) -> None:
+    """Fill a latent cache with random rows (std 0.5): in its dtype, or (uint8) as FP8 latent
+    rows quantised from random fp32 rows, `chunk` rows at a time."""
+    if latent.dtype != torch.uint8:
+        latent.normal_(0, 0.5, generator=gen)
+        return
+    flat = latent.view(-1, latent.shape[-1])
+    for r0 in range(0, flat.shape[0], chunk):
+        rows = torch.randn(min(chunk, flat.shape[0] - r0), cfg.latent_dim, generator=gen,
+                           device=latent.device) * 0.5
+        flat[r0:r0 + rows.shape[0]] = quantize_latent_fp8(rows, cfg.kv_lora_rank)
+
+
 def fill_random(eng: Engine, batch: int, ctx: int) -> list[int]:
     """`batch` requests whose caches hold `ctx` random tokens (latent rows, index keys, states)."""
     pool, gen = eng.pool, torch.Generator(device="cuda").manual_seed(1)
     for c in pool.mla:
-        c.latent.normal_(0, 0.5, generator=gen)
+        random_latent(c.latent, eng.cfg, gen)
         if c.index.is_floating_point():
             c.index.normal_(0, 1.0, generator=gen)
     for s in pool.kda:
@@ -169,6 +184,9 @@ def main() -> int:
         runners["k31c graphs, PDL"] = k31c_api.compile(model, target="h200", options={"pdl": True})
         runners["k31c graphs, PDL, 1 stream"] = k31c_api.compile(model, target="h200",
                                                                  options={"pdl": True, "streams": 1})
+        # FP8 latent rows (half the latent cache): Engine(compiled) allocates its pool so
+        runners["k31c graphs, FP8 latent rows"] = k31c_api.compile(
+            model, target="h200", options={"quantize": {"latent_cache": "fp8"}})
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for
     engines = {name: Engine(model, max_requests=max(BATCHES), max_seq_len=max_len, device="cuda", step_fn=fn)
                for name, fn in runners.items()}
