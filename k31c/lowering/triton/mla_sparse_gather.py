@@ -23,11 +23,13 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (async_copy, fence_async_shared, gl, gluon, mbarrier,
                                                  sync)
-    from k31c.lowering.triton.mla_seesaw import BK, NB
+    from k31c.lowering.triton import mla_seesaw
+    from k31c.lowering.triton.mla_seesaw import BK, DV, NB
 
-    FP8_ROW = gl.constexpr(656)     # bytes of an FP8 latent row: 512 e4m3 + 16 scale + 128 rope
-    SCALE_AT = gl.constexpr(128)    # the row's first scale, in fp32 units (byte 512)
-    ROPE_AT = gl.constexpr(264)     # its rope, in bf16 units (byte 528)
+    FP8_ROW = gl.constexpr(mla_seesaw.FP8_ROW)   # an FP8 latent row: 512 e4m3, 4 fp32 scales, 64 bf16
+    SCALE_AT = gl.constexpr(DV // 4)             # the row's first scale, in fp32 units (byte 512)
+    ROPE_AT = gl.constexpr((DV + 16) // 2)       # its rope, in bf16 units (byte 528)
+    E4M3_L = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))   # [32, 128] bytes
 
     @gluon.jit
     def _positions(idx_row, n_keys, j, rows):
@@ -64,7 +66,7 @@ if GLUON_ERROR is None:
                   scl_bufs, ready, empty, phase):
         # one block's rows, once buffer b is free: e4m3 bytes to its staging half (four
         # [32, 128] column groups at views 8b + 4 .. 8b + 7), scales and rope to their buffers
-        C_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])    # [32, 128] bytes
+        C_L: gl.constexpr = E4M3_L
         R_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])     # [32, 64] bf16
         F_L: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])     # [32, 4] fp32
         stage = staging(kv_bufs)
@@ -107,7 +109,7 @@ if GLUON_ERROR is None:
         for its wgmmas: column groups 0 and 1 write the lower half (nothing staged there); 2 and
         3 overwrite the staging, so every thread reads all four before the barrier and writes
         those two after it."""
-        C_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        C_L: gl.constexpr = E4M3_L
         stage = staging(kv_bufs)
         kv = kv_bufs.index(b)
         scl = scl_bufs.index(b)
@@ -131,7 +133,7 @@ if GLUON_ERROR is None:
         and rope_ptr are uint8, fp32 and bf16 views of FP8 latent rows (else each the bf16
         cache), and each math group dequantises its block (`dequant_block`) once it lands."""
         if FP8:
-            L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+            L: gl.constexpr = E4M3_L
         else:
             L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         rows = gl.arange(0, BK, gl.SliceLayout(1, L))
