@@ -188,11 +188,12 @@ def out_error(got, want, against: str = "bf16 cache") -> str:
 
 def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
     """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
-    the bf16 cache it was written from, in the registered kernels: sparse_mla at `ctx` (h200: the
-    warp-specialized kernel, each math group dequantising its block; graph replay) and dense_mla
-    (one-pass) at `dense_ctx`. Peers: the same kernel on the bf16 cache, the two-pass kernel on
-    the FP8 rows (the other targets' path), and raw e4m3 rows without scales (upcast on load:
-    what dequantisation adds). The note gives the output error against the bf16 cache (what FP8
+    the bf16 cache it was written from, in the registered kernels, by graph replay: sparse_mla at
+    `ctx` (h200: the warp-specialized kernel, each math group dequantising its block) and
+    dense_mla at `dense_ctx` (the row names the kernel the FP8 rows run). Peers: the same
+    launcher on the bf16 cache; for sparse_mla the two-pass kernel on the FP8 rows (the other
+    targets' path) and raw e4m3 rows without scales (upcast on load: what dequantisation adds);
+    for dense_mla the one-pass kernel on the FP8 rows. The note gives the output error against the bf16 cache (what FP8
     latent rows cost in accuracy at this shape)."""
     from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
     from k31c.lowering.registry import lookup
@@ -224,13 +225,17 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
                     + out_error(registered(*args(fp8)), registered(*args(cache)))))
     table, row_len, _ = pool.context(dense_ctx)
     dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
-    ms = time_ms(lambda: mla.dense_mla(*dargs(fp8)), warmup=2, reps=10)
-    peers = {"bf16 cache": time_ms(lambda: mla.dense_mla(*dargs(cache)), warmup=2, reps=10)}
+    dense = lookup("k31c::dense_mla", "h200")
+    ms = graph_ms(lambda: dense.fn(*dargs(fp8)), warmup=2, reps=10)
+    peers = {"bf16 cache": graph_ms(lambda: dense.fn(*dargs(cache)), warmup=2, reps=10),
+             "one-pass kernel": graph_ms(lambda: mla.dense_mla(*dargs(fp8)), warmup=2, reps=10)}
     flops, nbytes = _flops(dense_ctx), B * dense_ctx * FP8_ROW_BYTES
-    rows.append(Row("dense_mla fp8_ds_mla", f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
+    runs = dense.runs(*dargs(fp8)) if dense.runs else dense.fn
+    rows.append(Row(f"dense_mla fp8_ds_mla ({runs.__module__.rsplit('.', 1)[-1]})",
+                    f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
-                    + out_error(mla.dense_mla(*dargs(fp8)), mla.dense_mla(*dargs(cache)))))
+                    + out_error(dense.fn(*dargs(fp8)), dense.fn(*dargs(cache)))))
     return rows
 
 
