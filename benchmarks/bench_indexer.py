@@ -127,7 +127,7 @@ def _scan_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
             peers["eager ref"] = t
         if ctx <= COMPILE_MAX:
             t = try_ms(lambda: compiled(pool.q, pool.weights, pool.cache, table, row_len, BLOCK),
-                          warmup=2, reps=10)
+                       warmup=2, reps=10)
             if t is not None:
                 peers["torch.compile"] = t
         floor = bytes_floor_ms(scan_bytes(ctx), machine)
@@ -185,8 +185,8 @@ def mxfp8_rows(machine: Machine, contexts=(32 << 10, 128 << 10)) -> list[Row]:
         # (keys a step, warps): the default spills 1,424 B at R = 4 in its sm_90a build; 64 keys on
         # 8 warps 40 B, 32 keys on 8 warps none
         tiles = {kw: try_ms(lambda kw=kw: tix.launch_indexer(*args, keys_per_step=kw[0], num_warps=kw[1],
-                                                                variant="gather"),
-                               timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
+                                                             variant="gather"),
+                            timer=graph_ms) for kw in ((64, 8), (32, 8), (64, 4))}
         for name, knobs in (("mxfp8 gather kernel", dict(variant="gather")),     # the registered: tma
                             ("mxfp8 tma kernel, no register cap", dict(variant="tma", maxnreg=0))):
             t = try_ms(lambda knobs=knobs: tix.launch_indexer(*args, **knobs), timer=graph_ms)

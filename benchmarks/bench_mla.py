@@ -35,6 +35,8 @@ import sys
 
 import torch
 
+from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes
+
 try:
     from benchmarks import peers as pp
     from benchmarks.harness import Machine, Row, bytes_floor_ms, flops_floor_ms, goals_markdown, \
@@ -168,7 +170,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
     return rows
 
 
-FP8_ROW_BYTES = 656                          # 512 e4m3 + 4 fp32 scales + 64 bf16 (spec §5.6)
+FP8_ROW_BYTES = latent_fp8_row_bytes(DV, WIDTH - DV)   # 656: 512 e4m3, 4 fp32 scales, 64 bf16 (spec §5.6)
 
 
 def out_error(got, want, against: str = "bf16 cache") -> str:
@@ -186,20 +188,26 @@ def out_error(got, want, against: str = "bf16 cache") -> str:
     return text
 
 
+def _runs_module(kernel, args) -> str:
+    """The module of the launcher a registered kernel runs for these arguments."""
+    fn = kernel.runs(*args) if kernel.runs else kernel.fn
+    return fn.__module__.rsplit(".", 1)[-1]
+
+
 def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
     """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
     the bf16 cache it was written from, in the registered kernels, by graph replay: sparse_mla at
     `ctx` (h200: the warp-specialized kernel, each math group dequantising its block) and
-    dense_mla at `dense_ctx` (the row names the kernel the FP8 rows run). Peers: the same
+    dense_mla at `dense_ctx`; each row names the kernel the FP8 rows run. Peers: the same
     launcher on the bf16 cache; for sparse_mla the two-pass kernel on the FP8 rows (the other
     targets' path) and raw e4m3 rows without scales (upcast on load: what dequantisation adds);
-    for dense_mla the one-pass kernel on the FP8 rows. The note gives the output error against the bf16 cache (what FP8
-    latent rows cost in accuracy at this shape)."""
+    for dense_mla the one-pass kernel on the FP8 rows. The note gives the output error against
+    the bf16 cache (what FP8 latent rows cost in accuracy at this shape)."""
     from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
     from k31c.lowering.registry import lookup
     from k31c.lowering.triton import mla, mla_two_pass as two_pass
 
-    registered = lookup("k31c::sparse_mla", "h200").fn
+    sparse = lookup("k31c::sparse_mla", "h200")
     pool = Pool(ctx)
     q, cache, rr = pool.q, pool.cache, pool.row_req
     nb = cache.shape[0]
@@ -211,18 +219,18 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     rows = []
     table, row_len, idx = pool.context(ctx)
     args = lambda c: (q, c, table, rr, idx, SM_SCALE, DV)  # noqa: E731
-    ms = graph_ms(lambda: registered(*args(fp8)))
-    peers = {"bf16 cache": graph_ms(lambda: registered(*args(cache))),
+    ms = graph_ms(lambda: sparse.fn(*args(fp8)))
+    peers = {"bf16 cache": graph_ms(lambda: sparse.fn(*args(cache))),
              "two-pass kernel": graph_ms(lambda: two_pass.sparse_mla(*args(fp8)))}
     t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)), timer=graph_ms)
     if t is not None:
         peers["raw e4m3 (no scale), two-pass"] = t
     flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
-    module = registered.__module__.rsplit('.', 1)[-1]
-    rows.append(Row(f"sparse_mla fp8_ds_mla ({module})", f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}",
+    rows.append(Row(f"sparse_mla fp8_ds_mla ({_runs_module(sparse, args(fp8))})",
+                    f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}",
                     ms, flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
-                    + out_error(registered(*args(fp8)), registered(*args(cache)))))
+                    + out_error(sparse.fn(*args(fp8)), sparse.fn(*args(cache)))))
     table, row_len, _ = pool.context(dense_ctx)
     dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
     dense = lookup("k31c::dense_mla", "h200")
@@ -232,8 +240,7 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
     if t is not None:
         peers["one-pass kernel"] = t
     flops, nbytes = _flops(dense_ctx), B * dense_ctx * FP8_ROW_BYTES
-    runs = dense.runs(*dargs(fp8)) if dense.runs else dense.fn
-    rows.append(Row(f"dense_mla fp8_ds_mla ({runs.__module__.rsplit('.', 1)[-1]})",
+    rows.append(Row(f"dense_mla fp8_ds_mla ({_runs_module(dense, dargs(fp8))})",
                     f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
                     flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "

@@ -122,7 +122,7 @@ def test_public_launchers_and_registry():
            torch.empty(4, 2048, device="meta", dtype=torch.int32), 0.1, 512)
     assert h200.name_for(k31) == ("triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
                                   if ws.GLUON_ERROR is None else h200.name_for(sparse_args(c)))
-    # FP8 latent rows (656 bytes) run there too: its producer dequantises them
+    # FP8 latent rows (656 bytes) run there too, dequantised on chip
     k31_fp8 = (k31[0], torch.empty(9, 64, 656, device="meta", dtype=torch.uint8), *k31[2:])
     assert h200.name_for(k31_fp8) == h200.name_for(k31)
     assert lookup("k31c::dense_mla", "h200").fn is dws.dense_mla

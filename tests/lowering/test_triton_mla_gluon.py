@@ -56,7 +56,7 @@ def test_warp_specialized_sparse_key_splits(splits):
 ])
 def test_warp_specialized_sparse_fp8_latent_rows(heads, k, rows, block_size, splits):
     """FP8 latent rows (656 bytes: e4m3, fp32 scales, bf16 rope), dequantised on chip by the
-    producer, against the reference op on the same FP8 cache (which dequantises in fp32): the
+    math group that scores each block, against the reference op on the same FP8 cache (which dequantises in fp32): the
     bf16 tolerance holds, as both see the same values to bf16 rounding."""
     c = fp8_case(make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
                               "requests": 3 if splits else K31["requests"],
