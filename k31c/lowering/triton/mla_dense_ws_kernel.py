@@ -200,8 +200,8 @@ if GLUON_ERROR is None:
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _dequant_half(stage, kv, scl, buf, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
-        # rows [32 h, 32 h + 32) of e4m3 column group g: loaded (uint8 [32, 128])
+    def _staged(stage, buf, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
+        # rows [32 h, 32 h + 32) of buffer buf's e4m3 column group g (uint8 [32, 128])
         return stage.index((buf * 8 + 4 + g) * 2 + h).load(D_L)
 
     @gluon.jit
@@ -220,21 +220,21 @@ if GLUON_ERROR is None:
         SH8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 128], gl.uint8)
         stage = kv_bufs._reinterpret(gl.uint8, [2 * 8 * 2, 32, 128], SH8)
         kv = kv_bufs.index(buf)
-        x00 = _dequant_half(stage, kv, scl, buf, 0, 0, D_L)
-        x01 = _dequant_half(stage, kv, scl, buf, 0, 1, D_L)
-        x10 = _dequant_half(stage, kv, scl, buf, 1, 0, D_L)
-        x11 = _dequant_half(stage, kv, scl, buf, 1, 1, D_L)
+        x00 = _staged(stage, buf, 0, 0, D_L)
+        x01 = _staged(stage, buf, 0, 1, D_L)
+        x10 = _staged(stage, buf, 1, 0, D_L)
+        x11 = _staged(stage, buf, 1, 1, D_L)
         _store_half(x00, kv, scl, 0, 0, D_L)
         _store_half(x01, kv, scl, 0, 1, D_L)
         _store_half(x10, kv, scl, 1, 0, D_L)
         _store_half(x11, kv, scl, 1, 1, D_L)
-        x20 = _dequant_half(stage, kv, scl, buf, 2, 0, D_L)
-        x21 = _dequant_half(stage, kv, scl, buf, 2, 1, D_L)
+        x20 = _staged(stage, buf, 2, 0, D_L)
+        x21 = _staged(stage, buf, 2, 1, D_L)
         sync()
         _store_half(x20, kv, scl, 2, 0, D_L)
         _store_half(x21, kv, scl, 2, 1, D_L)
-        x30 = _dequant_half(stage, kv, scl, buf, 3, 0, D_L)
-        x31 = _dequant_half(stage, kv, scl, buf, 3, 1, D_L)
+        x30 = _staged(stage, buf, 3, 0, D_L)
+        x31 = _staged(stage, buf, 3, 1, D_L)
         sync()
         _store_half(x30, kv, scl, 3, 0, D_L)
         _store_half(x31, kv, scl, 3, 1, D_L)
