@@ -225,21 +225,22 @@ ws = [s for s in tix.aot_specs(shapes) if s.kernel.__name__ == "_indexer_ws_kern
 assert len(ws) == 1, [s.variant for s in ws]
 ck = aot.compile_spec(ws[0], "h200")
 assert not aot._cuda_registers(ck.asm["cubin"])[1] and ck.metadata.shared > 80_000, ck.metadata.shared
-# the warp-specialized dense MLA (Gluon) at one and four rows a request: its planned splits,
-# its descriptor typed with its shared layout, built for sm_90a without spilling at R = 1; at
-# R = 4 (two passes planned, by the producer alone) ptxas keeps 8 bytes of the producer's
-# scalars in local memory, and no more
+# the warp-specialized dense MLA (Gluon) at one and four rows a request, bf16 and FP8 rows:
+# its planned splits, its descriptors typed with their shared layouts, built for sm_90a
+# without spilling but at bf16 R = 4 (two passes planned, by the producer alone), where ptxas
+# keeps 8 bytes of the producer's scalars in local memory, and no more
 specs = aot.collect_specs("h200", families=["mla_dense_ws"])
 names = {(s.kernel.__name__, s.variant) for s in specs}
-assert {("dense_ws_kernel", "R=1,splits=4"), ("dense_ws_kernel", "R=4,splits=4")} <= names, names
+assert {("dense_ws_kernel", f"{f}R={r},splits=4") for f in ("", "fp8,") for r in (1, 4)} <= names, names
 assert not {v for n, v in names if n == "_dense_split_kernel"}, names
 for spec in specs:
     if spec.kernel.__name__ != "dense_ws_kernel":
         continue
-    assert spec.signature["desc"].startswith("tensordesc<bf16[64,64],NVMMASharedLayout("), spec
+    box = "u8[64,128]" if spec.variant.startswith("fp8") else "bf16[64,64]"
+    assert spec.signature["desc"].startswith(f"tensordesc<{box},NVMMASharedLayout("), spec
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
-    assert (spill or 0) <= (0 if spec.variant.startswith("R=1") else 8), (spec.variant, spill)
+    assert (spill or 0) <= (8 if spec.variant.startswith("R=4") else 0), (spec.variant, spill)
     assert ck.metadata.shared > 200_000 and ck.metadata.num_warps == 12, spec.variant
 print("checked")
 """

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.graph.ops.fp8_layouts import dequantize_latent_fp8
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla_dense_ws as dws
 from k31c.lowering.triton import mla_sparse_ws as ws
@@ -154,6 +155,33 @@ def test_warp_specialized_dense_matches_reference(heads, requests, rows, row_req
 
 
 @cuda_only
+@pytest.mark.parametrize("heads,requests,rows,row_req,lens,unwritten", [
+    (96, 16, 1, None, [0, 1, 63, 64, 65, 2560, 1000, 2000, 7, 128, 129, 2559, 300, 301, 5, 0], False),
+    (96, 4, 4, None, [100, 101, 102, 103, 0, 0, 0, 0, 1, 64, 65, 2000, 2560, 2559, 2558, 1], True),
+    (40, 3, 3, [0, 1, 0, 2, 1, 2, 0, 1, 2], [5, 100, 1, 256, 0, 64, 2000, 33, 129], True),
+    (96, 1, 7, None, [1200, 1201, 1202, 1203, 1204, 1205, 1206], False),
+])
+def test_warp_specialized_dense_fp8_latent_rows(heads, requests, rows, row_req, lens, unwritten):
+    """FP8 latent rows (656 bytes), dequantised in place by the math group that scores each
+    block, against the reference op on the host-dequantised rows rounded to bf16: the values the
+    kernel multiplies (the fp32 dequant moves a one-key row's lse by up to 5e-3, past the bf16
+    tolerance); unwritten: the slots past every row of a request hold NaN before they are
+    quantised (NaN scales and values that no row may meet); its planned splits and one split."""
+    c, _ = dense_ws_case(heads, requests, rows, 40, lens, seed=100 + heads + rows, row_req=row_req,
+                         unwritten=unwritten)
+    clean, _ = dense_ws_case(heads, requests, rows, 40, lens, seed=100 + heads + rows, row_req=row_req)
+    c8, clean8 = fp8_case(c), fp8_case(clean)
+    width = clean["latent_cache"].shape[2]
+    seen = dequantize_latent_fp8(clean8["latent_cache"], width).to(torch.bfloat16)
+    want = torch.ops.k31c.dense_mla(*dense_args({**clean8, "latent_cache": seen}))
+    assert c8["latent_cache"].dtype == torch.uint8
+    assert dws.why_split(c8["q"], c8["latent_cache"], c8["block_table"], c8["dv"]) is None
+    for got in (dws.dense_mla(*dense_args(c8)), dws.launch(*dense_args(c8)[:-1], splits=1)):
+        assert torch.isfinite(got[0]).all()
+        assert_close(got, want, torch.bfloat16)
+
+
+@cuda_only
 @pytest.mark.parametrize("splits", [2, 3, 7, 13])
 def test_warp_specialized_dense_key_splits(splits):
     """Splits of 8 table columns merged by LSE: at 7 splits (2 blocks each) the last three and
@@ -236,7 +264,9 @@ def test_warp_specialized_dense_declines_what_it_cannot_run():
 
     assert why() is None and why(heads=40) is None
     assert why(n=16, requests=4) is None                            # B = 4 x R = 4: 24 programs
-    assert "bf16 only" in why(dtype=torch.float32)
+    assert "bf16 or FP8" in why(dtype=torch.float32)
+    assert why(cache=torch.empty(100, 64, 656, device="meta", dtype=torch.uint8)) is None
+    assert "cache row 600" in why(cache=torch.empty(100, 64, 600, device="meta", dtype=torch.uint8))
     assert "width" in why(width=640) and "width" in why(dv=448)
     assert "blocks of 16 rows" in why(blocks=(400, 16))
     assert "strided" in why(cache=torch.empty(100, 64, 640, **meta)[..., :576])
@@ -245,8 +275,9 @@ def test_warp_specialized_dense_declines_what_it_cannot_run():
 
 
 def test_warp_specialized_dense_report_names_the_kernel_that_runs():
-    """h200's `runs` from fake tensors: this kernel at R = 1 and R = 4, the split kernel for an
-    fp32 cache, mla.py's for an FP8 cache; with a symbolic row count the launcher that decides."""
+    """h200's `runs` from fake tensors: this kernel at R = 1 and R = 4 and for FP8 latent rows,
+    the split kernel for an fp32 cache, mla.py's for FP8 rows this kernel declines; with a
+    symbolic row count the launcher that decides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
                                                        StatelessSymbolicContext)
@@ -268,7 +299,10 @@ def test_warp_specialized_dense_report_names_the_kernel_that_runs():
     assert h200.name_for(args(torch.empty(16, 96, 576, device="meta", dtype=torch.float32),
                               fp32)) == split
     fp8 = torch.empty(100, 64, 656, device="meta", dtype=torch.uint8)
-    assert h200.name_for(args(one_row, fp8)) == "triton:k31c.lowering.triton.mla.dense_mla"
+    one_pass = "triton:k31c.lowering.triton.mla.dense_mla"
+    assert h200.name_for(args(one_row, fp8)) == (seesaw if dws.GLUON_ERROR is None else one_pass)
+    fp8_16 = torch.empty(400, 16, 656, device="meta", dtype=torch.uint8)      # 16-row blocks
+    assert h200.name_for(args(one_row, fp8_16)) == one_pass
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC,
                                                       DimDynamic.STATIC])

@@ -39,10 +39,17 @@ the count that fills whole waves of one program an SM, as its ~220 KB of shared 
 an even number of blocks a split, so only a pass's last step can hold one block) and writes
 fp32 partials (an empty split's lse is -inf) that `mla_common.merge_splits` combines.
 
+FP8 latent rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16 rope): the producer waits until
+all three chunk groups of a buffer are released, then loads the block's e4m3 bytes into value
+chunks 4-7 (four [64, 128]-byte boxes; shared memory has no room for a staging area), its
+scales into a buffer of their own and its rope as before, all on one ready barrier. The math
+group that scores the block dequantises it in place (e4m3 x the row's scale in fp32, rounded
+to bf16 once), then issues its score chain on the whole block.
+
 CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
-kernel does not take go to mla_dense.py's split kernel (`why_split` names the reason): another
-dtype, width or block size, a strided cache, more passes than MAX_PASSES, a GPU other than
-sm_90, no Gluon. An FP8 latent cache (uint8) runs mla.py's one-pass kernel.
+kernel does not take go to mla_dense.py's split kernel (FP8 rows: to mla.py's one-pass kernel;
+`why_split` names the reason): another dtype, width or block size, a strided cache, more passes
+than MAX_PASSES, a GPU other than sm_90, no Gluon.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, sp
                                              table_width)
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
 from k31c.lowering.triton.mla_dense_ws_kernel import BLOCK, CHUNK, NUM_WARPS
-from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
+from k31c.lowering.triton.mla_seesaw import DV, FP8_ROW, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
@@ -108,7 +115,7 @@ def why_split(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Te
 def _why_not_these_args(q, latent_cache, block_table, dv) -> str | None:
     """The reasons `why_split` finds in the arguments' shapes, dtypes and layouts alone (and in
     this Triton), which the compiler's report can tell before anything runs."""
-    reason = latent_reason(q, latent_cache, dv)
+    reason = latent_reason(q, latent_cache, dv, fp8=True)
     if reason is not None:
         return reason
     if latent_cache.shape[1] != BLOCK:
@@ -127,36 +134,52 @@ def runs(q, latent_cache, block_table, row_req, row_len, sm_scale, dv):
     """The launcher that runs a call with these arguments on an H200 (the registry's `runs`: the
     report names the kernel that runs). With a symbolic row count the choice is made at each
     call: this module's launcher, which makes it."""
-    if latent_cache.dtype == torch.uint8:
-        return mla.dense_mla
     if not isinstance(q.shape[0], int) or not isinstance(block_table.shape[0], int):
         return dense_mla
-    declined = _why_not_these_args(q, latent_cache, block_table, dv)
-    return split_dense.dense_mla if declined else dense_mla
+    if _why_not_these_args(q, latent_cache, block_table, dv) is None:
+        return dense_mla
+    return mla.dense_mla if latent_cache.dtype == torch.uint8 else split_dense.dense_mla
 
 
 @register(OP, targets_running(OP, VARIANT), runs=runs)
 def dense_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
               row_req: torch.Tensor, row_len: torch.Tensor, sm_scale: float,
               dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`k31c::dense_mla`: this kernel, or the split kernel where `why_split` names a reason; an
-    FP8 latent cache (uint8) is read by mla.py's one-pass kernel, which dequantises on chip."""
-    if latent_cache.dtype == torch.uint8:
-        return mla.dense_mla(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)
+    """`k31c::dense_mla`: this kernel (a bf16 cache or FP8 latent rows), or where `why_split`
+    names a reason, the split kernel (a float cache) or mla.py's one-pass kernel (FP8 rows)."""
     split_dense.check_dense(q, latent_cache, block_table, row_req, row_len, dv)
     if why_split(q, latent_cache, block_table, dv) is not None:
+        if latent_cache.dtype == torch.uint8:
+            return mla.dense_mla(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)
         return split_dense.launch(q, latent_cache, block_table, row_req, row_len, sm_scale, dv)
     return launch(q, latent_cache, block_table, row_req, row_len, sm_scale)
 
 
-def key_descriptor(latent_cache: torch.Tensor):
-    """The Gluon TMA descriptor of the cache viewed as [blocks x 64, 576], one [64, 64] box (a
-    chunk) a load: 576 = 9 x 64, so the values and the rope part are boxes of one descriptor."""
+def key_descriptors(latent_cache: torch.Tensor) -> tuple:
+    """The kernel's three Gluon TMA descriptors. A bf16 cache: itself viewed as
+    [blocks x 64, 576], one [64, 64] box (a chunk) a load (576 = 9 x 64, so the values and the
+    rope part are boxes of one descriptor), three times. FP8 latent rows (656 bytes): the e4m3
+    bytes as [64, 128]-byte boxes, the 4 fp32 scales of 64 rows, and the bf16 rope as a [64, 64]
+    box, each over its view of the rows."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    flat = latent_cache.view(-1, WIDTH)
-    return TensorDescriptor(flat, [flat.shape[0], WIDTH], [WIDTH, 1], [BLOCK, CHUNK],
-                            _layout_of([BLOCK, CHUNK]))
+    if latent_cache.dtype != torch.uint8:
+        flat = latent_cache.view(-1, WIDTH)
+        one = TensorDescriptor(flat, [flat.shape[0], WIDTH], [WIDTH, 1], [BLOCK, CHUNK],
+                               _layout_of([BLOCK, CHUNK]))
+        return one, one, one
+    views = [latent_cache.view(dt).view(-1, FP8_ROW // size)
+             for dt, size in ((torch.uint8, 1), (torch.float32, 4), (torch.bfloat16, 2))]
+    boxes = ([BLOCK, 128], [BLOCK, 4], [BLOCK, CHUNK])
+    return tuple(TensorDescriptor(v, list(v.shape), [v.shape[1], 1], box, layout)
+                 for v, box, layout in zip(views, boxes, _fp8_layouts()))
+
+
+def _fp8_layouts() -> tuple:
+    # the shared layouts of the FP8 descriptors' boxes: e4m3 bytes, scales, rope
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK, 128], gl.uint8),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            _layout_of([BLOCK, CHUNK]))
 
 
 def blocks_per_split(max_blocks: int, splits: int) -> int:
@@ -181,10 +204,11 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     dense_ws_kernel[(groups * slabs * splits,)](
-        q, key_descriptor(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads,
+        q, *key_descriptors(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads,
         n_req, g, slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0),
         q.stride(1), block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
-        ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS)
+        ROWS=triton.next_power_of_2(passes), FP8=latent_cache.dtype == torch.uint8,
+        num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse
@@ -211,14 +235,20 @@ def aot_specs(shapes) -> list:
                     n_splits=splits, blocks_per_split=blocks_per_split(table, splits),
                     max_blocks=table,
                     stride_qn=heads * WIDTH, stride_qh=WIDTH, stride_bt=table)
-        specs.append(kernel_spec(
-            dense_ws_kernel, OP, f"R={r},splits={splits}",
-            dict(PASSES=passes, ROWS=triton.next_power_of_2(passes), num_warps=NUM_WARPS),
-            dict(q_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32, len_ptr=torch.int32,
-                 out_ptr=dt if splits == 1 else torch.float32, lse_ptr=torch.float32,
-                 scale_log2="fp32", empty_lse="fp32",
-                 desc=descriptor_type(dt, (BLOCK, CHUNK), _layout_of([BLOCK, CHUNK]))),
-            num_warps=NUM_WARPS, ints=ints))
+        one = descriptor_type(dt, (BLOCK, CHUNK), _layout_of([BLOCK, CHUNK]))
+        fp8 = [descriptor_type(t, box, layout) for t, box, layout in
+               zip((torch.uint8, torch.float32, dt), ((BLOCK, 128), (BLOCK, 4), (BLOCK, CHUNK)),
+                   _fp8_layouts())]
+        for rows_fp8, descs in ((False, [one] * 3), (True, fp8)):
+            specs.append(kernel_spec(
+                dense_ws_kernel, OP, f"{'fp8,' if rows_fp8 else ''}R={r},splits={splits}",
+                dict(PASSES=passes, ROWS=triton.next_power_of_2(passes), FP8=rows_fp8,
+                     num_warps=NUM_WARPS),
+                dict(q_ptr=dt, table_ptr=torch.int32, req_ptr=torch.int32, len_ptr=torch.int32,
+                     out_ptr=dt if splits == 1 else torch.float32, lse_ptr=torch.float32,
+                     scale_log2="fp32", empty_lse="fp32",
+                     **dict(zip(("desc", "desc_scale", "desc_rope"), descs))),
+                num_warps=NUM_WARPS, ints=ints))
         if splits > 1:
             specs.append(merge_spec(OP, DV, dt, n, heads, splits))
     # the split kernel's launches (its variants "R=<r>,final|split" and its merge)

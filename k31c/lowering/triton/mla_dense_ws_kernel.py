@@ -5,14 +5,17 @@ Terms: a *group* is G consecutive query rows (the R rows of a request in the dec
 (row, head) pairs numbered m = r·H + h; a *slab* is 64 consecutive pairs of a group (one wgmma
 M); a *pass* is the work of one request on a slab's rows; a *step* is a pair of 64-row cache
 blocks, a (buffer 0, scored by math group 0) and b (buffer 1, group 1); a *chunk* is 64 columns
-of a buffer (8 value chunks, then the rope chunk), one TMA box with its own ready barrier.
+of a buffer (8 value chunks, then the rope chunk), one TMA box with its own ready barrier (FP8
+rows: the whole block on ready[0], its e4m3 bytes staged in value chunks 4-7; `_fill_fp8`,
+`_dequant`).
 """
 from __future__ import annotations
 
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 
 if GLUON_ERROR is None:
-    from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, tma, warpgroup_mma
+    from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync, tma,
+                                                 warpgroup_mma)
     from k31c.lowering.triton.mla_seesaw import (O_L, ROW_O, pair_views, row_sums, seesaw_pair,
                                                  store_q)
 
@@ -112,8 +115,25 @@ if GLUON_ERROR is None:
         tma.async_copy_global_to_shared(desc, [row, 8 * CK], ready[8], kr_buf)
 
     @gluon.jit
-    def _load(desc, kv_bufs, kr_bufs, info, bars, rows, keys, PASSES: gl.constexpr,
-              ROWS: gl.constexpr):
+    def _fill_fp8(descs, kv_bufs, kr_buf, scl_buf, buf: gl.constexpr, ready, empty, blk, ph):
+        # FP8 rows: once all three chunk groups of the buffer are released (the dequant writes
+        # every value chunk), its e4m3 bytes to value chunks 4-7 (four [64, 128]-byte boxes),
+        # its scales and rope to their buffers, all on ready[0]
+        d_nope, d_scale, d_rope = descs
+        row = blk * BK
+        for g in gl.static_range(3):
+            mbarrier.wait(empty[g], ph)
+        mbarrier.expect(ready[0], 4 * d_nope.block_type.nbytes + d_scale.block_type.nbytes
+                        + d_rope.block_type.nbytes)
+        stage = kv_bufs._reinterpret(gl.uint8, [2 * 8, BK, 128], d_nope.layout)
+        for g in gl.static_range(4):
+            tma.async_copy_global_to_shared(d_nope, [row, 128 * g], ready[0], stage.index(buf * 8 + 4 + g))
+        tma.async_copy_global_to_shared(d_scale, [row, 128], ready[0], scl_buf)
+        tma.async_copy_global_to_shared(d_rope, [row, 264], ready[0], kr_buf)
+
+    @gluon.jit
+    def _load(descs, kv_bufs, kr_bufs, scl_bufs, info, bars, rows, keys, PASSES: gl.constexpr,
+              ROWS: gl.constexpr, FP8: gl.constexpr):
         # the producer (1 warp), a pass at a time: each step's blocks a and b into buffers 0
         # and 1, and the step's facts for the math groups in `info`
         plan, total = _plan(rows, keys, ROWS, PASSES)
@@ -148,8 +168,14 @@ if GLUON_ERROR is None:
                                  gl.where(field == 1, gl.where(blk_b >= 0, b, -2),
                                           gl.where(field == 2, (kb0 + i) * BK, limit)))
                 info.index(j % 2).store(facts)
-                _fill(desc, kv_bufs.index(0), kr_bufs.index(0), ready0, empty0, blk_a, ph)
-                _fill(desc, kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
+                if FP8:
+                    _fill_fp8(descs, kv_bufs, kr_bufs.index(0), scl_bufs.index(0), 0, ready0, empty0,
+                              blk_a, ph)
+                    _fill_fp8(descs, kv_bufs, kr_bufs.index(1), scl_bufs.index(1), 1, ready1, empty1,
+                              blk_b, ph)
+                else:
+                    _fill(descs[0], kv_bufs.index(0), kr_bufs.index(0), ready0, empty0, blk_a, ph)
+                    _fill(descs[0], kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
 
     @gluon.jit
     def _score(qv, qr, kv, kr, ready, ph, zero_s):
@@ -164,10 +190,62 @@ if GLUON_ERROR is None:
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
-    def _half(ROLE: gl.constexpr, smem, bars, ex, rows, outs):
+    def _score_landed(qv, qr, kv, kr, zero_s):
+        # a block's scores once all of it is in shared memory (FP8 rows, dequantised)
+        s = zero_s
+        for c in gl.static_range(8):
+            s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
+                              kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
+                              use_acc=c > 0, is_async=True)
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _staged(stage, buf, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
+        # rows [32 h, 32 h + 32) of buffer buf's e4m3 column group g (uint8 [32, 128])
+        return stage.index((buf * 8 + 4 + g) * 2 + h).load(D_L)
+
+    @gluon.jit
+    def _store_half(x, kv, scl, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
+        s = scl.slice(32 * h, 32, dim=0).slice(g, 1, dim=1).load(D_L)          # [32, 1] fp32
+        v = (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
+        kv.slice(128 * g, 128, dim=1).slice(32 * h, 32, dim=0).store(v)
+
+    @gluon.jit
+    def _dequant(kv_bufs, scl, buf):
+        # buffer buf's e4m3 groups (group g staged in value chunk 4 + g) to bf16 in place (group
+        # g to chunks 2g, 2g + 1): groups 0 and 1 write chunks 0-3 (free); group 2 writes
+        # chunks 4-5, groups 0's and 1's staging, once every thread has read them; group 3
+        # writes chunks 6-7, its own staging and group 2's, once every thread has read both
+        D_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        SH8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 128], gl.uint8)
+        stage = kv_bufs._reinterpret(gl.uint8, [2 * 8 * 2, 32, 128], SH8)
+        kv = kv_bufs.index(buf)
+        x00 = _staged(stage, buf, 0, 0, D_L)
+        x01 = _staged(stage, buf, 0, 1, D_L)
+        x10 = _staged(stage, buf, 1, 0, D_L)
+        x11 = _staged(stage, buf, 1, 1, D_L)
+        _store_half(x00, kv, scl, 0, 0, D_L)
+        _store_half(x01, kv, scl, 0, 1, D_L)
+        _store_half(x10, kv, scl, 1, 0, D_L)
+        _store_half(x11, kv, scl, 1, 1, D_L)
+        x20 = _staged(stage, buf, 2, 0, D_L)
+        x21 = _staged(stage, buf, 2, 1, D_L)
+        sync()
+        _store_half(x20, kv, scl, 2, 0, D_L)
+        _store_half(x21, kv, scl, 2, 1, D_L)
+        x30 = _staged(stage, buf, 3, 0, D_L)
+        x31 = _staged(stage, buf, 3, 1, D_L)
+        sync()
+        _store_half(x30, kv, scl, 3, 0, D_L)
+        _store_half(x31, kv, scl, 3, 1, D_L)
+        fence_async_shared()            # the stores, before the wgmmas read them
+        sync()
+
+    @gluon.jit
+    def _half(ROLE: gl.constexpr, smem, bars, ex, rows, outs, FP8: gl.constexpr):
         # one math warp group: the scores of block ROLE of each step, the values' columns
         # [256 ROLE, 256 ROLE + 256) of both blocks
-        qv_smem, qr_smem, kv_bufs, kr_bufs, info = smem
+        qv_smem, qr_smem, kv_bufs, kr_bufs, info, scl_bufs = smem
         m_a, m_b, l_a, l_b, p_bar, fin = ex
         ready_own = bars[2 * ROLE]
         empty0 = bars[1]
@@ -198,8 +276,14 @@ if GLUON_ERROR is None:
             # out of the loop and spill
             zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [j], dtype=gl.int32,
                                            is_pure=True, pack=1)
-            s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
-                       kr_bufs.index(zr + ROLE), ready_own, ph, zero_s)
+            if FP8:
+                mbarrier.wait(ready_own[0], ph)
+                _dequant(kv_bufs, scl_bufs.index(zr + ROLE), zr + ROLE)
+                s = _score_landed(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
+                                  kr_bufs.index(zr + ROLE), zero_s)
+            else:
+                s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
+                           kr_bufs.index(zr + ROLE), ready_own, ph, zero_s)
             # the step's facts (from the producer, published with the blocks), under the
             # scores: each pair sees this group's block's keys below its length if its row is
             # of that block's request
@@ -231,18 +315,19 @@ if GLUON_ERROR is None:
             gl.store(lse_ptr + mg, lse, mask=real)
 
     @gluon.jit
-    def _half0(smem, bars, ex, rows, outs):
-        _half(0, smem, bars, ex, rows, outs)
+    def _half0(smem, bars, ex, rows, outs, FP8: gl.constexpr):
+        _half(0, smem, bars, ex, rows, outs, FP8)
 
     @gluon.jit
-    def _half1(smem, bars, ex, rows, outs):
-        _half(1, smem, bars, ex, rows, outs)
+    def _half1(smem, bars, ex, rows, outs, FP8: gl.constexpr):
+        _half(1, smem, bars, ex, rows, outs, FP8)
 
     @gluon.jit
-    def dense_ws_kernel(q_ptr, desc, table_ptr, req_ptr, len_ptr, out_ptr, lse_ptr,
+    def dense_ws_kernel(q_ptr, desc, desc_scale, desc_rope, table_ptr, req_ptr, len_ptr, out_ptr, lse_ptr,
                         n_rows, n_heads, n_req, group_rows, n_slabs, n_splits, blocks_per_split,
                         max_blocks, stride_qn, stride_qh, stride_bt, scale_log2, empty_lse,
-                        PASSES: gl.constexpr, ROWS: gl.constexpr, num_warps: gl.constexpr):
+                        PASSES: gl.constexpr, ROWS: gl.constexpr, FP8: gl.constexpr,
+                        num_warps: gl.constexpr):
         pid = gl.program_id(0)
         slab = pid % n_slabs                # a (group, split)'s slabs are adjacent: they read
         split = (pid // n_slabs) % n_splits  # the same blocks together (L2)
@@ -265,6 +350,10 @@ if GLUON_ERROR is None:
         l_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
         l_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
         info = gl.allocate_shared_memory(gl.int32, [3, 4], VEC)
+        if FP8:                 # each buffer's 64 rows of 4 scales (a TMA box)
+            scl_bufs = gl.allocate_shared_memory(gl.float32, [2, BK, 4], desc_scale.layout)
+        else:
+            scl_bufs = info
         ready0, empty0 = _buffer_bars()
         ready1, empty1 = _buffer_bars()
         p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -287,11 +376,12 @@ if GLUON_ERROR is None:
         out_row = (split.to(gl.int64) * n_rows + t_first) * n_heads
         outs = (out_ptr + out_row * 512, lse_ptr + out_row, m0, n_m, n_heads, scale_log2,
                 empty_lse)
-        smem = (qv_smem, qr_smem, kv_bufs, kr_bufs, info)
+        smem = (qv_smem, qr_smem, kv_bufs, kr_bufs, info, scl_bufs)
         bars = (ready0, empty0, ready1, empty1, _bar(1))
         ex = (m_a, m_b, l_a, l_b, p_bar, fin)
         gl.warp_specialize([
-            (_half0, (smem, bars, ex, rows, outs)),
-            (_half1, (smem, bars, ex, rows, outs)),
-            (_load, (desc, kv_bufs, kr_bufs, info, bars, rows, keys, PASSES, ROWS))],
+            (_half0, (smem, bars, ex, rows, outs, FP8)),
+            (_half1, (smem, bars, ex, rows, outs, FP8)),
+            (_load, ((desc, desc_scale, desc_rope), kv_bufs, kr_bufs, scl_bufs, info, bars, rows,
+                     keys, PASSES, ROWS, FP8))],
             [4, 1], [MATH_REGS, LOAD_REGS])
