@@ -194,11 +194,13 @@ def _runs_module(kernel, args) -> str:
     return fn.__module__.rsplit(".", 1)[-1]
 
 
-def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) -> list[Row]:
+def fp8_rows(machine: Machine, ctx: int = 128 << 10,
+             dense_shapes=((32 << 10, 4), (128 << 10, 1))) -> list[Row]:
     """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
     the bf16 cache it was written from, in the registered kernels, by graph replay: sparse_mla at
     `ctx` (h200: the warp-specialized kernel, each math group dequantising its block) and
-    dense_mla at `dense_ctx`; each row names the kernel the FP8 rows run. Peers: the same
+    dense_mla at each (context, rows a request) of `dense_shapes` (R = 1: bound by the bytes);
+    each row names the kernel the FP8 rows run. Peers: the same
     launcher on the bf16 cache; for sparse_mla the two-pass kernel on the FP8 rows (the other
     targets' path) and raw e4m3 rows without scales (upcast on load: what dequantisation adds);
     for dense_mla the one-pass kernel on the FP8 rows. The note gives the output error against
@@ -231,20 +233,25 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10, dense_ctx: int = 32 << 10) 
                     ms, flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
                     _rate_note(ms, flops, nbytes, machine) + "; "
                     + out_error(sparse.fn(*args(fp8)), sparse.fn(*args(cache)))))
-    table, row_len, _ = pool.context(dense_ctx)
-    dargs = lambda c: (q, c, table, rr, row_len, SM_SCALE, DV)  # noqa: E731
     dense = lookup("k31c::dense_mla", "h200")
-    ms = graph_ms(lambda: dense.fn(*dargs(fp8)), warmup=2, reps=10)
-    peers = {"bf16 cache": graph_ms(lambda: dense.fn(*dargs(cache)), warmup=2, reps=10)}
-    t = try_ms(lambda: mla.dense_mla(*dargs(fp8)), timer=graph_ms, warmup=2, reps=10)
-    if t is not None:
-        peers["one-pass kernel"] = t
-    flops, nbytes = _flops(dense_ctx), B * dense_ctx * FP8_ROW_BYTES
-    rows.append(Row(f"dense_mla fp8_ds_mla ({_runs_module(dense, dargs(fp8))})",
-                    f"B{B}xR{R} H{HEADS} L={dense_ctx >> 10}K", ms,
-                    flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
-                    _rate_note(ms, flops, nbytes, machine) + "; "
-                    + out_error(dense.fn(*dargs(fp8)), dense.fn(*dargs(cache)))))
+    for dctx, r in dense_shapes:
+        if dctx > ctx:                           # the pool holds ctx keys a request
+            continue
+        dq, table, rr_d, row_len = dense_inputs(pool, dctx, r)
+        dargs = lambda c: (dq, c, table, rr_d, row_len, SM_SCALE, DV)  # noqa: E731
+        ms = graph_ms(lambda: dense.fn(*dargs(fp8)), warmup=2, reps=10)
+        peers = {"bf16 cache": graph_ms(lambda: dense.fn(*dargs(cache)), warmup=2, reps=10)}
+        t = try_ms(lambda: mla.dense_mla(*dargs(fp8)), timer=graph_ms, warmup=2, reps=10)
+        if t is not None:
+            peers["one-pass kernel"] = t
+        flops, nbytes = _flops(dctx) * r / R, B * dctx * FP8_ROW_BYTES
+        floor, kind = flops_floor_ms(flops, machine.bf16_tflops), "flops"
+        if r == 1:                               # one row a request: bound by the cache's bytes
+            floor, kind = bytes_floor_ms(nbytes, machine), "bytes"
+        rows.append(Row(f"dense_mla fp8_ds_mla ({_runs_module(dense, dargs(fp8))})",
+                        f"B{B}xR{r} H{HEADS} L={dctx >> 10}K", ms, floor, kind, peers,
+                        _rate_note(ms, flops, nbytes, machine) + "; "
+                        + out_error(dense.fn(*dargs(fp8)), dense.fn(*dargs(cache)))))
     return rows
 
 
