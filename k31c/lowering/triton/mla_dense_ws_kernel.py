@@ -16,8 +16,8 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync, tma,
                                                  warpgroup_mma)
-    from k31c.lowering.triton.mla_seesaw import (O_L, ROW_O, pair_views, row_sums, seesaw_pair,
-                                                 store_q)
+    from k31c.lowering.triton.mla_seesaw import (DEQUANT_L, O_L, ROW_O, pair_views, row_sums,
+                                                 seesaw_pair, store_q)
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -216,7 +216,7 @@ if GLUON_ERROR is None:
         # g to chunks 2g, 2g + 1): groups 0 and 1 write chunks 0-3 (free); group 2 writes
         # chunks 4-5, groups 0's and 1's staging, once every thread has read them; group 3
         # writes chunks 6-7, its own staging and group 2's, once every thread has read both
-        D_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        D_L: gl.constexpr = DEQUANT_L
         SH8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 128], gl.uint8)
         stage = kv_bufs._reinterpret(gl.uint8, [2 * 8 * 2, 32, 128], SH8)
         kv = kv_bufs.index(buf)

@@ -49,6 +49,10 @@ if GLUON_ERROR is None:
                                                  instr_shape=[16, 256, 16]))
     ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
     ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
+    # the FP8 dequant's [32, 128] e4m3 groups: a half warp a row, so each bf16 store fills whole
+    # 128-byte swizzle rows (16 values a thread put two rows' half rows in each store: 2-way
+    # bank conflicts)
+    DEQUANT_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
     @gluon.jit
     def seesaw_buffers(READY_COUNT: gl.constexpr):

@@ -24,7 +24,7 @@ if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (async_copy, fence_async_shared, gl, gluon, mbarrier,
                                                  sync)
     from k31c.lowering.triton import mla_seesaw
-    from k31c.lowering.triton.mla_seesaw import BK, DV, NB
+    from k31c.lowering.triton.mla_seesaw import BK, DEQUANT_L, DV, NB
 
     FP8_ROW = gl.constexpr(mla_seesaw.FP8_ROW)   # an FP8 latent row: 512 e4m3, 4 fp32 scales, 64 bf16
     SCALE_AT = gl.constexpr(DV // 4)             # the row's first scale, in fp32 units (byte 512)
@@ -109,7 +109,7 @@ if GLUON_ERROR is None:
         for its wgmmas: column groups 0 and 1 write the lower half (nothing staged there); 2 and
         3 overwrite the staging, so every thread reads all four before the barrier and writes
         those two after it."""
-        C_L: gl.constexpr = E4M3_L
+        C_L: gl.constexpr = DEQUANT_L
         stage = staging(kv_bufs)
         kv = kv_bufs.index(b)
         scl = scl_bufs.index(b)
