@@ -200,10 +200,10 @@ def fp8_rows(machine: Machine, ctx: int = 128 << 10,
     the bf16 cache it was written from, in the registered kernels, by graph replay: sparse_mla at
     `ctx` (h200: the warp-specialized kernel, each math group dequantising its block) and
     dense_mla at each (context, rows a request) of `dense_shapes` (R = 1: bound by the bytes);
-    each row names the kernel the FP8 rows run. Peers: the same
-    launcher on the bf16 cache; for sparse_mla the two-pass kernel on the FP8 rows (the other
-    targets' path) and raw e4m3 rows without scales (upcast on load: what dequantisation adds);
-    for dense_mla the one-pass kernel on the FP8 rows. The note gives the output error against
+    each row names the kernel the FP8 rows run. Peers: the same launcher on the bf16 cache; for
+    sparse_mla the two-pass kernel on the FP8 rows (the other targets' path) and raw e4m3 rows
+    without scales (upcast on load: what dequantisation adds); for dense_mla the one-pass kernel
+    on the FP8 rows. The note gives the output error against
     the bf16 cache (what FP8 latent rows cost in accuracy at this shape)."""
     from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
     from k31c.lowering.registry import lookup
