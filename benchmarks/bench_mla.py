@@ -2,9 +2,8 @@
 spec/performance.md §6 (a)/(b), goals G4, G6, G7 of §8).
 
 Shapes: B = 16 requests x R rows, 96 heads, 576-wide latent rows (512 + 64), dv = 512, top-k
-2048, block size 64, BF16 cache (plus, for sparse at 128K and dense at 32K, the FP8 latent layout: fp8_ds_mla's 656-byte
-rows, `fp8_rows`). Sparse rows at
-R = 4; dense rows at R = 1 and R = 4.
+2048, block size 64, BF16 cache (the FP8 latent layout: bench_fp8.py). Sparse rows at R = 4;
+dense rows at R = 1 and R = 4.
 
 Dense: the registered kernel (k31c column, replayed from a CUDA graph as a decode step runs it,
 its direct-call time in the note; on the H200 mla_dense_ws's launcher, the Gluon seesaw) and the
@@ -25,7 +24,6 @@ Floors: FLOPs 2·N·Hq·keys·(Dl + dv) over the bf16 matmul rate measured now; 
 
     PYTHONPATH=. python benchmarks/bench_mla.py            # table
     PYTHONPATH=. python benchmarks/bench_mla.py --quick    # dense only, 32K and 128K
-    PYTHONPATH=. python benchmarks/bench_mla.py --fp8      # the FP8 latent rows only (fp8_rows)
     PYTHONPATH=. python benchmarks/bench_mla.py --sparse   # sparse only, 128K
     PYTHONPATH=. python benchmarks/bench_mla.py --sweep    # launch-config sweep at 128K
 """
@@ -34,8 +32,6 @@ from __future__ import annotations
 import sys
 
 import torch
-
-from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes
 
 try:
     from benchmarks import peers as pp
@@ -130,7 +126,7 @@ def run(machine: Machine, contexts=CONTEXTS, dense_rows=DENSE_ROWS, sparse: bool
     return rows
 
 
-def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> list[Row]:
+def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
     from k31c.lowering.registry import lookup
     from k31c.lowering.triton import mla_sparse_ws as ws, mla_two_pass as two_pass
     registered = lookup("k31c::sparse_mla", "h200").fn
@@ -163,14 +159,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts, fp8: bool = True) -> li
                             "flops", peers, _rate_note(ms, flops, nbytes, machine)
                             + "; " + out_error(fn(*args), ref, "reference")))
 
-    # FP8 latent rows at 128K (fp8_ds_mla: e4m3 + scales + bf16 rope, dequantised on chip)
-    ctx = 128 << 10 if (128 << 10) in contexts else contexts[0]
-    if fp8:
-        rows += fp8_rows(machine, ctx)
     return rows
-
-
-FP8_ROW_BYTES = latent_fp8_row_bytes(DV, WIDTH - DV)   # 656: 512 e4m3, 4 fp32 scales, 64 bf16 (spec §5.6)
 
 
 def out_error(got, want, against: str = "bf16 cache") -> str:
@@ -186,73 +175,6 @@ def out_error(got, want, against: str = "bf16 cache") -> str:
     if not finite.all():
         text += f", +inf rows match {bool((torch.isinf(lse) == ~finite).all())}"
     return text
-
-
-def _runs_module(kernel, args) -> str:
-    """The module of the launcher a registered kernel runs for these arguments."""
-    fn = kernel.runs(*args) if kernel.runs else kernel.fn
-    return fn.__module__.rsplit(".", 1)[-1]
-
-
-def fp8_rows(machine: Machine, ctx: int = 128 << 10,
-             dense_shapes=((32 << 10, 4), (128 << 10, 1))) -> list[Row]:
-    """The FP8 latent layout (uint8 [blocks, 64, 656], `CachePool(latent_cache="fp8")`) against
-    the bf16 cache it was written from, in the registered kernels, by graph replay: sparse_mla at
-    `ctx` (h200: the warp-specialized kernel, each math group dequantising its block) and
-    dense_mla at each (context, rows a request) of `dense_shapes` (R = 1: bound by the bytes);
-    each row names the kernel the FP8 rows run. Peers: the same launcher on the bf16 cache; for
-    sparse_mla the two-pass kernel on the FP8 rows (the other targets' path) and raw e4m3 rows
-    without scales (upcast on load: what dequantisation adds); for dense_mla the one-pass kernel
-    on the FP8 rows. The note gives the output error against
-    the bf16 cache (what FP8 latent rows cost in accuracy at this shape)."""
-    from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
-    from k31c.lowering.registry import lookup
-    from k31c.lowering.triton import mla, mla_two_pass as two_pass
-
-    sparse = lookup("k31c::sparse_mla", "h200")
-    pool = Pool(ctx)
-    q, cache, rr = pool.q, pool.cache, pool.row_req
-    nb = cache.shape[0]
-    fp8 = torch.empty(nb, BLOCK, FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
-    for b0 in range(0, nb, 1024):                # quantise in chunks (fp32 temporaries)
-        part = cache[b0:b0 + 1024]
-        fp8[b0:b0 + 1024] = quantize_latent_fp8(part.reshape(-1, WIDTH), DV).view(part.shape[0], BLOCK, -1)
-    raw8 = cache.to(torch.float8_e4m3fn)
-    rows = []
-    table, row_len, idx = pool.context(ctx)
-    args = lambda c: (q, c, table, rr, idx, SM_SCALE, DV)  # noqa: E731
-    ms = graph_ms(lambda: sparse.fn(*args(fp8)))
-    peers = {"bf16 cache": graph_ms(lambda: sparse.fn(*args(cache))),
-             "two-pass kernel": graph_ms(lambda: two_pass.sparse_mla(*args(fp8)))}
-    t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)), timer=graph_ms)
-    if t is not None:
-        peers["raw e4m3 (no scale), two-pass"] = t
-    flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
-    rows.append(Row(f"sparse_mla fp8_ds_mla ({_runs_module(sparse, args(fp8))})",
-                    f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}",
-                    ms, flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
-                    _rate_note(ms, flops, nbytes, machine) + "; "
-                    + out_error(sparse.fn(*args(fp8)), sparse.fn(*args(cache)))))
-    dense = lookup("k31c::dense_mla", "h200")
-    for dctx, r in dense_shapes:
-        if dctx > ctx:                           # the pool holds ctx keys a request
-            continue
-        dq, table, rr_d, row_len = dense_inputs(pool, dctx, r)
-        dargs = lambda c: (dq, c, table, rr_d, row_len, SM_SCALE, DV)  # noqa: E731
-        ms = graph_ms(lambda: dense.fn(*dargs(fp8)), warmup=2, reps=10)
-        peers = {"bf16 cache": graph_ms(lambda: dense.fn(*dargs(cache)), warmup=2, reps=10)}
-        t = try_ms(lambda: mla.dense_mla(*dargs(fp8)), timer=graph_ms, warmup=2, reps=10)
-        if t is not None:
-            peers["one-pass kernel"] = t
-        flops, nbytes = _flops(dctx) * r / R, B * dctx * FP8_ROW_BYTES
-        floor, kind = flops_floor_ms(flops, machine.bf16_tflops), "flops"
-        if r == 1:                               # one row a request: bound by the cache's bytes
-            floor, kind = bytes_floor_ms(nbytes, machine), "bytes"
-        rows.append(Row(f"dense_mla fp8_ds_mla ({_runs_module(dense, dargs(fp8))})",
-                        f"B{B}xR{r} H{HEADS} L={dctx >> 10}K", ms, floor, kind, peers,
-                        _rate_note(ms, flops, nbytes, machine) + "; "
-                        + out_error(dense.fn(*dargs(fp8)), dense.fn(*dargs(cache)))))
-    return rows
 
 
 def dense_inputs(pool: Pool, ctx: int, r: int):
@@ -428,10 +350,8 @@ if __name__ == "__main__":
     m = measure_machine()
     if "--sweep" in sys.argv:
         print(markdown(sweep(m), m), flush=True)
-    elif "--fp8" in sys.argv:
-        print(markdown(fp8_rows(m), m), flush=True)
     elif "--sparse" in sys.argv:
-        print(markdown(_sparse_rows(m, Pool(128 << 10), (128 << 10,), fp8=False), m), flush=True)
+        print(markdown(_sparse_rows(m, Pool(128 << 10), (128 << 10,)), m), flush=True)
     else:
         quick = "--quick" in sys.argv
         rows_ = run(m, QUICK_CONTEXTS, sparse=False) if quick else run(m)

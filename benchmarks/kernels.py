@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-FAMILIES = ("indexer", "topk", "mla", "kda", "moe", "layer")
+FAMILIES = ("indexer", "topk", "mla", "fp8", "kda", "moe", "layer")
 # --quick: the families and the arguments of their run() besides each module's QUICK_CONTEXTS
 QUICK = {"mla": dict(sparse=False), "layer": {}}
 
