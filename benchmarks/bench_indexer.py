@@ -93,8 +93,7 @@ def ring_ms(fn, pool: Pool, ctx: int) -> float:
     """Per-call time of fn(block_table, row_len) replayed from one CUDA graph of RING calls, as
     a decode step's graph shares its launch; the calls cycle over disjoint slices of the pool's
     blocks, so no call finds the previous one's keys in L2 (at 1M one slice: 2.2 GB of keys), and
-    each keeps its own scores. At 1M the graph of 8 runs 13-16% slower a call than a graph of
-    one, which is not explained yet (BENCHMARKS.md, session 24)."""
+    each keeps its own scores."""
     width = ctx // BLOCK
     slices = max(1, min(RING, pool.block_table.shape[1] // width))
     tables = [pool.block_table[:, (i % slices) * width:(i % slices + 1) * width]

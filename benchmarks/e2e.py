@@ -184,7 +184,8 @@ def main() -> int:
         runners["k31c graphs, PDL"] = k31c_api.compile(model, target="h200", options={"pdl": True})
         runners["k31c graphs, PDL, 1 stream"] = k31c_api.compile(model, target="h200",
                                                                  options={"pdl": True, "streams": 1})
-        # FP8 latent rows (half the latent cache): Engine(compiled) allocates its pool so
+        # FP8 latent rows (about half the latent cache's bytes): the engine below allocates
+        # its pool in the format this program was compiled for
         runners["k31c graphs, FP8 latent rows"] = k31c_api.compile(
             model, target="h200", options={"quantize": {"latent_cache": "fp8"}})
     # one engine (one cache pool) per runner: a compiled program serves the pool it was built for

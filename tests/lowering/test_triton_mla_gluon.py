@@ -57,8 +57,9 @@ def test_warp_specialized_sparse_key_splits(splits):
 ])
 def test_warp_specialized_sparse_fp8_latent_rows(heads, k, rows, block_size, splits):
     """FP8 latent rows (656 bytes: e4m3, fp32 scales, bf16 rope), dequantised on chip by the
-    math group that scores each block, against the reference op on the same FP8 cache (which dequantises in fp32): the
-    bf16 tolerance holds, as both see the same values to bf16 rounding."""
+    math group that scores each block, against the reference op on the same FP8 cache (which
+    dequantises in fp32): over 300-2048 keys a row the bf16 tolerance holds (a one-key row's
+    lse would not: test_warp_specialized_dense_fp8_latent_rows)."""
     c = fp8_case(make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
                               "requests": 3 if splits else K31["requests"],
                               "max_blocks": K31["max_blocks"] * 64 // block_size}, device="cuda",

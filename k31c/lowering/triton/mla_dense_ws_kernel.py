@@ -16,8 +16,8 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync, tma,
                                                  warpgroup_mma)
-    from k31c.lowering.triton.mla_seesaw import (DEQUANT_L, O_L, ROW_O, pair_views, row_sums,
-                                                 seesaw_pair, store_q)
+    from k31c.lowering.triton.mla_seesaw import (DEQUANT_L, O_L, ROW_O, dequant_e4m3, pair_views,
+                                                 row_sums, seesaw_pair, store_q)
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -178,25 +178,18 @@ if GLUON_ERROR is None:
                     _fill(descs[0], kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
 
     @gluon.jit
-    def _score(qv, qr, kv, kr, ready, ph, zero_s):
+    def _score(qv, qr, kv, kr, ready, ph, zero_s, WAIT: gl.constexpr):
         # a block's scores [64 pairs, 64 keys]: 9 chained wgmmas, each after its chunk's fill
+        # (WAIT), or all at once when the whole block is in shared memory (FP8 rows, dequantised)
         s = zero_s
         for c in gl.static_range(8):
-            mbarrier.wait(ready[c], ph)
+            if WAIT:
+                mbarrier.wait(ready[c], ph)
             s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
                               kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
                               use_acc=c > 0, is_async=True)
-        mbarrier.wait(ready[8], ph)
-        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
-
-    @gluon.jit
-    def _score_landed(qv, qr, kv, kr, zero_s):
-        # a block's scores once all of it is in shared memory (FP8 rows, dequantised)
-        s = zero_s
-        for c in gl.static_range(8):
-            s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
-                              kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
-                              use_acc=c > 0, is_async=True)
+        if WAIT:
+            mbarrier.wait(ready[8], ph)
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
@@ -206,8 +199,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _store_half(x, kv, scl, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
-        s = scl.slice(32 * h, 32, dim=0).slice(g, 1, dim=1).load(D_L)          # [32, 1] fp32
-        v = (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
+        v = dequant_e4m3(x, scl.slice(32 * h, 32, dim=0), g, D_L)
         kv.slice(128 * g, 128, dim=1).slice(32 * h, 32, dim=0).store(v)
 
     @gluon.jit
@@ -279,11 +271,8 @@ if GLUON_ERROR is None:
             if FP8:
                 mbarrier.wait(ready_own[0], ph)
                 _dequant(kv_bufs, scl_bufs.index(zr + ROLE), zr + ROLE)
-                s = _score_landed(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
-                                  kr_bufs.index(zr + ROLE), zero_s)
-            else:
-                s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
-                           kr_bufs.index(zr + ROLE), ready_own, ph, zero_s)
+            s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
+                       kr_bufs.index(zr + ROLE), ready_own, ph, zero_s, not FP8)
             # the step's facts (from the producer, published with the blocks), under the
             # scores: each pair sees this group's block's keys below its length if its row is
             # of that block's request

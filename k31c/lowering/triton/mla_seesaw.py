@@ -55,6 +55,14 @@ if GLUON_ERROR is None:
     DEQUANT_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
     @gluon.jit
+    def dequant_e4m3(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr):
+        """Staged e4m3 bytes x [rows, 128] (one scale group) -> bf16: times each row's scale g of
+        scl ([rows, 4] fp32 in shared memory) in fp32, rounded to bf16 once, as the two-pass
+        kernel does."""
+        s = scl.slice(g, 1, dim=1).load(LAYOUT)                               # [rows, 1] fp32
+        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
+
+    @gluon.jit
     def seesaw_buffers(READY_COUNT: gl.constexpr):
         """The shared memory of a seesaw program: q [64, 512] + [64, 64] (with a leading
         dimension of 1: the math groups index it with an opaque 0, or its loop-invariant wgmma

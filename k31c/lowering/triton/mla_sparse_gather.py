@@ -24,7 +24,7 @@ if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (async_copy, fence_async_shared, gl, gluon, mbarrier,
                                                  sync)
     from k31c.lowering.triton import mla_seesaw
-    from k31c.lowering.triton.mla_seesaw import BK, DEQUANT_L, DV, NB
+    from k31c.lowering.triton.mla_seesaw import BK, DEQUANT_L, DV, NB, dequant_e4m3
 
     FP8_ROW = gl.constexpr(mla_seesaw.FP8_ROW)   # an FP8 latent row: 512 e4m3, 4 fp32 scales, 64 bf16
     SCALE_AT = gl.constexpr(DV // 4)             # the row's first scale, in fp32 units (byte 512)
@@ -93,11 +93,6 @@ if GLUON_ERROR is None:
         async_copy.mbarrier_arrive(ready.index(b), increment_count=False)
 
     @gluon.jit
-    def _dequant(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr):
-        s = scl.slice(g, 1, dim=1).load(LAYOUT)                               # [32, 1] fp32
-        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
-
-    @gluon.jit
     def staging(kv_bufs):
         """The value buffers as [32, 128]-byte views: buffer b's staged e4m3 column groups are
         views 8b + 4 .. 8b + 7 (its upper 16 KB)."""
@@ -117,11 +112,11 @@ if GLUON_ERROR is None:
         x1 = stage.index(8 * b + 5).load(C_L)
         x2 = stage.index(8 * b + 6).load(C_L)
         x3 = stage.index(8 * b + 7).load(C_L)
-        kv.slice(0, 128, dim=1).store(_dequant(x0, scl, 0, C_L))
-        kv.slice(128, 128, dim=1).store(_dequant(x1, scl, 1, C_L))
+        kv.slice(0, 128, dim=1).store(dequant_e4m3(x0, scl, 0, C_L))
+        kv.slice(128, 128, dim=1).store(dequant_e4m3(x1, scl, 1, C_L))
         sync()
-        kv.slice(256, 128, dim=1).store(_dequant(x2, scl, 2, C_L))
-        kv.slice(384, 128, dim=1).store(_dequant(x3, scl, 3, C_L))
+        kv.slice(256, 128, dim=1).store(dequant_e4m3(x2, scl, 2, C_L))
+        kv.slice(384, 128, dim=1).store(dequant_e4m3(x3, scl, 3, C_L))
         fence_async_shared()            # the stores, before the wgmmas read them
         sync()
 
