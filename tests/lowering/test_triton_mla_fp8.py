@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
-from k31c.graph.ops.fp8_layouts import quantize_latent_fp8
+from k31c.graph.ops.fp8_layouts import (LATENT_SCALE_GROUP, latent_fp8_nope, latent_fp8_scales,
+                                        quantize_latent_fp8)
 from k31c.lowering.triton import mla as one_pass_kernels
 from k31c.lowering.triton import mla_two_pass as two_pass
 from test_triton_mla import DEV, K31, SMALL, assert_close, dense_args, make_case, sparse_args
@@ -23,6 +24,19 @@ def fp8_case(c):
     nb, bs, width = cache.shape
     raw = quantize_latent_fp8(cache.reshape(-1, width).float(), c["dv"])
     return {**c, "latent_cache": raw.view(nb, bs, -1).contiguous()}
+
+
+def f16_values(raw: torch.Tensor, width: int) -> torch.Tensor:
+    """FP8 latent rows -> float32 [..., width], the values the warp-specialized kernels multiply
+    (mla_seesaw.dequant_e4m3): e4m3 to f16 (exact), times the scale rounded to f16, the product
+    rounded to f16; the rope part as stored."""
+    nope = latent_fp8_nope(raw.shape[-1], width)
+    ns = latent_fp8_scales(nope)
+    values = raw[..., :nope].contiguous().view(torch.float8_e4m3fn).to(torch.float16)
+    scales = raw[..., nope:nope + 4 * ns].contiguous().view(torch.float32).to(torch.float16)
+    rope = raw[..., nope + 4 * ns:].contiguous().view(torch.bfloat16).float()
+    per_value = scales.repeat_interleave(LATENT_SCALE_GROUP, dim=-1)[..., :nope]
+    return torch.cat([(values * per_value).float(), rope], dim=-1)
 
 
 @pytest.mark.parametrize("heads", [8, 5])

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
-from k31c.graph.ops.fp8_layouts import dequantize_latent_fp8
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla_dense_ws as dws
 from k31c.lowering.triton import mla_sparse_ws as ws
 from test_triton_mla import (CUDA, DEV, K31, assert_close, cuda_only, dense_args, make_case,
                              sparse_args)
-from test_triton_mla_fp8 import fp8_case
+from test_triton_mla_fp8 import f16_values, fp8_case
 
 
 # ---- the warp-specialized sparse kernel (mla_sparse_ws.py, Gluon, sm_90a) ---------------------
@@ -56,18 +55,22 @@ def test_warp_specialized_sparse_key_splits(splits):
     (96, 300, 1, 64, 3),       # a one-row decode's key splits
 ])
 def test_warp_specialized_sparse_fp8_latent_rows(heads, k, rows, block_size, splits):
-    """FP8 latent rows (656 bytes: e4m3, fp32 scales, bf16 rope), dequantised on chip by the
-    math group that scores each block, against the reference op on the same FP8 cache (which
-    dequantises in fp32): over 300-2048 keys a row the bf16 tolerance holds (a one-key row's
-    lse would not: test_warp_specialized_dense_fp8_latent_rows)."""
+    """FP8 latent rows (656 bytes: e4m3, fp32 scales, bf16 rope), dequantised on chip (to f16)
+    by the math group that scores each block, against the reference op on the values the kernel
+    multiplies (`f16_values`), and on the FP8 cache itself (which it dequantises in fp32): over
+    300-2048 keys a row the bf16 tolerance holds for both (a one-key row's lse would not for the
+    second: test_warp_specialized_dense_fp8_latent_rows)."""
     c = fp8_case(make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
                               "requests": 3 if splits else K31["requests"],
                               "max_blocks": K31["max_blocks"] * 64 // block_size}, device="cuda",
                            dtype=torch.bfloat16, seed=50 + heads + block_size + rows))
     assert c["latent_cache"].dtype == torch.uint8 and c["latent_cache"].shape[2] == 656
     assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"]) is None
-    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
-    assert_close(ws.launch(*sparse_args(c)[:-1], splits=splits), want, torch.bfloat16)
+    seen = f16_values(c["latent_cache"], K31["width"])
+    got = ws.launch(*sparse_args(c)[:-1], splits=splits)
+    assert_close(got, torch.ops.k31c.sparse_mla(*sparse_args({**c, "latent_cache": seen})),
+                 torch.bfloat16)
+    assert_close(got, torch.ops.k31c.sparse_mla(*sparse_args(c)), torch.bfloat16)
 
 
 def test_warp_specialized_sparse_split_plan():
@@ -164,16 +167,16 @@ def test_warp_specialized_dense_matches_reference(heads, requests, rows, row_req
 ])
 def test_warp_specialized_dense_fp8_latent_rows(heads, requests, rows, row_req, lens, unwritten):
     """FP8 latent rows (656 bytes), dequantised in place by the math group that scores each
-    block, against the reference op on the host-dequantised rows rounded to bf16: the values the
-    kernel multiplies (the fp32 dequant moves a one-key row's lse by up to 5e-3, past the bf16
-    tolerance); unwritten: the slots past every row of a request hold NaN before they are
-    quantised (NaN scales and values that no row may meet); its planned splits and one split."""
+    block, against the reference op on the values the kernel multiplies (`f16_values`; the fp32
+    dequant moves a one-key row's lse past the bf16 tolerance); unwritten: the slots past every
+    row of a request hold NaN before they are quantised (NaN scales and values that no row may
+    meet); its planned splits and one split."""
     c, _ = dense_ws_case(heads, requests, rows, 40, lens, seed=100 + heads + rows, row_req=row_req,
                          unwritten=unwritten)
     clean, _ = dense_ws_case(heads, requests, rows, 40, lens, seed=100 + heads + rows, row_req=row_req)
     c8, clean8 = fp8_case(c), fp8_case(clean)
     width = clean["latent_cache"].shape[2]
-    seen = dequantize_latent_fp8(clean8["latent_cache"], width).to(torch.bfloat16)
+    seen = f16_values(clean8["latent_cache"], width)
     want = torch.ops.k31c.dense_mla(*dense_args({**clean8, "latent_cache": seen}))
     assert c8["latent_cache"].dtype == torch.uint8
     assert dws.why_split(c8["q"], c8["latent_cache"], c8["block_table"], c8["dv"]) is None

@@ -43,8 +43,9 @@ FP8 latent rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16 rope): the producer
 all three chunk groups of a buffer are released, then loads the block's e4m3 bytes into value
 chunks 4-7 (four [64, 128]-byte boxes; shared memory has no room for a staging area), its
 scales into a buffer of their own and its rope as before, all on one ready barrier. The math
-group that scores the block dequantises it in place (e4m3 x the row's scale in fp32, rounded
-to bf16 once), then issues its score chain on the whole block.
+group that scores the block dequantises it in place (e4m3 x the row's scale, in f16: FP8 rows
+run the latent products in f16, `mla_seesaw.FP8_Q_MUL`), then issues its score chain on the
+whole block.
 
 CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
 kernel does not take go to mla_dense.py's split kernel (FP8 rows: to mla.py's one-pass kernel;
@@ -67,7 +68,7 @@ from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, sp
                                              table_width)
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
 from k31c.lowering.triton.mla_dense_ws_kernel import BLOCK, CHUNK, NUM_WARPS
-from k31c.lowering.triton.mla_seesaw import DV, FP8_ROW, WIDTH, latent_reason
+from k31c.lowering.triton.mla_seesaw import DV, FP8_Q_MUL, FP8_ROW, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
@@ -203,12 +204,13 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
     if splits is None:
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
+    fp8 = latent_cache.dtype == torch.uint8
+    scale_log2 = float(sm_scale) * LOG2E / (FP8_Q_MUL if fp8 else 1.0)
     dense_ws_kernel[(groups * slabs * splits,)](
         q, *key_descriptors(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads,
         n_req, g, slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0),
-        q.stride(1), block_table.stride(0), float(sm_scale) * LOG2E, empty_lse, PASSES=passes,
-        ROWS=triton.next_power_of_2(passes), FP8=latent_cache.dtype == torch.uint8,
-        num_warps=NUM_WARPS)
+        q.stride(1), block_table.stride(0), scale_log2, empty_lse, PASSES=passes,
+        ROWS=triton.next_power_of_2(passes), FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse

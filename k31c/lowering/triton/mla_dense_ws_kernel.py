@@ -16,8 +16,8 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync, tma,
                                                  warpgroup_mma)
-    from k31c.lowering.triton.mla_seesaw import (DEQUANT_L, O_L, ROW_O, dequant_e4m3, pair_views,
-                                                 row_sums, seesaw_pair, store_q)
+    from k31c.lowering.triton.mla_seesaw import (DEQUANT_L, O_L, Q_MUL_FP8, ROW_O, dequant_e4m3,
+                                                 pair_views, row_sums, seesaw_pair, store_q)
 
 NUM_WARPS = 4                       # the default partition (math group 0); 12 warps in all
                                     # (the 1-warp producer's warp group padded)
@@ -199,12 +199,12 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _store_half(x, kv, scl, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
-        v = dequant_e4m3(x, scl.slice(32 * h, 32, dim=0), g, D_L)
+        v = dequant_e4m3(x, scl.slice(32 * h, 32, dim=0), g, D_L, kv.dtype)
         kv.slice(128 * g, 128, dim=1).slice(32 * h, 32, dim=0).store(v)
 
     @gluon.jit
     def _dequant(kv_bufs, scl, buf):
-        # buffer buf's e4m3 groups (group g staged in value chunk 4 + g) to bf16 in place (group
+        # buffer buf's e4m3 groups (group g staged in value chunk 4 + g) to f16 in place (group
         # g to chunks 2g, 2g + 1): groups 0 and 1 write chunks 0-3 (free); group 2 writes
         # chunks 4-5, groups 0's and 1's staging, once every thread has read them; group 3
         # writes chunks 6-7, its own staging and group 2's, once every thread has read both
@@ -324,15 +324,17 @@ if GLUON_ERROR is None:
         n_m = group_rows * n_heads
         m0 = slab * 64
         t_first = group * group_rows
-        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        # q's latent part, the value buffers and P: f16 for FP8 rows (mla_seesaw.FP8_Q_MUL)
+        VDT: gl.constexpr = gl.float16 if FP8 else gl.bfloat16
+        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], VDT)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         # q [64, 512] + [64, 64] with a leading dimension of 1 (indexed with an opaque 0), the
         # two block buffers, the exchanged maxima and row sums, two steps' facts and the step
         # count (`_load`)
-        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
+        qv_smem = gl.allocate_shared_memory(VDT, [1, 64, 512], SH_W)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
-        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 512], SH_W)
+        kv_bufs = gl.allocate_shared_memory(VDT, [2, BK, 512], SH_W)
         kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 64], SH_R)
         m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
         m_b = gl.allocate_shared_memory(gl.float32, [64], VEC)
@@ -357,7 +359,7 @@ if GLUON_ERROR is None:
         q_mask = gl.expand_dims((mq < n_m) & (tq < n_rows), 1) & gl.expand_dims(c >= 0, 0)
         q_at = (q_ptr + gl.expand_dims(tq.to(gl.int64) * stride_qn + (mq % n_heads) * stride_qh, 1)
                 + gl.expand_dims(c, 0))
-        store_q(qv_smem, qr_smem, q_at, q_mask)
+        store_q(qv_smem, qr_smem, q_at, q_mask, Q_MUL_FP8 if FP8 else 1.0)
         rows = (req_ptr, len_ptr, t_first, m0 // n_heads, gl.minimum(m0 + 63, n_m - 1) // n_heads,
                 n_rows, n_req)
         keys = (table_ptr, stride_bt, max_blocks, split * blocks_per_split, blocks_per_split)

@@ -18,6 +18,11 @@ WIDTH, DV = 576, 512                # the latent row the seesaw kernels are writ
 
 
 FP8_ROW = latent_fp8_row_bytes(DV, WIDTH - DV)       # an FP8 latent row's bytes (656)
+# FP8 latent rows run the latent products in f16, not bf16: the dequant is then one cvt and one
+# multiply a value pair (`dequant_e4m3`), and f16 keeps 3 more mantissa bits. q is scaled by
+# FP8_Q_MUL (exact) before its f16 rounding, so |q| up to 2^20 fits; the launchers divide it
+# back out of the scores' scale.
+FP8_Q_MUL = 2.0 ** -4
 
 
 def latent_reason(q, latent_cache, dv: int, fp8: bool = False) -> str | None:
@@ -40,6 +45,7 @@ if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
                                                  warpgroup_mma, warpgroup_mma_wait)
 
+    Q_MUL_FP8 = gl.constexpr(FP8_Q_MUL)
     BK = gl.constexpr(32)               # keys a block (a buffer)
     NB = gl.constexpr(4)                # buffers: two pairs of blocks
     # a math group's scores [64, 32] and its half of the output [64, 256], and their rows
@@ -55,27 +61,31 @@ if GLUON_ERROR is None:
     DEQUANT_L = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
     @gluon.jit
-    def dequant_e4m3(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr):
-        """Staged e4m3 bytes x [rows, 128] (one scale group) -> bf16: times each row's scale g of
-        scl ([rows, 4] fp32 in shared memory) in fp32, rounded to bf16 once, as the two-pass
-        kernel does."""
+    def dequant_e4m3(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr, DT: gl.constexpr):
+        """Staged e4m3 bytes x [rows, 128] (one scale group) -> f16: e4m3 to f16 exactly (one
+        cvt a value pair), times each row's scale g of scl ([rows, 4] fp32 in shared memory)
+        rounded to f16 (one HMUL2 a pair), then to DT, the buffer's type (f16; the kernels'
+        bf16 builds trace this too, as dead code). Against the fp32 product rounded to bf16:
+        2^-10 relative error where the scale is an f16 normal (a group max >= 0.0273),
+        1.3e-5 absolute where it is not."""
         s = scl.slice(g, 1, dim=1).load(LAYOUT)                               # [rows, 1] fp32
-        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s).to(gl.bfloat16)
+        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float16) * s.to(gl.float16)).to(DT)
 
     @gluon.jit
-    def seesaw_buffers(READY_COUNT: gl.constexpr):
+    def seesaw_buffers(READY_COUNT: gl.constexpr, VDT: gl.constexpr):
         """The shared memory of a seesaw program: q [64, 512] + [64, 64] (with a leading
         dimension of 1: the math groups index it with an opaque 0, or its loop-invariant wgmma
         descriptors are hoisted and spill), NB [32, 512] + [32, 64] key buffers, the exchanged
         maxima and row sums, and the barriers, initialised: ready (READY_COUNT arrivals a fill),
-        empty (both groups' values read the buffer), p_bar (each group's P), fin (the sums)."""
-        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
+        empty (both groups' values read the buffer), p_bar (each group's P), fin (the sums).
+        q's latent part, the key buffers and P are VDT (`value_dtype`); q's rope part bf16."""
+        SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], VDT)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-        qv_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 512], SH_W)
+        qv_smem = gl.allocate_shared_memory(VDT, [1, 64, 512], SH_W)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SH_R)
-        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], gl.bfloat16)
+        SH_BW: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 512], VDT)
         SH_BR: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 64], gl.bfloat16)
-        kv_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 512], SH_BW)
+        kv_bufs = gl.allocate_shared_memory(VDT, [NB, BK, 512], SH_BW)
         kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [NB, BK, 64], SH_BR)
         VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         m_a = gl.allocate_shared_memory(gl.float32, [64], VEC)
@@ -95,25 +105,32 @@ if GLUON_ERROR is None:
         return qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar, fin
 
     @gluon.jit
-    def store_q(qv_smem, qr_smem, q_at, q_mask):
+    def store_q(qv_smem, qr_smem, q_at, q_mask, Q_MUL: gl.constexpr):
         """q's 64 rows (pointers q_at [64, 64] to each row's first 64 columns; masked rows
-        read zeros) into shared memory, fenced for the wgmmas."""
+        read zeros) times Q_MUL (a power of two, exact) into shared memory in its buffers'
+        types, fenced for the wgmmas."""
         for j in gl.static_range(8):
-            qv_smem.index(0).slice(64 * j, 64, dim=1).store(gl.load(q_at + 64 * j, mask=q_mask,
-                                                                    other=0.0))
-        qr_smem.index(0).store(gl.load(q_at + 512, mask=q_mask, other=0.0))
+            x = gl.load(q_at + 64 * j, mask=q_mask, other=0.0)
+            if Q_MUL != 1.0:
+                x = x * Q_MUL
+            qv_smem.index(0).slice(64 * j, 64, dim=1).store(x.to(qv_smem.dtype))
+        x = gl.load(q_at + 512, mask=q_mask, other=0.0)
+        if Q_MUL != 1.0:
+            x = x * Q_MUL
+        qr_smem.index(0).store(x.to(qr_smem.dtype))
         fence_async_shared()
         sync()
 
     @gluon.jit
     def weights(s, keep, m_ref, scale_log2, p_smem, m_smem, bar):
         # a block's scores -> its weights P under the running max m = max(m_ref, the block's):
-        # P (bf16, over the block's rope part) and m go to shared memory for the other group
+        # P (the value type, over the block's rope part) and m go to shared memory for the
+        # other group
         s = gl.where(keep, s * scale_log2, float("-inf"))
         m = gl.maximum(m_ref, gl.max(s, 1))
         m_use = gl.where(m == float("-inf"), 0.0, m)      # no key yet: weights 0
         p = gl.exp2(s - gl.expand_dims(m_use, 1))
-        p_smem.store(p.to(gl.bfloat16))
+        p_smem.store(p.to(p_smem.dtype))
         m_smem.store(m)
         fence_async_shared()
         sync()
@@ -140,9 +157,10 @@ if GLUON_ERROR is None:
         """The pair's P (over each block's rope part: [64 pairs, the block's keys]) and this
         group's value columns of each block, in buffers ba (block a) and ba + 1 (block b)."""
         KEYS: gl.constexpr = kv_bufs.shape[1]
-        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, KEYS], gl.bfloat16)
-        pa = kr_bufs.index(ba)._reinterpret(gl.bfloat16, [64, KEYS], P_SH)
-        pb = kr_bufs.index(ba + 1)._reinterpret(gl.bfloat16, [64, KEYS], P_SH)
+        VDT: gl.constexpr = kv_bufs.dtype
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, KEYS], VDT)
+        pa = kr_bufs.index(ba)._reinterpret(VDT, [64, KEYS], P_SH)
+        pb = kr_bufs.index(ba + 1)._reinterpret(VDT, [64, KEYS], P_SH)
         va = kv_bufs.index(ba).slice(ROLE * 256, 256, dim=1)
         vb = kv_bufs.index(ba + 1).slice(ROLE * 256, 256, dim=1)
         return pa, pb, va, vb

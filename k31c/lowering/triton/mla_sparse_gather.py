@@ -1,6 +1,6 @@
 """The gather of the warp-specialized sparse MLA kernel (mla_sparse_ws.py): its producer turns a
 row's selected positions into cache rows (block table) and fills the seesaw's 32-key buffers
-(mla_seesaw.seesaw_buffers: [32, 512] values + [32, 64] rope, bf16) with 16-byte cp.async, the
+(mla_seesaw.seesaw_buffers: [32, 512] values + [32, 64] rope) with 16-byte cp.async, the
 fill signalled by the copies' own arrivals on `ready`. The lookups run ahead of the copies
 (positions two blocks early, the block table one), so a copy's address never waits on a
 dependent pair of global loads. A -1 position and the tail past the keys are zero-filled.
@@ -10,9 +10,9 @@ dependent pair of global loads. A -1 position and the tail past the keys are zer
   the e4m3 bytes go into the upper half of the block's own value buffer (16 KB of its 32 KB;
   shared memory has no room for a staging area beside q and four buffers), the scales into a
   buffer of their own, the rope straight to its buffer. The math group that scores the block
-  dequantises it in place once it lands (`dequant_block`: e4m3 x its row's scale in fp32,
-  rounded to bf16 once, as the two-pass kernel does); a zero-filled row's zero scale gives zero
-  values. The dequant is what FP8 rows cost over bf16 rows (without it they run faster than
+  dequantises it in place once it lands (`dequant_block`: e4m3 x its row's scale in f16, the
+  value buffers then being f16, `mla_seesaw.dequant_e4m3`); a zero-filled row's zero scale gives
+  zero values. The dequant is what FP8 rows cost over bf16 rows (without it they run faster than
   bf16 rows); the producer dequantising both blocks of a pair instead measured the same
   (BENCHMARKS.md, "Sparse MLA on FP8 latent rows").
 """
@@ -100,7 +100,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def dequant_block(b, kv_bufs, scl_bufs):
-        """Buffer b's staged e4m3 columns to bf16 in place, by one warp group, fenced and synced
+        """Buffer b's staged e4m3 columns to f16 in place, by one warp group, fenced and synced
         for its wgmmas: column groups 0 and 1 write the lower half (nothing staged there); 2 and
         3 overwrite the staging, so every thread reads all four before the barrier and writes
         those two after it."""
@@ -112,11 +112,11 @@ if GLUON_ERROR is None:
         x1 = stage.index(8 * b + 5).load(C_L)
         x2 = stage.index(8 * b + 6).load(C_L)
         x3 = stage.index(8 * b + 7).load(C_L)
-        kv.slice(0, 128, dim=1).store(dequant_e4m3(x0, scl, 0, C_L))
-        kv.slice(128, 128, dim=1).store(dequant_e4m3(x1, scl, 1, C_L))
+        kv.slice(0, 128, dim=1).store(dequant_e4m3(x0, scl, 0, C_L, kv.dtype))
+        kv.slice(128, 128, dim=1).store(dequant_e4m3(x1, scl, 1, C_L, kv.dtype))
         sync()
-        kv.slice(256, 128, dim=1).store(dequant_e4m3(x2, scl, 2, C_L))
-        kv.slice(384, 128, dim=1).store(dequant_e4m3(x3, scl, 3, C_L))
+        kv.slice(256, 128, dim=1).store(dequant_e4m3(x2, scl, 2, C_L, kv.dtype))
+        kv.slice(384, 128, dim=1).store(dequant_e4m3(x3, scl, 3, C_L, kv.dtype))
         fence_async_shared()            # the stores, before the wgmmas read them
         sync()
 

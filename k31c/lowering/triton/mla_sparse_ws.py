@@ -9,7 +9,8 @@ finds the row's gathered latent rows in L2. The row's selected keys go in pairs 
   block with 16-byte cp.async into one of four [32, 576] shared buffers (a -1 position and the
   tail past k are zero-filled): the next pair is in flight while this one is computed, and each
   row is read once for both products. FP8 latent rows land as e4m3 in the upper half of the
-  value buffer, and the math group that scores the block dequantises it in place first;
+  value buffer, and the math group that scores the block dequantises it in place first (to
+  f16: FP8 rows run the latent products in f16, `mla_seesaw.FP8_Q_MUL`);
 - two math warp groups in a seesaw: group 0 scores block a, group 1 block b (wgmmas of the 64
   heads against the block's 32 keys, q from shared memory), at the same time. Group 0 takes its
   row max, stores its P over block a's rope part (dead once scored) with the max, and signals;
@@ -47,13 +48,14 @@ from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
 from k31c.lowering.triton.mla_common import (LOG2E, fp8_latent_views, merge_spec, merge_splits,
                                              split_outputs, table_width)
-from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason
+from k31c.lowering.triton.mla_seesaw import DV, FP8_Q_MUL, WIDTH, latent_reason
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma
     from k31c.lowering.triton.mla_sparse_gather import dequant_block, fp8_scales, gather
     from k31c.lowering.triton.mla_seesaw import (BK, NB, O_L, ROW_O, ROW_S, S_L, pair_views,
-                                                 row_sums, seesaw_buffers, seesaw_pair, store_q)
+                                                 Q_MUL_FP8, row_sums, seesaw_buffers, seesaw_pair,
+                                                 store_q)
 
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
 KEYS_STEP = 64                      # selected rows a pair of blocks holds (a split's unit)
@@ -144,14 +146,14 @@ if GLUON_ERROR is None:
         t = pid // (n_tiles * n_splits)
         head0 = tile * 64
         (qv_smem, qr_smem, kv_bufs, kr_bufs, m_a, m_b, l_a, l_b, ready, empty, p_bar,
-         fin) = seesaw_buffers(128)
+         fin) = seesaw_buffers(128, gl.float16 if FP8 else gl.bfloat16)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         h = head0 + gl.arange(0, 64, gl.SliceLayout(1, Q_L))
         c = gl.arange(0, 64, gl.SliceLayout(0, Q_L))
         q_mask = gl.expand_dims(h < n_heads, 1) & gl.expand_dims(c >= 0, 0)
         q_at = (q_ptr + t.to(gl.int64) * stride_qn + gl.expand_dims(h * stride_qh, 1)
                 + gl.expand_dims(c, 0))
-        store_q(qv_smem, qr_smem, q_at, q_mask)
+        store_q(qv_smem, qr_smem, q_at, q_mask, Q_MUL_FP8 if FP8 else 1.0)
         idx_row = idx_ptr + t.to(gl.int64) * stride_in + split * keys_per_split
         n_here = gl.maximum(gl.minimum(keys_per_split, n_keys - split * keys_per_split), 0)
         table_row = table_ptr + gl.load(req_ptr + t).to(gl.int64) * stride_bt
@@ -234,11 +236,13 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
     per_split = split_keys(n_keys, splits)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
+    fp8 = latent_cache.dtype == torch.uint8
+    scale_log2 = sm_scale * LOG2E / (FP8_Q_MUL if fp8 else 1.0)
     _sparse_ws_kernel[(n * n_tiles * splits,)](
         q, *fp8_latent_views(latent_cache), block_table, row_req, indices, dst, dst_lse, n,
         n_heads, n_tiles, n_keys, splits, per_split, latent_cache.shape[1], q.stride(0),
-        q.stride(1), indices.stride(0), block_table.stride(0), sm_scale * LOG2E, empty_lse,
-        FP8=latent_cache.dtype == torch.uint8, num_warps=NUM_WARPS)
+        q.stride(1), indices.stride(0), block_table.stride(0), scale_log2, empty_lse,
+        FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse
