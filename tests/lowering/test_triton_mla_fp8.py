@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
-from k31c.graph.ops.fp8_layouts import (LATENT_SCALE_GROUP, latent_fp8_nope, latent_fp8_scales,
-                                        quantize_latent_fp8)
+from k31c.graph.ops.fp8_layouts import (LATENT_SCALE_GROUP, dequantize_latent_fp8,
+                                        latent_fp8_nope, latent_fp8_scales, quantize_latent_fp8)
 from k31c.lowering.triton import mla as one_pass_kernels
 from k31c.lowering.triton import mla_two_pass as two_pass
 from test_triton_mla import DEV, K31, SMALL, assert_close, dense_args, make_case, sparse_args
@@ -83,6 +83,29 @@ def test_fp8_layout_error_against_the_float_cache():
     rel = ((out8 - out).abs().amax() / out.abs().amax()).item()
     assert 2e-3 < rel < 5e-2, rel
     assert (lse8[live] - lse[live]).abs().max().item() < 0.1
+
+
+def test_f16_values_error_bounds():
+    """The f16 dequant the warp-specialized kernels do (`f16_values`) against the fp32 one, on
+    rows whose 128-column groups' maxima span 1e-4..1e3: within 2^-10 relative and 2^-25
+    absolute (a product below f16's normals) where the scale (max / 448) is an f16 normal,
+    plus 448 x 2^-25 (the scale's own rounding) where it is not, as
+    mla_seesaw.dequant_e4m3 states."""
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(256, 576, generator=g)
+    amax = 10.0 ** (torch.rand(256, 4, generator=g) * 7 - 4)
+    rows[:, :512] *= (amax / rows[:, :512].view(256, 4, 128).abs().amax(-1)).repeat_interleave(128, 1)
+    raw = quantize_latent_fp8(rows, 512)
+    exact = dequantize_latent_fp8(raw, 576)
+    got = f16_values(raw, 576)
+    err = (got - exact).abs()
+    assert torch.equal(got[:, 512:], exact[:, 512:])
+    bound = exact.abs() * 2.0 ** -10 * 1.001 + (448 + 1) * 2.0 ** -25
+    assert bool((err <= bound).all()), float((err - bound).max())
+    normal = (amax / 448 >= 2.0 ** -14).repeat_interleave(128, 1)
+    rel = exact[:, :512].abs()[normal] * 2.0 ** -10 * 1.001
+    assert bool((err[:, :512][normal] <= rel + 2.0 ** -25).all())
+    assert 0 < int(normal.sum()) < normal.numel()
 
 
 def test_fp8_layout_is_rejected_where_it_does_not_fit():
