@@ -41,11 +41,12 @@ fp32 partials (an empty split's lse is -inf) that `mla_common.merge_splits` comb
 
 FP8 latent rows (656 bytes: 512 e4m3, 4 fp32 scales, 64 bf16 rope): the producer waits until
 all three chunk groups of a buffer are released, then loads the block's e4m3 bytes into value
-chunks 4-7 (four [64, 128]-byte boxes; shared memory has no room for a staging area), its
-scales into a buffer of their own and its rope as before, all on one ready barrier. The math
-group that scores the block dequantises it in place (e4m3 x the row's scale, in f16: FP8 rows
-run the latent products in f16, `mla_seesaw.FP8_Q_MUL`), then issues its score chain on the
-whole block.
+chunks 4-7 (four [64, 128]-byte boxes, one a scale group, each on its own ready barrier;
+shared memory has no room for a staging area), its scales into a buffer of their own (with
+the first box) and its rope as before. The math group that scores the block dequantises each
+group in place as its box lands (e4m3 x the row's scale, in f16: FP8 rows run the latent
+products in f16, `mla_seesaw.FP8_Q_MUL`) and issues that group's two score wgmmas before the
+next group's dequant, which thus runs under them.
 
 CUDA-graph safe: the grid, splits and workspace come from static shapes only. Calls this
 kernel does not take go to mla_dense.py's split kernel (FP8 rows: to mla.py's one-pass kernel;

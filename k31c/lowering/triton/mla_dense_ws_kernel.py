@@ -6,8 +6,8 @@ Terms: a *group* is G consecutive query rows (the R rows of a request in the dec
 M); a *pass* is the work of one request on a slab's rows; a *step* is a pair of 64-row cache
 blocks, a (buffer 0, scored by math group 0) and b (buffer 1, group 1); a *chunk* is 64 columns
 of a buffer (8 value chunks, then the rope chunk), one TMA box with its own ready barrier (FP8
-rows: the whole block on ready[0], its e4m3 bytes staged in value chunks 4-7; `_fill_fp8`,
-`_dequant`).
+rows: the block's four e4m3 groups staged in value chunks 4-7 on ready[0-3], the scales with
+group 0, the rope on ready[8]; `_fill_fp8`, `_score_fp8`).
 """
 from __future__ import annotations
 
@@ -117,19 +117,23 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _fill_fp8(descs, kv_bufs, kr_buf, scl_buf, buf: gl.constexpr, ready, empty, blk, ph):
         # FP8 rows: once all three chunk groups of the buffer are released (the dequant writes
-        # every value chunk), its e4m3 bytes to value chunks 4-7 (four [64, 128]-byte boxes),
-        # its scales and rope to their buffers, all on ready[0]
+        # every value chunk), its e4m3 bytes to value chunks 4-7 (four [64, 128]-byte boxes,
+        # box g on ready[g], the scales with box 0), its rope on ready[8]: the math group
+        # dequantises and scores a box as soon as it lands
         d_nope, d_scale, d_rope = descs
         row = blk * BK
         for g in gl.static_range(3):
             mbarrier.wait(empty[g], ph)
-        mbarrier.expect(ready[0], 4 * d_nope.block_type.nbytes + d_scale.block_type.nbytes
-                        + d_rope.block_type.nbytes)
         stage = kv_bufs._reinterpret(gl.uint8, [2 * 8, BK, 128], d_nope.layout)
-        for g in gl.static_range(4):
-            tma.async_copy_global_to_shared(d_nope, [row, 128 * g], ready[0], stage.index(buf * 8 + 4 + g))
+        mbarrier.expect(ready[0], d_nope.block_type.nbytes + d_scale.block_type.nbytes)
         tma.async_copy_global_to_shared(d_scale, [row, 128], ready[0], scl_buf)
-        tma.async_copy_global_to_shared(d_rope, [row, 264], ready[0], kr_buf)
+        tma.async_copy_global_to_shared(d_nope, [row, 0], ready[0], stage.index(buf * 8 + 4))
+        for g in gl.static_range(1, 4):
+            mbarrier.expect(ready[g], d_nope.block_type.nbytes)
+            tma.async_copy_global_to_shared(d_nope, [row, 128 * g], ready[g],
+                                            stage.index(buf * 8 + 4 + g))
+        mbarrier.expect(ready[8], d_rope.block_type.nbytes)
+        tma.async_copy_global_to_shared(d_rope, [row, 264], ready[8], kr_buf)
 
     @gluon.jit
     def _load(descs, kv_bufs, kr_bufs, scl_bufs, info, bars, rows, keys, PASSES: gl.constexpr,
@@ -178,18 +182,15 @@ if GLUON_ERROR is None:
                     _fill(descs[0], kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
 
     @gluon.jit
-    def _score(qv, qr, kv, kr, ready, ph, zero_s, WAIT: gl.constexpr):
+    def _score(qv, qr, kv, kr, ready, ph, zero_s):
         # a block's scores [64 pairs, 64 keys]: 9 chained wgmmas, each after its chunk's fill
-        # (WAIT), or all at once when the whole block is in shared memory (FP8 rows, dequantised)
         s = zero_s
         for c in gl.static_range(8):
-            if WAIT:
-                mbarrier.wait(ready[c], ph)
+            mbarrier.wait(ready[c], ph)
             s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
                               kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
                               use_acc=c > 0, is_async=True)
-        if WAIT:
-            mbarrier.wait(ready[8], ph)
+        mbarrier.wait(ready[8], ph)
         return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
@@ -203,35 +204,33 @@ if GLUON_ERROR is None:
         kv.slice(128 * g, 128, dim=1).slice(32 * h, 32, dim=0).store(v)
 
     @gluon.jit
-    def _dequant(kv_bufs, scl, buf):
-        # buffer buf's e4m3 groups (group g staged in value chunk 4 + g) to f16 in place (group
-        # g to chunks 2g, 2g + 1): groups 0 and 1 write chunks 0-3 (free); group 2 writes
-        # chunks 4-5, groups 0's and 1's staging, once every thread has read them; group 3
-        # writes chunks 6-7, its own staging and group 2's, once every thread has read both
+    def _score_fp8(qv, qr, kv_bufs, kr, scl, buf, ready, ph, zero_s):
+        # FP8 rows: buffer buf's scores, each e4m3 group dequantised in place as its box lands
+        # and its two value chunks' wgmmas issued before the next group is dequantised. Group
+        # g (staged in value chunk 4 + g) goes to chunks 2g, 2g + 1: groups 0 and 1 to chunks
+        # 0-3 (free), group 2 to the staging of groups 0 and 1 (read, then synced, before),
+        # group 3 to its own staging and group 2's, once every thread has read it
         D_L: gl.constexpr = DEQUANT_L
         SH8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([32, 128], gl.uint8)
         stage = kv_bufs._reinterpret(gl.uint8, [2 * 8 * 2, 32, 128], SH8)
         kv = kv_bufs.index(buf)
-        x00 = _staged(stage, buf, 0, 0, D_L)
-        x01 = _staged(stage, buf, 0, 1, D_L)
-        x10 = _staged(stage, buf, 1, 0, D_L)
-        x11 = _staged(stage, buf, 1, 1, D_L)
-        _store_half(x00, kv, scl, 0, 0, D_L)
-        _store_half(x01, kv, scl, 0, 1, D_L)
-        _store_half(x10, kv, scl, 1, 0, D_L)
-        _store_half(x11, kv, scl, 1, 1, D_L)
-        x20 = _staged(stage, buf, 2, 0, D_L)
-        x21 = _staged(stage, buf, 2, 1, D_L)
-        sync()
-        _store_half(x20, kv, scl, 2, 0, D_L)
-        _store_half(x21, kv, scl, 2, 1, D_L)
-        x30 = _staged(stage, buf, 3, 0, D_L)
-        x31 = _staged(stage, buf, 3, 1, D_L)
-        sync()
-        _store_half(x30, kv, scl, 3, 0, D_L)
-        _store_half(x31, kv, scl, 3, 1, D_L)
-        fence_async_shared()            # the stores, before the wgmmas read them
-        sync()
+        s = zero_s
+        for g in gl.static_range(4):
+            mbarrier.wait(ready[g], ph)
+            x0 = _staged(stage, buf, g, 0, D_L)
+            x1 = _staged(stage, buf, g, 1, D_L)
+            if g == 3:
+                sync()
+            _store_half(x0, kv, scl, g, 0, D_L)
+            _store_half(x1, kv, scl, g, 1, D_L)
+            fence_async_shared()            # the stores, before the wgmmas read them
+            sync()
+            for c in gl.static_range(2 * g, 2 * g + 2):
+                s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
+                                  kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
+                                  use_acc=c > 0, is_async=True)
+        mbarrier.wait(ready[8], ph)
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _half(ROLE: gl.constexpr, smem, bars, ex, rows, outs, FP8: gl.constexpr):
@@ -269,10 +268,12 @@ if GLUON_ERROR is None:
             zr = gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [j], dtype=gl.int32,
                                            is_pure=True, pack=1)
             if FP8:
-                mbarrier.wait(ready_own[0], ph)
-                _dequant(kv_bufs, scl_bufs.index(zr + ROLE), zr + ROLE)
-            s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
-                       kr_bufs.index(zr + ROLE), ready_own, ph, zero_s, not FP8)
+                s = _score_fp8(qv_smem.index(zr), qr_smem.index(zr), kv_bufs,
+                               kr_bufs.index(zr + ROLE), scl_bufs.index(zr + ROLE), zr + ROLE,
+                               ready_own, ph, zero_s)
+            else:
+                s = _score(qv_smem.index(zr), qr_smem.index(zr), kv_bufs.index(zr + ROLE),
+                           kr_bufs.index(zr + ROLE), ready_own, ph, zero_s)
             # the step's facts (from the producer, published with the blocks), under the
             # scores: each pair sees this group's block's keys below its length if its row is
             # of that block's request
