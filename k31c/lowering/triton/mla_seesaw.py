@@ -64,11 +64,12 @@ if GLUON_ERROR is None:
     def dequant_e4m3(x, scl, g: gl.constexpr, LAYOUT: gl.constexpr, DT: gl.constexpr):
         """Staged e4m3 bytes x [rows, 128] (one scale group) -> f16: e4m3 to f16 exactly (one
         cvt a value pair), times each row's scale g of scl ([rows, 4] fp32 in shared memory)
-        rounded to f16 (one HMUL2 a pair), then to DT, the buffer's type (f16; the kernels'
-        bf16 builds trace this too, as dead code). Against the fp32 product: 2^-10 relative
-        error (bf16 rounding alone is 2^-9) and 2^-25 absolute (products below f16's normals)
-        where the scale is an f16 normal (a group max >= 0.0273); up to 1.3e-5 absolute more
-        where it is not (tests/lowering/test_triton_mla_fp8.py)."""
+        rounded to f16 (one HMUL2 a pair), then to DT, the buffer's type (f16; Triton 3.6
+        traces this in the bf16 builds too, as dead code, so it must type-check there).
+        Against the fp32 product: 2^-10 relative error (bf16 rounding alone is 2^-9) and 2^-25
+        absolute (products below f16's normals) where the scale is an f16 normal (a group max
+        >= 0.0273); up to 1.3e-5 absolute more where it is not
+        (tests/lowering/test_triton_mla_fp8.py)."""
         s = scl.slice(g, 1, dim=1).load(LAYOUT)                               # [rows, 1] fp32
         return (x.to(gl.float8e4nv, bitcast=True).to(gl.float16) * s.to(gl.float16)).to(DT)
 
@@ -79,7 +80,8 @@ if GLUON_ERROR is None:
         descriptors are hoisted and spill), NB [32, 512] + [32, 64] key buffers, the exchanged
         maxima and row sums, and the barriers, initialised: ready (READY_COUNT arrivals a fill),
         empty (both groups' values read the buffer), p_bar (each group's P), fin (the sums).
-        q's latent part, the key buffers and P are VDT (`value_dtype`); q's rope part bf16."""
+        q's latent part, the key buffers and P are VDT (f16 for FP8 latent rows, else bf16);
+        q's rope part bf16."""
         SH_W: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], VDT)
         SH_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
         qv_smem = gl.allocate_shared_memory(VDT, [1, 64, 512], SH_W)
