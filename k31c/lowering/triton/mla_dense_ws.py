@@ -65,11 +65,10 @@ from k31c.lowering.triton import mla
 from k31c.lowering.triton import mla_dense as split_dense
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.mla_common import (LOG2E, merge_spec, merge_splits, split_outputs,
-                                             table_width)
+from k31c.lowering.triton.mla_common import merge_spec, merge_splits, split_outputs, table_width
 from k31c.lowering.triton.mla_dense_plan import MAX_SPLITS, choose_splits, rows_per_group
 from k31c.lowering.triton.mla_dense_ws_kernel import BLOCK, CHUNK, NUM_WARPS
-from k31c.lowering.triton.mla_seesaw import DV, FP8_Q_MUL, FP8_ROW, WIDTH, latent_reason
+from k31c.lowering.triton.mla_seesaw import DV, FP8_ROW, WIDTH, latent_reason, scores_scale_log2
 
 if GLUON_ERROR is None:
     from triton.experimental.gluon import language as gl
@@ -206,12 +205,11 @@ def launch(q, latent_cache, block_table, row_req, row_len, sm_scale, splits: int
         splits = plan_splits(groups * slabs, max_blocks, target_of(q.device).sm_count)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     fp8 = latent_cache.dtype == torch.uint8
-    scale_log2 = float(sm_scale) * LOG2E / (FP8_Q_MUL if fp8 else 1.0)
     dense_ws_kernel[(groups * slabs * splits,)](
         q, *key_descriptors(latent_cache), block_table, row_req, row_len, dst, dst_lse, n, heads,
         n_req, g, slabs, splits, blocks_per_split(max_blocks, splits), max_blocks, q.stride(0),
-        q.stride(1), block_table.stride(0), scale_log2, empty_lse, PASSES=passes,
-        ROWS=triton.next_power_of_2(passes), FP8=fp8, num_warps=NUM_WARPS)
+        q.stride(1), block_table.stride(0), scores_scale_log2(sm_scale, fp8), empty_lse,
+        PASSES=passes, ROWS=triton.next_power_of_2(passes), FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse

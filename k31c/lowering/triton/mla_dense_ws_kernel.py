@@ -182,16 +182,26 @@ if GLUON_ERROR is None:
                     _fill(descs[0], kv_bufs.index(1), kr_bufs.index(1), ready1, empty1, blk_b, ph)
 
     @gluon.jit
+    def _chunk_score(qv, kv, s, c: gl.constexpr):
+        # value chunk c's wgmma of a block's score chain (the first one starts it)
+        return warpgroup_mma(qv.slice(CK * c, CK, dim=1),
+                             kv.slice(CK * c, CK, dim=1).permute((1, 0)), s, use_acc=c > 0,
+                             is_async=True)
+
+    @gluon.jit
+    def _rope_score(qr, kr, s, ready, ph):
+        # the chain's last wgmma, once the rope chunk has landed
+        mbarrier.wait(ready[8], ph)
+        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
     def _score(qv, qr, kv, kr, ready, ph, zero_s):
         # a block's scores [64 pairs, 64 keys]: 9 chained wgmmas, each after its chunk's fill
         s = zero_s
         for c in gl.static_range(8):
             mbarrier.wait(ready[c], ph)
-            s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
-                              kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
-                              use_acc=c > 0, is_async=True)
-        mbarrier.wait(ready[8], ph)
-        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+            s = _chunk_score(qv, kv, s, c)
+        return _rope_score(qr, kr, s, ready, ph)
 
     @gluon.jit
     def _staged(stage, buf, g: gl.constexpr, h: gl.constexpr, D_L: gl.constexpr):
@@ -226,11 +236,8 @@ if GLUON_ERROR is None:
             fence_async_shared()            # the stores, before the wgmmas read them
             sync()
             for c in gl.static_range(2 * g, 2 * g + 2):
-                s = warpgroup_mma(qv.slice(CK * c, CK, dim=1),
-                                  kv.slice(CK * c, CK, dim=1).permute((1, 0)), s,
-                                  use_acc=c > 0, is_async=True)
-        mbarrier.wait(ready[8], ph)
-        return warpgroup_mma(qr, kr.permute((1, 0)), s, is_async=True)
+                s = _chunk_score(qv, kv, s, c)
+        return _rope_score(qr, kr, s, ready, ph)
 
     @gluon.jit
     def _half(ROLE: gl.constexpr, smem, bars, ex, rows, outs, FP8: gl.constexpr):

@@ -13,6 +13,7 @@ import torch
 
 from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+from k31c.lowering.triton.mla_common import LOG2E
 
 WIDTH, DV = 576, 512                # the latent row the seesaw kernels are written for (K3.1 Pro)
 
@@ -20,9 +21,15 @@ WIDTH, DV = 576, 512                # the latent row the seesaw kernels are writ
 FP8_ROW = latent_fp8_row_bytes(DV, WIDTH - DV)       # an FP8 latent row's bytes (656)
 # FP8 latent rows run the latent products in f16, not bf16: the dequant is then one cvt and one
 # multiply a value pair (`dequant_e4m3`), and f16 keeps 3 more mantissa bits. q is scaled by
-# FP8_Q_MUL (exact) before its f16 rounding, so |q| up to 2^20 fits; the launchers divide it
-# back out of the scores' scale.
+# FP8_Q_MUL (exact) before its f16 rounding, so |q| up to 2^20 fits; `scores_scale_log2`
+# divides it back out.
 FP8_Q_MUL = 2.0 ** -4
+
+
+def scores_scale_log2(sm_scale: float, rows_fp8: bool) -> float:
+    """The kernels' scale of raw scores to log2 units: sm_scale·log2(e), with FP8_Q_MUL divided
+    back out for FP8 latent rows."""
+    return float(sm_scale) * LOG2E / (FP8_Q_MUL if rows_fp8 else 1.0)
 
 
 def latent_reason(q, latent_cache, dv: int, fp8: bool = False) -> str | None:

@@ -12,9 +12,9 @@ dependent pair of global loads. A -1 position and the tail past the keys are zer
   buffer of their own, the rope straight to its buffer. The math group that scores the block
   dequantises it in place once it lands (`dequant_block`: e4m3 x its row's scale in f16, the
   value buffers then being f16, `mla_seesaw.dequant_e4m3`); a zero-filled row's zero scale gives
-  zero values. The dequant is what FP8 rows cost over bf16 rows (without it they run faster than
-  bf16 rows); the producer dequantising both blocks of a pair instead measured the same
-  (BENCHMARKS.md, "Sparse MLA on FP8 latent rows").
+  zero values. The dequant is what FP8 rows cost over bf16 rows; where else it could run, and
+  what that measured: BENCHMARKS.md, "Sparse MLA on FP8 latent rows" and "FP8 latent rows in
+  f16".
 """
 from __future__ import annotations
 

@@ -46,9 +46,9 @@ from k31c.lowering.targets import targets_running
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.mla_common import (LOG2E, fp8_latent_views, merge_spec, merge_splits,
+from k31c.lowering.triton.mla_common import (fp8_latent_views, merge_spec, merge_splits,
                                              split_outputs, table_width)
-from k31c.lowering.triton.mla_seesaw import DV, FP8_Q_MUL, WIDTH, latent_reason
+from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason, scores_scale_log2
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma
@@ -237,11 +237,11 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     per_split = split_keys(n_keys, splits)
     dst, dst_lse, empty_lse = split_outputs(out, lse, splits)
     fp8 = latent_cache.dtype == torch.uint8
-    scale_log2 = sm_scale * LOG2E / (FP8_Q_MUL if fp8 else 1.0)
     _sparse_ws_kernel[(n * n_tiles * splits,)](
         q, *fp8_latent_views(latent_cache), block_table, row_req, indices, dst, dst_lse, n,
         n_heads, n_tiles, n_keys, splits, per_split, latent_cache.shape[1], q.stride(0),
-        q.stride(1), indices.stride(0), block_table.stride(0), scale_log2, empty_lse,
+        q.stride(1), indices.stride(0), block_table.stride(0), scores_scale_log2(sm_scale, fp8),
+        empty_lse,
         FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
