@@ -24,14 +24,14 @@ from k31c.graph.ops.fp8_layouts import latent_fp8_row_bytes
 try:
     from benchmarks import bench_indexer
     from benchmarks.bench_mla import (B, BLOCK, DV, HEADS, N, R, SM_SCALE, TOPK, WIDTH, Pool,
-                                      _flops, _rate_note, dense_inputs, out_error)
+                                      dense_inputs, mla_flops, out_error, rate_note)
     from benchmarks.harness import (Machine, Row, bytes_floor_ms, flops_floor_ms, graph_ms,
                                     markdown, measure_machine, try_ms)
     from benchmarks.index_formats import indexer_inputs, pick_change
 except ImportError:  # run as a script from benchmarks/
     import bench_indexer
-    from bench_mla import (B, BLOCK, DV, HEADS, N, R, SM_SCALE, TOPK, WIDTH, Pool, _flops,
-                           _rate_note, dense_inputs, out_error)
+    from bench_mla import (B, BLOCK, DV, HEADS, N, R, SM_SCALE, TOPK, WIDTH, Pool,
+                           dense_inputs, mla_flops, out_error, rate_note)
     from harness import (Machine, Row, bytes_floor_ms, flops_floor_ms, graph_ms, markdown,
                          measure_machine, try_ms)
     from index_formats import indexer_inputs, pick_change
@@ -81,11 +81,11 @@ def latent_rows(machine: Machine, ctx: int = 128 << 10,
     t = try_ms(lambda: two_pass.sparse_mla(*args(raw8)), timer=graph_ms)
     if t is not None:
         peers["raw e4m3 (no scale), two-pass"] = t
-    flops, nbytes = _flops(TOPK), N * TOPK * FP8_ROW_BYTES
+    flops, nbytes = mla_flops(TOPK), N * TOPK * FP8_ROW_BYTES
     rows.append(Row(f"sparse_mla fp8_ds_mla ({_runs_module(sparse, args(fp8))})",
                     f"B{B}xR{R} H{HEADS} L={ctx >> 10}K k={TOPK}",
                     ms, flops_floor_ms(flops, machine.bf16_tflops), "flops", peers,
-                    _rate_note(ms, flops, nbytes, machine) + "; "
+                    rate_note(ms, flops, nbytes, machine) + "; "
                     + out_error(sparse.fn(*args(fp8)), sparse.fn(*args(cache)))))
     dense = lookup("k31c::dense_mla", "h200")
     for dctx, r in dense_shapes:
@@ -98,13 +98,13 @@ def latent_rows(machine: Machine, ctx: int = 128 << 10,
         t = try_ms(lambda: mla.dense_mla(*dargs(fp8)), timer=graph_ms, warmup=2, reps=10)
         if t is not None:
             peers["one-pass kernel"] = t
-        flops, nbytes = _flops(dctx) * r / R, B * dctx * FP8_ROW_BYTES
+        flops, nbytes = mla_flops(dctx) * r / R, B * dctx * FP8_ROW_BYTES
         floor, kind = flops_floor_ms(flops, machine.bf16_tflops), "flops"
         if r == 1:                               # one row a request: bound by the cache's bytes
             floor, kind = bytes_floor_ms(nbytes, machine), "bytes"
         rows.append(Row(f"dense_mla fp8_ds_mla ({_runs_module(dense, dargs(fp8))})",
                         f"B{B}xR{r} H{HEADS} L={dctx >> 10}K", ms, floor, kind, peers,
-                        _rate_note(ms, flops, nbytes, machine) + "; "
+                        rate_note(ms, flops, nbytes, machine) + "; "
                         + out_error(dense.fn(*dargs(fp8)), dense.fn(*dargs(cache)))))
     return rows
 

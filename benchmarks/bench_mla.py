@@ -101,11 +101,11 @@ class Pool:
         return table, row_len, indices
 
 
-def _flops(keys: int) -> float:
+def mla_flops(keys: int) -> float:
     return 2.0 * N * HEADS * keys * (WIDTH + DV)
 
 
-def _rate_note(ms: float, flops: float, nbytes: float, m: Machine) -> str:
+def rate_note(ms: float, flops: float, nbytes: float, m: Machine) -> str:
     return (f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s, {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s; "
             f"bytes floor {bytes_floor_ms(nbytes, m) * 1e3:.1f} us")
 
@@ -143,7 +143,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
         if why:
             print(f"# sparse_mla: the registered kernel runs the two-pass one here: {why}",
                   file=sys.stderr)
-        flops, nbytes = _flops(TOPK), N * TOPK * WIDTH * cache.element_size()
+        flops, nbytes = mla_flops(TOPK), N * TOPK * WIDTH * cache.element_size()
         peers = {}
         for name, fn in (("eager ref", lambda: torch.ops.k31c.sparse_mla(*args)),
                          ("torch.compile", lambda: compiled_sparse(*args))):
@@ -156,7 +156,7 @@ def _sparse_rows(machine: Machine, pool: Pool, contexts) -> list[Row]:
                           ("sparse_mla bf16 (mla_two_pass)", two_pass.sparse_mla)):
             ms = graph_ms(lambda: fn(*args))
             rows.append(Row(label, f"{tag} k={TOPK}", ms, flops_floor_ms(flops, machine.bf16_tflops),
-                            "flops", peers, _rate_note(ms, flops, nbytes, machine)
+                            "flops", peers, rate_note(ms, flops, nbytes, machine)
                             + "; " + out_error(fn(*args), ref, "reference")))
 
     return rows
@@ -242,7 +242,7 @@ def _dense_row(machine: Machine, pool: Pool, ctx: int, r: int, compiled: dict) -
                          f"{float((out - ref).abs().max()) / max(float(ref.abs().max()), 1e-30):.1e}")
             del out, ref
         del contiguous
-    flops, nbytes = _flops(ctx) * r / R, B * ctx * DENSE_ROW_BYTES
+    flops, nbytes = mla_flops(ctx) * r / R, B * ctx * DENSE_ROW_BYTES
     tflops, tbps = flops / (ms * 1e-3) / 1e12, nbytes / (ms * 1e-3) / 1e12
     tag = f"B{B}xR{r} H{HEADS} L={ctx >> 10}K"
     if "split kernel" in peers and "one-pass kernel" in peers:
@@ -301,7 +301,7 @@ def sweep(machine: Machine, ctx: int = 128 << 10) -> list[Row]:
     rows = []
     want = {}                  # the first config's output per kernel kind: every other must match
     for cfg in SWEEP + SCORES_ONLY:
-        flops = _flops(ctx if cfg.get("dense") else TOPK) * cfg.get("heads", HEADS) / HEADS
+        flops = mla_flops(ctx if cfg.get("dense") else TOPK) * cfg.get("heads", HEADS) / HEADS
         floor = flops_floor_ms(flops, machine.bf16_tflops)
         stats = {}
         try:
