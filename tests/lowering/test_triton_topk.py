@@ -16,7 +16,7 @@ import triton.language as tl
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
 from k31c.lowering.triton import indexer_topk, topk, topk_plan
-from k31c.lowering.triton.radix_select import order_key, select_kth, select_kth_bracketed
+from k31c.lowering.triton.radix_select import order_key, select_kth, select_kth_bracketed, threshold_by_value
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -63,7 +63,8 @@ def test_topk_many_rows_fresh_inputs(topk_paths):
     row_len[:4] = width
     _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
     paths = topk_paths()
-    assert [i for i, p in enumerate(paths) if p == "ties"] == [0, 3, 6, 15, 18, 21]   # the tied rows
+    # the levels rows: the value histogram puts T between two levels in most, the rest tie at T
+    assert [i for i, p in enumerate(paths) if p == "ties"] == [3, 15]
     assert set(paths) == {"ties", "sampled", "all"}
 
 
@@ -341,3 +342,54 @@ def test_select_kth_with_and_without_the_common_prefix(form):
                 assert sum(x >= t for x in vals) == k, (vals[:4], k)
             else:
                 assert t == sorted(vals, reverse=True)[k - 1] and above == k - krem, (vals[:4], k)
+
+
+# ---- radix_select.threshold_by_value --------------------------------------------------------------
+
+@triton.jit
+def _threshold_probe(x_ptr, rank, out_ptr, N: tl.constexpr):
+    p, found = threshold_by_value(tl.load(x_ptr + tl.arange(0, N)), rank, N)
+    tl.store(out_ptr, p)
+    tl.store(out_ptr + 1, found.to(tl.float32))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")     # the interpreter's inf and NaN samples
+def test_threshold_by_value():
+    """The plan's threshold: where found, between rank - rank / 8 and rank + rank / 8 of the
+    sample lie above it (counted here by torch); found for the score shapes a decode step makes
+    at the plan's real samples and rank (2,048 sampled keys at 128K, 16,384 at 1M, whose bins
+    are over group maxima; rank 80, and short rows' larger ranks); not found where no value can
+    do (a NaN or an inf in the sample, the rank-th among a mass of equal values), which leaves
+    the exact select to the plan."""
+    gen = torch.Generator().manual_seed(9)
+    q, w = torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen)
+
+    def shapes(n):
+        return {"randn": torch.randn(n, generator=gen), "uniform": torch.rand(n, generator=gen),
+                "exponential": torch.empty(n).exponential_(generator=gen),
+                "indexer-like": (torch.relu(torch.randn(n, 16, generator=gen) @ q.T) * w).sum(1),
+                "relu": torch.relu(torch.randn(n, generator=gen)),
+                "bimodal": torch.cat([torch.randn(n // 2, generator=gen), torch.randn(n // 2, generator=gen) + 4])}
+    out = torch.zeros(2, device=DEVICE)
+
+    def threshold(x, rank):
+        _threshold_probe[(1,)](x.to(DEVICE), rank, out, N=len(x))
+        p, found = out.tolist()
+        return p, bool(found)
+    for n, ranks in ((2048, (80, 300, 1165)), (16384, (80, 200))):
+        for name, x in shapes(n).items():
+            for rank in ranks:
+                if (name, rank) == ("relu", 1165):
+                    continue          # among ~1024 zeros: below
+                p, found = threshold(x, rank)
+                assert found, (n, name, rank)
+                above = int((x.to(DEVICE) > p).sum())
+                assert rank - rank // 8 <= above <= rank + rank // 8, (n, name, rank, above)
+    n = 2048
+    randn, relu = torch.randn(n, generator=gen), torch.relu(torch.randn(n, generator=gen))
+    levels = torch.randint(-4, 5, (n,), generator=gen).float()       # ~228 values a level
+    for bad in (torch.where(torch.arange(n) == 7, torch.nan, randn), torch.where(torch.arange(n) == 7, torch.inf, randn),
+                levels):
+        assert not threshold(bad, 80)[1]
+    assert not threshold(relu, 1165)[1]      # the 1165th of 2048 is among ~1024 zeros
+    assert not threshold(randn, 0)[1]        # no value has about 0 above it in the sense asked

@@ -1,7 +1,8 @@
 """In-register selection for top-k (`topk.py`): the order-preserving key of a float score, a
 5-bit-digit radix select over a register tensor, the candidate buffer's select by counting
-passes before it (`select_kth_bracketed`), the gathers that compact live values, and the
-one-program exact select over a whole row.
+passes before it (`select_kth_bracketed`), the sample's threshold by a value histogram
+(`threshold_by_value`), the gathers that compact live values, and the one-program exact select
+over a whole row.
 
 The in-register selects use 5-bit digits: tl.histogram costs about one ballot per bit and one
 popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256; a counting
@@ -159,6 +160,57 @@ def select_kth_bracketed(x, key, live, n_live, lo, krem, few_ptr, FEW: tl.conste
         t, krem, exact = select_kth(few, few_live, krem, 7, SKIP_COMMON=True)
     # an exact t is a boundary of the interval's keys alone: keys below a lie below it too
     return tl.maximum(t, a.to(tl.uint32)), krem, exact
+
+
+@triton.jit
+def threshold_by_value(x, rank, N: tl.constexpr, GROUP: tl.constexpr = 4, PASSES: tl.constexpr = 3):
+    """A value p with about `rank` of the N fp32 values x above it (rank - rank / 8 to rank +
+    rank / 8 of them), priced by one histogram and counts, where the exact select takes five
+    digit levels or more: 32 bins linear in value (`_value_bins`). Where rank <= N / (16 GROUP)
+    the bins are over the maxima of groups of GROUP values, a GROUP-th of the histogram work:
+    the rank largest values then lie in about rank groups (rank^2 (GROUP - 1) / 2N groups hold
+    two, under rank / 32). Returns (p, found); not found (a NaN
+    or an inf among x, the rank-th among masses of equal values, too few values above the
+    mean) leaves the exact select to the caller."""
+    ok = (tl.abs(tl.sum(x, 0)) < float("inf")) & (rank > 0)      # a NaN or an inf makes the sum NaN or inf
+    if rank * (16 * GROUP) <= N:
+        p, found = _value_bins(tl.max(tl.reshape(x, [N // GROUP, GROUP], can_reorder=True), 1), rank, ok,
+                               N // GROUP, PASSES)
+    else:
+        p, found = _value_bins(x, rank, ok, N, PASSES)
+    count = tl.sum((x > p).to(tl.int32), 0)
+    return p, found & (count >= rank - rank // 8) & (count <= rank + rank // 8)
+
+
+@triton.jit
+def _value_bins(v, rank, ok, N: tl.constexpr, PASSES: tl.constexpr):
+    """`threshold_by_value` over the N values v: 32 bins linear in value over [the mean (the
+    minimum if rank > N / 4), the maximum], p interpolated inside the bin that holds the
+    rank-th largest, then counted; a bin that misjudges it (values bunched inside the bin) is
+    zoomed into, up to PASSES histograms."""
+    lo = tl.where(4 * rank <= N, tl.sum(v, 0) / N, tl.min(v, 0))
+    hi = tl.max(v, 0)
+    ok = ok & (hi > lo)
+    bins = tl.arange(0, 32)
+    p = lo
+    found = rank < 0
+    n = 0
+    while ok & (found == 0) & (n < PASSES):
+        w = (hi - lo) / 32
+        digit = tl.minimum(tl.maximum(((v - lo) / w).to(tl.int32), 0), 31)
+        hist = tl.histogram(digit, 32, mask=v > lo)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist        # values above lo with digit >= d
+        best = tl.max(tl.where(suffix >= rank, bins, 0), 0)
+        in_best = tl.sum(tl.where(bins == best, hist, 0), 0)
+        at_best = tl.sum(tl.where(bins == best, suffix, 0), 0)
+        # the bin's values spread evenly: its top (rank - values above it) lie above p
+        p = lo + w * (best.to(tl.float32) + (at_best - rank).to(tl.float32) / tl.maximum(in_best, 1).to(tl.float32))
+        count = tl.sum((v > p).to(tl.int32), 0)
+        found = (at_best >= rank) & (count >= rank - rank // 8) & (count <= rank + rank // 8)
+        lo, hi = lo + w * best.to(tl.float32), lo + w * (best + 1).to(tl.float32)    # zoom into the bin
+        ok = (at_best >= rank) & (hi > lo)
+        n += 1
+    return p, found
 
 
 @triton.jit

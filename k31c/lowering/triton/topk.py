@@ -9,8 +9,10 @@ Three launches (no host sync; grids from static shapes; CUDA-graph safe):
 1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
    with n <= cap take threshold T = 0 (every position is a candidate). Longer rows gather a
    strided sample (runs of 8; more keys for longer rows, so about 80 sampled keys lie above T)
-   into registers and take as T the sample key ranked TARGET*samples/n (25 bits of it), so about
-   TARGET = 2.5k keys of the row lie above T.
+   into registers and take as T a key with about rank = TARGET*samples/n sampled scores above
+   it, so about TARGET = 2.5k keys of the row lie above T: a value within rank / 8 of it found
+   by a value histogram, else (ties, NaN or inf in the sample) the sample key ranked `rank`
+   exactly (25 bits of it).
 2. filter, several programs per row: one pass appends each (key, position) with key > T to the
    row's candidate buffer and counts the keys == T of its chunk. Offsets within a tile are a scan
    within runs of 4 positions and one over the runs; a program appends to slots of its own
@@ -40,7 +42,7 @@ from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slots, order_key, sample_position,
                                                select_from_row, select_kth, select_kth_bracketed, store_where,
-                                               take_top_ties, write_selected)
+                                               take_top_ties, threshold_by_value, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
 from k31c.lowering.triton import topk_plan
@@ -56,8 +58,21 @@ NEG_ZERO_BITS_KEY = tl.constexpr(0x7FFFFFFF)   # ~0x80000000: no score has it (o
 # ---- kernels ----------------------------------------------------------------------------------
 
 @triton.jit
-def _sample_threshold(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
+def _sample_threshold(x, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
                       PTX: tl.constexpr):
+    """A key T with about `rank` of the sample's scores x above it: by a value histogram where
+    it lands within rank / 8 (`threshold_by_value`: one histogram, where the exact select takes
+    five digit levels or more), else the sample's key ranked `rank` exactly (`_ranked_key`)."""
+    p, found = threshold_by_value(x, rank, SAMPLES)
+    t = order_key(p)
+    if found == 0:
+        t = _ranked_key(order_key(x), rank, few_ptr, ctr_ptr, SAMPLES, GROUP, FEW, PTX)
+    return t
+
+
+@triton.jit
+def _ranked_key(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
+                PTX: tl.constexpr):
     """The sample's key ranked `rank` from the top (25 bits of it). The radix levels cost per key
     held, so a large sample is narrowed first: the rank-th largest of the maxima of groups of
     GROUP keys is a lower bound (at least `rank` keys reach it), and if at most FEW keys reach
@@ -102,9 +117,9 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
         tl.store(st + ST_MODE, 0)
         if n > cap:  # threshold from a sample; shorter rows keep 0 (all positions are candidates)
             i = tl.arange(0, SAMPLES)
-            key = order_key(tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n, SAMPLES, RUN)))
+            x = tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n, SAMPLES, RUN))
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh = _sample_threshold(key, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
+            thresh = _sample_threshold(x, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
                                        PTX)
     tl.store(st + ST_THRESH, thresh.to(tl.int32, bitcast=True))
 
