@@ -44,6 +44,19 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.sort(1).values, b.sort(1).values))
 
 
+def score_rows(kind: str, n_rows: int, ctx: int, gen: torch.Generator) -> torch.Tensor:
+    """[n_rows, ctx] fp32 scores on the GPU: randn ("random"), or spread as the layer's indexer
+    scores ("indexer-like"), or ReLU-zero-heavy ("relu-zeros")."""
+    scores = torch.randn(n_rows, ctx, device="cuda", generator=gen)
+    if kind == "relu-zeros":      # ~1,000 positives per row, the rest exact 0: ties at the k-th
+        scores = scores.relu() * (torch.rand(n_rows, ctx, device="cuda", generator=gen) < 1e-3)
+    elif kind == "indexer-like":  # the spread of the layer's indexer scores (mean ~0.05, sd
+        # ~0.1): the top few thousand share their sign and high exponent bits, where randn's
+        # cross the 2.0 and 4.0 exponent boundaries (the select's cost depends on the bits)
+        scores = 0.05 + 0.1 * scores
+    return scores
+
+
 def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
     import k31c.graph.ops.indexer as ref_ops
     from k31c.lowering.triton import topk
@@ -55,13 +68,7 @@ def topk_rows(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) ->
              + [(ctx, "indexer-like", N) for ctx in contexts if ctx >= 128 << 10]
              + [(32 << 10, "random", n) for n in (1, 16)])
     for ctx, kind, n_rows in cases:
-        scores = torch.randn(n_rows, ctx, device="cuda", generator=gen)
-        if kind == "relu-zeros":      # ~1,000 positives per row, the rest exact 0: ties at the k-th
-            scores = scores.relu() * (torch.rand(n_rows, ctx, device="cuda", generator=gen) < 1e-3)
-        elif kind == "indexer-like":  # the spread of the layer's indexer scores (mean ~0.05, sd
-            # ~0.1): the top few thousand share their sign and high exponent bits, where randn's
-            # cross the 2.0 and 4.0 exponent boundaries (the select's cost depends on the bits)
-            scores = 0.05 + 0.1 * scores
+        scores = score_rows(kind, n_rows, ctx, gen)
         row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
         ref = torch.ops.k31c.topk_select(scores, row_len, K)
         got = topk.topk_select(scores, row_len, K)
@@ -174,24 +181,28 @@ def ring_times(contexts=(128 << 10, 1 << 20)) -> str:
 
 
 def kernel_times(contexts=(32 << 10, 128 << 10, 1 << 20), row_counts=(1, 16, N)) -> str:
-    """Per-kernel device time (us) of one topk_select call on random rows, from the profiler."""
+    """Per-kernel device time (us) of one topk_select call on random rows, from the profiler; at
+    64 x 1M also on indexer-like and relu-zeros rows (the plan's cost depends on the scores)."""
     from torch.profiler import ProfilerActivity, profile
     from k31c.lowering.triton import topk
+    gen = torch.Generator(device="cuda").manual_seed(0)
     lines = ["| rows x context | " + " | ".join(("plan", "filter", "refine")) + " |", "|---|---|---|---|"]
-    for ctx in contexts:
-        for n_rows in row_counts:
-            scores = torch.randn(n_rows, ctx, device="cuda")
-            row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
-            for _ in range(3):
+    cases = ([(ctx, n_rows, "random") for ctx in contexts for n_rows in row_counts]
+             + [(contexts[-1], N, kind) for kind in ("indexer-like", "relu-zeros")])
+    for ctx, n_rows, kind in cases:
+        scores = score_rows(kind, n_rows, ctx, gen)
+        row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
+        for _ in range(3):
+            topk.topk_select(scores, row_len, K)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
                 topk.topk_select(scores, row_len, K)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(10):
-                    topk.topk_select(scores, row_len, K)
-                torch.cuda.synchronize()
-            us = {e.key: e.device_time_total / e.count for e in prof.key_averages() if e.count}
-            cells = [f"{us.get(name, 0.0):.1f}" for name in ("_plan_kernel", "_filter_kernel", "_refine_kernel")]
-            lines.append(f"| {n_rows}x{ctx >> 10}K | " + " | ".join(cells) + " |")
+        us = {e.key: e.device_time_total / e.count for e in prof.key_averages() if e.count}
+        cells = [f"{us.get(name, 0.0):.1f}" for name in ("_plan_kernel", "_filter_kernel", "_refine_kernel")]
+        lines.append(f"| {n_rows}x{ctx >> 10}K{'' if kind == 'random' else ' ' + kind} | " + " | ".join(cells)
+                     + " |")
     return "\n".join(lines)
 
 
