@@ -241,8 +241,7 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
         q, *fp8_latent_views(latent_cache), block_table, row_req, indices, dst, dst_lse, n,
         n_heads, n_tiles, n_keys, splits, per_split, latent_cache.shape[1], q.stride(0),
         q.stride(1), indices.stride(0), block_table.stride(0), scores_scale_log2(sm_scale, fp8),
-        empty_lse,
-        FP8=fp8, num_warps=NUM_WARPS)
+        empty_lse, FP8=fp8, num_warps=NUM_WARPS)
     if splits > 1:
         merge_splits(dst, dst_lse, out, lse)
     return out, lse
