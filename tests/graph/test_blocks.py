@@ -22,8 +22,14 @@ def moe(seed=0, **changes):
 
 
 def route_one(cfg, x, weight, bias):
-    """Router for one token with plain Python lists."""
-    scores = [1 / (1 + math.exp(-float(x @ weight[e]))) for e in range(cfg.num_experts)]
+    """Router for one token with plain Python lists (spec §7.1: sigmoid or softmax scores)."""
+    logits = [float(x @ weight[e]) for e in range(cfg.num_experts)]
+    if cfg.moe_router_activation_func == "softmax":
+        top = max(logits)
+        total = sum(math.exp(v - top) for v in logits)
+        scores = [math.exp(v - top) / total for v in logits]
+    else:
+        scores = [1 / (1 + math.exp(-v)) for v in logits]
     choice = [s + float(b) for s, b in zip(scores, bias)]
     allowed = set(range(cfg.num_experts))
     if cfg.num_expert_group > 1 and cfg.num_expert_group > cfg.topk_group:
@@ -48,7 +54,9 @@ def expert(cfg, m, e, z):
 
 
 @pytest.mark.parametrize("changes", [{}, dict(num_expert_group=4, topk_group=2),
-                                     dict(routed_scaling_factor=2.446, num_experts_per_token=3)])
+                                     dict(routed_scaling_factor=2.446, num_experts_per_token=3),
+                                     dict(moe_router_activation_func="softmax", num_expert_group=4, topk_group=2),
+                                     dict(moe_renormalize=False, num_experts_per_token=3)])
 @torch.no_grad()
 def test_router_and_latent_moe_against_sparse_dispatch(changes):
     cfg, m = moe(**changes)

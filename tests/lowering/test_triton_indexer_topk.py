@@ -107,11 +107,13 @@ def test_rejects_bad_arguments():
 
 @pytest.mark.skipif(not CUDA, reason="real K3.1 Pro shapes run on CUDA only")
 @pytest.mark.usefixtures("real_topk_constants")
-def test_real_shapes():
-    """16 requests x 4 rows, 32 heads x 128, FP8 keys, block 64, 128K context, k = 2048, bf16 q."""
+@pytest.mark.parametrize("cache_kind", ["fp8", torch.bfloat16])
+def test_real_shapes(cache_kind):
+    """16 requests x 4 rows, 32 heads x 128, FP8 (or bf16) keys, block 64, 128K context, k = 2048,
+    bf16 q."""
     gen = torch.Generator(device="cuda").manual_seed(18)
     B, R, H, d, block_size, k = 16, 4, 32, 128, 64, 2048
-    args = _indexer_inputs(gen, B, R, H, d, block_size, 131072 // block_size, torch.bfloat16, "fp8")
+    args = _indexer_inputs(gen, B, R, H, d, block_size, 131072 // block_size, torch.bfloat16, cache_kind)
     row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
     row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
     _run(args, row_len, k)

@@ -43,17 +43,21 @@ def make_tokens(N, H, K, dtype, device, gen):
 # 3.8e-6 (the kernels accumulate in fp32 like the reference, so they differ by fp32 rounding
 # only), except where that rounding moves an output across an fp16 rounding boundary: one fp16
 # step, 2^-10 relative (test_prefill_fp16_rounding_step); bf16 K3 shapes
-# (H200 only) 3.1e-2 on prefill outputs, 7.8e-3 on decode outputs.
+# (H200 only) 3.1e-2 on prefill outputs, 7.8e-3 on decode outputs. fp32: prefill reaches 2.5e-5
+# (chunk 64, CPU); decode, one recurrent step, 7.2e-7 on outputs of size ~2 (CPU), so it has a
+# tolerance of its own.
 TOL = {torch.float32: dict(atol=2e-4, rtol=2e-4), torch.float16: dict(atol=3e-5, rtol=1e-3),
        torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+DECODE_TOL_F32 = dict(atol=1e-5, rtol=1e-5)
+COPIES = ("conv_state", "snap_conv")     # the conv windows hold input rows as they came: exact
 
 
-def tol(dtype):
-    return TOL[dtype]
-
-
-def close(name, got, want, dtype):
-    torch.testing.assert_close(got.float(), want.float(), **tol(dtype), msg=lambda m: f"{name}: {m}")
+def close(name, got, want, dtype, decode=False):
+    if name in COPIES:
+        assert torch.equal(got, want), f"{name}: the conv window's rows differ from the reference's"
+        return
+    tol = DECODE_TOL_F32 if decode and dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), **tol, msg=lambda m: f"{name}: {m}")
 
 
 # ---- kda_decode ------------------------------------------------------------------------------
@@ -82,7 +86,7 @@ def check_decode(H, K, B, rows, lb, snaps, dtype, device, seed, num_slots=6, pad
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, lb, snaps)
     for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
         if g is not None:                # padding requests' snapshot rows stay 7 in both
-            close(name, g, w, dtype)
+            close(name, g, w, dtype, decode=True)
 
 
 # the registered launcher
@@ -110,7 +114,7 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
     for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
-        close(name, g, w, torch.float32)
+        close(name, g, w, torch.float32, decode=True)
 
 
 @pytest.mark.parametrize("lb", [-5.0, None])

@@ -1,4 +1,5 @@
-"""Triton top-k and fused indexer top-k vs the k31c reference ops (interpreter on CPU, compiled on CUDA).
+"""Triton top-k vs the k31c reference op (interpreter on CPU, compiled on CUDA); the scan + select
+pair (`lightning_indexer_topk`) is tested in test_triton_indexer_topk.py on this file's inputs.
 
 Sets are compared exactly (the tie rule makes the selected set unique). On every device the
 kernel's constants are shrunk (candidate buffer 96, 64 samples) so a few thousand positions
@@ -15,7 +16,7 @@ import triton.language as tl
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
-from k31c.lowering.triton import indexer_topk, topk, topk_plan
+from k31c.lowering.triton import topk, topk_plan
 from k31c.lowering.triton.radix_select import order_key, select_kth, select_kth_bracketed, threshold_by_value
 
 CUDA = torch.cuda.is_available()
@@ -183,7 +184,7 @@ def test_topk_real_shapes(width):
     _check_topk(scores, row_len, k)
 
 
-# ---- lightning_indexer_topk ---------------------------------------------------------------------
+# ---- index caches for the scan + select pair (test_triton_indexer_topk.py) --------------------
 
 def _exact_fp8_cache(num_blocks, block_size, d, gen):
     """FP8 cache whose keys are small e4m3 values times power-of-two scales, so every score is
@@ -215,55 +216,6 @@ def _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, q_dtype, cache_kind
     if row_req is None:
         row_req = torch.arange(B).repeat_interleave(R)
     return q, weights, cache, block_table.int(), row_req.int().to(dev)
-
-
-def _check_fused(args, row_len, k):
-    args = [a.to(DEVICE) for a in args]
-    row_len = row_len.to(DEVICE)
-    ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, k)
-    _same_sets(indexer_topk.lightning_indexer_topk(*args, row_len, k), ref)
-
-
-@pytest.mark.parametrize("cache_kind, path", [("fp8", "sampled"), (torch.float32, "sampled"),
-                                              ("fp8", "fallback")])
-def test_fused_matches_reference(cache_kind, path, monkeypatch, topk_paths):
-    if path == "fallback":
-        monkeypatch.setattr(topk_plan, "TARGET_NUM", 0)
-    gen = torch.Generator().manual_seed(4)
-    B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
-    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)
-    row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
-    _check_fused(args, row_len, k)
-    long = "sampled" if path == "sampled" else "fallback"
-    assert topk_paths() == [long] * 3 + _direct(2) + ["all"] * 2 + [long] * 5
-
-
-def test_fused_rows_of_mixed_requests(topk_paths):
-    """Row groups that span several requests, in any order, with zero-heavy rows."""
-    gen = torch.Generator().manual_seed(5)
-    B, H, d, block_size, max_blocks, k = 4, 4, 16, 8, 20, 16
-    row_req = torch.tensor([2, 0, 2, 3, 1, 1, 0, 3])
-    q, weights, cache, bt, row_req = _indexer_inputs(gen, B, 2, H, d, block_size, max_blocks,
-                                                     torch.float16, "fp8", row_req)
-    weights[:4] = -weights[:4].abs()           # all-negative weights: scores <= 0, many exact zeros
-    weights[4] = 0.0                           # a row of exact zeros: pure tie rule (the tie scan)
-    row_len = torch.tensor([160, 3, 100, 16, 140, 33, 158, 159], dtype=torch.int32)
-    _check_fused((q, weights, cache, bt, row_req), row_len, k)
-    assert topk_paths() == ["sampled", "direct", "sampled", "direct", "ties", "all", "sampled", "sampled"]
-
-
-@gpu_only
-@pytest.mark.usefixtures("real_topk_constants")
-@pytest.mark.parametrize("cache_kind", ["fp8", torch.bfloat16])
-def test_fused_real_shapes(cache_kind):
-    """K3.1 Pro: 16 requests x 4 rows, 32 heads x 128, block 64, 128K context, k = 2048, bf16 q."""
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    B, R, H, d, block_size, k = 16, 4, 32, 128, 64, 2048
-    max_blocks = 131072 // block_size
-    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.bfloat16, cache_kind)
-    row_len = (131072 - 3 + torch.arange(R).repeat(B)).int()
-    row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
-    _check_fused(args, row_len, k)
 
 
 # ---- radix_select.select_kth --------------------------------------------------------------------

@@ -246,6 +246,7 @@ def test_padding_requests_read_and_write_nothing(model):
     close(got[:2], want, tol=1e-5)
     for ca, cb in zip(a.pool.mla, b.pool.mla):
         torch.testing.assert_close(ca.latent, cb.latent)
+        torch.testing.assert_close(ca.index, cb.index)      # the padding rows wrote no index key
     for sa, sb in zip(a.pool.kda, b.pool.kda):
         torch.testing.assert_close(sa.recurrent, sb.recurrent)
         torch.testing.assert_close(sa.conv, sb.conv)
