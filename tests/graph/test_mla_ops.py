@@ -116,6 +116,60 @@ def test_index_fp8_round_trip_within_fp8_error(d):
         assert torch.allclose(got[p], decode_fp8_token(cache, slot, block_size, d), rtol=0, atol=0)
 
 
+def _mx_exponent(amax: float) -> int:
+    """The smallest e in [-126, 127] with 448 * 2^e >= amax (spec: ceil(log2(amax / 448)), clamped)."""
+    e = -126
+    while e < 127 and 448.0 * 2.0 ** e < amax:
+        e += 1
+    return e
+
+
+@pytest.mark.parametrize("d", [32, 128])
+def test_index_mxfp8_layout_matches_spec_bytes(d):
+    """The MXFP8 index cache byte by byte (OCP microscaling, fp8_layouts.py): per block the e4m3
+    values token-major, then one E8M0 byte (e + 127) per 32 values token-major."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, num_blocks, groups = 4, 3, d // 32
+    row = d + groups
+    cache = torch.randint(0, 255, (num_blocks, block_size * row), generator=gen, dtype=torch.uint8)
+    keys = torch.randn(block_size, d, generator=gen) * torch.rand(block_size, 1, generator=gen) * 20
+    keys[1, :32] = keys[1, :32] / keys[1, :32].abs().max() * 896     # amax / 448 = 2^1 exactly: e = 1
+    keys[2, :32] = torch.randn(32, generator=gen) * 1e-40             # subnormal amax: e clamps to -126
+    order = torch.randperm(block_size, generator=gen)
+    slots = (block_size * 2 + order).long()                           # fill block 2 in shuffled order
+    other = cache[:2].clone()
+    mx = cache.view(torch.float8_e4m3fn)
+    ops.index_cache_write(mx, keys, slots)
+
+    value_bytes, scale_bytes = b"", b""
+    for off in range(block_size):
+        key = keys[(order == off).nonzero().item()]
+        for g in range(groups):
+            part = key[g * 32:(g + 1) * 32]
+            e = _mx_exponent(float(part.abs().max()))
+            q = (part.double() / 2.0 ** e).float().to(torch.float8_e4m3fn)
+            value_bytes += bytes(q.view(torch.uint8).tolist())
+            scale_bytes += bytes([e + 127])
+    assert bytes(cache[2].tolist()) == value_bytes + scale_bytes
+    assert scale_bytes[int(order[1]) * groups] == 1 + 127                # the exact power of two
+    assert scale_bytes[int(order[2]) * groups] == -126 + 127             # the clamped exponent
+    assert torch.equal(cache[:2], other)                               # other blocks untouched
+
+    # read back through the pool's reader: each value times its group's 2^e, as decoded here
+    table = torch.tensor([2], dtype=torch.int32)
+    got = gather_index_keys(mx, table, block_size, block_size)
+    for p in range(block_size):
+        vals = torch.tensor(list(value_bytes[p * d:(p + 1) * d]), dtype=torch.uint8)
+        exps = torch.tensor(list(scale_bytes[p * groups:(p + 1) * groups])).double() - 127
+        want = vals.view(torch.float8_e4m3fn).double() * (2.0 ** exps).repeat_interleave(32)
+        assert torch.equal(got[p].double(), want), p
+    # e4m3 keeps 3 mantissa bits: within 2^-4 relative, or one subnormal step (2^-9 * 2^e)
+    key_of = keys[order.argsort()]
+    step = (2.0 ** (torch.tensor(list(scale_bytes)).double() - 127 - 9)).view(block_size, groups)
+    assert ((got.double() - key_of.double()).abs()
+            <= key_of.double().abs() * 2 ** -4 + step.repeat_interleave(32, 1)).all()
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.uint8])
 def test_index_key_norm_write_equals_layernorm_then_write(cache_dtype):
     gen = torch.Generator().manual_seed(3)
