@@ -66,5 +66,7 @@ def test_contiguous_topk_excludes_invisible_positions():
     idx = peers.contiguous_indexer_topk(qi, ki, w, lens, k)
     assert bool((idx < lens[..., None]).all())
     s = ((torch.einsum("brhd,bld->brhl", qi, ki).relu() * w[..., None]).sum(2))
-    best = s[1, 0].topk(k).indices
-    assert set(idx[1, 0].tolist()) == set(best.tolist())
+    for b in range(B):
+        for r in range(R):
+            best = s[b, r, :lens[b, r]].topk(k).indices       # the visible positions only
+            assert set(idx[b, r].tolist()) == set(best.tolist()), (b, r)

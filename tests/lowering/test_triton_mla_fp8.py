@@ -86,7 +86,9 @@ def test_fp8_layout_error_against_the_float_cache():
 
 
 def test_f16_values_error_bounds():
-    """The f16 dequant the warp-specialized kernels do (`f16_values`) against the fp32 one, on
+    """This file's oracle for the warp-specialized kernels, `f16_values` (their f16 dequant
+    emulated in torch; the kernels' own `mla_seesaw.dequant_e4m3` is checked through the kernel
+    tests that compare against it), against the fp32 dequant, on
     rows whose 128-column groups' maxima span 1e-4..1e3: within 2^-10 relative and 2^-25
     absolute (a product below f16's normals) where the scale (max / 448) is an f16 normal,
     plus 448 x 2^-25 (the scale's own rounding) where it is not, as
