@@ -27,13 +27,14 @@ def float32_twin(model) -> K31ForCausalLM:
     return twin.eval().cuda()
 
 
-def program_scenario(model, step_fn, device, batch: int = 16, long_extra: int = 40) -> list[torch.Tensor]:
+def program_scenario(model, step_fn, device, batch: int = 16, long_extra: int = 40,
+                     **engine_kw) -> list[torch.Tensor]:
     cfg = model.config
     topk = cfg.index_topk
     gen = torch.Generator().manual_seed(7)
     toks = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     eng = Engine(model, max_requests=batch + 2, max_seq_len=topk + long_extra + 64, device=device,
-                 step_fn=step_fn)
+                 step_fn=step_fn, **engine_kw)
     out = []
     short, long, chunked = eng.add_request(), eng.add_request(), eng.add_request()
     out.append(eng.prefill([short], [toks(5)]))                         # short prefill

@@ -77,6 +77,27 @@ def test_tiny_bfloat16(tiny):
     _check(m, k31c_api.compile(m, target="h200", options={"dense_codegen": "fx"}), per_step=False)
 
 
+def test_tiny_on_fp8_latent_and_mxfp8_index_caches(tiny):
+    """The 8-bit pools end to end on the GPU (tests/test_cache_formats.py runs the same program
+    under the interpreter): FP8 latent rows written and read by the kernels (dequantised on chip),
+    MXFP8 index keys written and scanned, under device graphs, against the eager model on the
+    same pools. The tolerance is TOL_F32's and one e4m3 step more: a projection that rounds an
+    ulp apart from eager's can move a latent value or key across an e4m3 rounding boundary (7.7e-4
+    under the interpreter)."""
+    formats = {"latent_cache": "fp8", "mxfp8_indexer": True}
+    compiled = k31c_api.compile(tiny, target="h200", options={"quantize": formats})
+    assert compiled.cache_formats == {"latent_cache": "fp8", "index_cache": "mxfp8"}
+    want = program_scenario(tiny, tiny, "cuda", 16, latent_cache="fp8", index_cache="mxfp8")
+    got = program_scenario(tiny, compiled, "cuda", 16)        # the Engine takes the program's formats
+    errs = max_rel_err(got, want)
+    print(f"8-bit pools, max rel err vs eager per step: {['%.2e' % e for e in errs]}")
+    assert max(errs) < 2 * TOL_F32, errs
+    for step in ("prefill", "decode", "verify4"):
+        report = compiled.report.steps[step]
+        assert report.fallbacks == {} and all(k.startswith("triton:") for _, k in report.kernels), step
+    assert compiled.graph_stats()["decode"]["replays"] >= 4
+
+
 def test_bench_config():
     m = bench_model()
     compiled = k31c_api.compile(m, target="h200")
