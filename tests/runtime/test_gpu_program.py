@@ -85,7 +85,7 @@ def test_tiny_on_fp8_latent_and_mxfp8_index_caches(tiny):
     ulp apart from eager's can move a latent value or key across an e4m3 rounding boundary (7.7e-4
     under the interpreter)."""
     formats = {"latent_cache": "fp8", "mxfp8_indexer": True}
-    compiled = k31c_api.compile(tiny, target="h200", options={"quantize": formats})
+    compiled = k31c_api.compile(tiny, target="h200", options={"quantize": formats, "dense_codegen": "fx"})
     assert compiled.cache_formats == {"latent_cache": "fp8", "index_cache": "mxfp8"}
     want = program_scenario(tiny, tiny, "cuda", 16, latent_cache="fp8", index_cache="mxfp8")
     got = program_scenario(tiny, compiled, "cuda", 16)        # the Engine takes the program's formats
