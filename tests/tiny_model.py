@@ -20,8 +20,8 @@ def make_model(seed: int = 0, res_std: float = 0.5, **changes) -> K31ForCausalLM
     m.reset_parameters(torch.Generator().manual_seed(seed))
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if "res_proj" in name:
-                p.normal_(0, res_std)
+            if "res_proj" in name:   # drawn in fp32, as the model's init: torch 2.11 draws bf16
+                p.copy_(torch.empty(p.shape).normal_(0, res_std))   # tensors from another stream
     return m.eval()
 
 

@@ -7,6 +7,10 @@ registry calls it the first time a GPU target's kernels are asked for); the shar
 """
 import importlib
 
+from . import interpreter_fix
+
+interpreter_fix.install()       # Triton 3.6's interpreter under NumPy >= 2.4
+
 KERNEL_MODULES = ("cache_write", "indexer", "topk", "indexer_topk",
                   "mla", "mla_dense", "mla_dense_ws", "mla_two_pass", "mla_sparse_ws",
                   "linear_group", "attn_res",
