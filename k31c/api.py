@@ -333,11 +333,18 @@ def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = N
              e.g. {"quantize": {"mxfp8_indexer": True}}.
     Unknown models, targets, passes and options are errors naming them."""
     check_model(model)
-    t = get_target(target) if isinstance(target, str) else target
+    t = target if isinstance(target, Target) else get_target(target)   # names a non-str target too
     compile_opts, pass_opts = split_options(options, t)
     t = program_target(t, compile_opts)
     if isinstance(disable, str):
         disable = [disable]
+    try:
+        names = list(disable)
+    except TypeError:       # not iterable (disable=5)
+        names = None
+    if names is None or not all(isinstance(d, str) for d in names):
+        raise UsageError(f"disable must be a pass name or a list of pass names, got {disable!r}")
+    disable = names
     return CompiledModel(model, t, resolve(passes, pass_opts, disable=disable), compile_opts)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -25,9 +26,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import fsutil
-from .checkpoint_files import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError, replace_problem
+from .checkpoint_files import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError,
+                               is_checkpoint_file, parent_problem, replace_problem)
 from .config import K31Config, config_from_name_or_path
-from .paths import default_model_dir
+from .errors import UsageError
+from .paths import default_model_dir, home_origin, remake_hint
 LM_PREFIX = "language_model."
 # Tensors of the multimodal wrapper that sit beside `language_model.*` and are not ours to load.
 MULTIMODAL_PREFIXES = ("vision_tower.", "multi_modal_projector.", "mm_projector.")
@@ -106,6 +109,15 @@ def _weight_files(ckpt: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
     return [ckpt / f for f in files], weight_map
 
 
+def _check_readable(path: Path) -> None:
+    """safetensors reports a file it may not open as missing: open it first for the real reason."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise CheckpointError([f"cannot read {path.name}: {e.strerror}"], path) from None
+
+
 def read_tensor_headers(ckpt: Union[str, Path]) -> dict[str, _TensorRef]:
     """Stored name -> header of every tensor in the checkpoint's safetensors files.
 
@@ -117,6 +129,7 @@ def read_tensor_headers(ckpt: Union[str, Path]) -> dict[str, _TensorRef]:
     refs: dict[str, _TensorRef] = {}
     problems: list[str] = []
     for path in files:
+        _check_readable(path)
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
@@ -195,8 +208,11 @@ def load_checkpoint(path: Union[str, Path], device="cpu", dtype=None) -> torch.n
     ConfigError (from config.json) propagates unchanged.
     """
     ckpt = Path(path)
+    fsutil.clean_stale_for_reader(ckpt)   # a killed `overwrite=True` left the old one aside
     if not ckpt.exists():
-        raise CheckpointError(["no such directory"], ckpt)
+        aside = fsutil.left_aside(ckpt)
+        where = f" (a replacement left the previous one in {aside[0]})" if aside else ""
+        raise CheckpointError([f"no such directory{where}"], ckpt)
     if not ckpt.is_dir():
         raise CheckpointError([f"not a directory (a checkpoint is a directory with {CONFIG_FILE})"], ckpt)
     if not (ckpt / CONFIG_FILE).is_file():
@@ -266,33 +282,15 @@ def _check_replaceable(out: Path, overwrite: bool) -> None:
         raise CheckpointError([problem], out)
 
 
-def _replace_in_place(tmp: Path, out: Path) -> None:
-    """Replace the files of the checkpoint `out` by those of `tmp`, one rename each (for a
-    directory that cannot itself be renamed: the working directory, a mount point). The weights
-    go first and config.json last; old files the new checkpoint lacks are removed after."""
-    new = sorted(p.name for p in tmp.iterdir())
-    for name in sorted(new, key=lambda n: n == CONFIG_FILE):
-        os.replace(tmp / name, out / name)
-    for p in out.iterdir():
-        if p.name not in new:
-            p.unlink()
-
-
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary directory to `out` with a rename."""
     _check_replaceable(out, overwrite)
     if out.is_dir() and any(out.iterdir()):
-        if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):
-            _replace_in_place(tmp, out)
-            return
-        with fsutil.temporary_dir(out.parent, out.name, kind="old") as old:
-            os.rename(out, old / "ckpt")
-            try:
-                fsutil.pause_point("checkpoint-swap")
-                os.rename(tmp, out)
-            except BaseException:  # also SIGTERM / Ctrl-C here: put the previous checkpoint back
-                os.rename(old / "ckpt", out)
-                raise
+        if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):  # cannot be renamed
+            old = sorted(p.name for p in out.iterdir() if is_checkpoint_file(p))
+            fsutil.replace_files(tmp, out, old)
+        else:
+            fsutil.replace_dir(tmp, out)
         return
     if out.exists():
         out.rmdir()
@@ -311,6 +309,16 @@ def _apply_umask(directory: Path) -> None:
         os.chmod(f, fsutil.file_mode())
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
+    """safetensors' save_file, its I/O failure raised as the OSError it is (ENOSPC: a full disk)."""
+    try:
+        save_file(tensors, str(path), metadata=meta)
+    except SafetensorError as e:   # "... I/O error: No space left on device (os error 28)"
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        code = int(m[1]) if m else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max_bytes: Optional[int] = None,
                     overwrite: bool = False) -> Path:
     """Write `model.config` and its weights as a checkpoint directory; returns the directory.
@@ -318,6 +326,7 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max
     One `model.safetensors`, or with `shard_max_bytes` shards of at most that size (a tensor
     larger than the limit gets a shard of its own) plus `model.safetensors.index.json`.
     The output is a function of the weights alone: the same model gives the same bytes.
+    An OS error while writing (a full disk: ENOSPC) names `out_dir`, not the temporary directory.
     """
     out = Path(os.path.abspath(out_dir))   # `.` has no name to put beside it
     if shard_max_bytes is not None and shard_max_bytes <= 0:
@@ -325,19 +334,28 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max
     _check_replaceable(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     fsutil.clean_stale(out.parent, out.name)
+    try:
+        _write(model, out, shard_max_bytes, overwrite)
+    except OSError as e:
+        raise fsutil.naming(e, Path(out_dir)) from None
+    return Path(out_dir)
+
+
+def _write(model: torch.nn.Module, out: Path, shard_max_bytes: Optional[int], overwrite: bool) -> None:
+    """save_checkpoint's writing: into a temporary directory beside `out`, then renamed into place."""
     with fsutil.temporary_dir(out.parent, out.name) as tmp:
         fsutil.pause_point("checkpoint-tmp")
         model.config.to_json(tmp / CONFIG_FILE)
         tensors = _cpu_tensors(model)
         meta = {"format": "pt"}
         if shard_max_bytes is None:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+            _save_file(tensors, tmp / WEIGHTS_FILE, meta)
         else:
             groups = _shards(tensors, shard_max_bytes)
             weight_map = {}
             for i, names in enumerate(groups):
                 file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-                save_file({n: tensors[n] for n in names}, str(tmp / file), metadata=meta)
+                _save_file({n: tensors[n] for n in names}, tmp / file, meta)
                 weight_map.update({n: file for n in names})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -345,7 +363,6 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Union[str, Path], shard_max
         _apply_umask(tmp)
         fsutil.pause_point("checkpoint-written")
         _publish(tmp, out, overwrite)
-    return Path(out_dir)
 
 
 def init_checkpoint(config: Union[str, Path, K31Config], seed: int, out_dir: Union[str, Path],
@@ -369,11 +386,25 @@ def default_checkpoint(log: Optional[Callable[[str], None]] = None) -> Path:
     fsutil.clean_stale(out.parent, out.name)
     if (out / CONFIG_FILE).is_file():
         return out
+    _check_cache(out)
     if log is not None:
         log(f"making the tiny model (preset 'tiny', seed 0) in {out}")
     try:
         init_checkpoint("tiny", 0, out)
     except CheckpointError:
-        if not (out / CONFIG_FILE).is_file():  # not a lost race: a real problem
+        if not (out / CONFIG_FILE).is_file():  # not a lost race (the first rename wins)
+            _check_cache(out)
             raise
     return out
+
+
+def _check_cache(out: Path) -> None:
+    """Before the tiny model is made in `out`: a place it can go, told in terms a user can act on
+    (not `overwrite=True`; $K31C_HOME when that is what points at an unusable directory)."""
+    if replace_problem(out, False, "overwrite=True"):   # a damaged cache: no config.json, or a file
+        what = "not a directory" if not out.is_dir() else f"files but no {CONFIG_FILE}"
+        raise CheckpointError([what, remake_hint(out)], out)
+    problem = parent_problem(out)
+    if problem:
+        raise UsageError(f"cannot make k31c's tiny model in {out}: {problem} (the directory comes "
+                         f"from {home_origin()})")

@@ -2,6 +2,7 @@
 replace. Torch-free, so that the CLI checks its arguments before it imports anything heavy."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Union
 
@@ -31,13 +32,28 @@ def is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
+def parent_problem(out: Path) -> str | None:
+    """Why `out` cannot be created, or None: its nearest existing ancestor (the directory it
+    would be made in) must be a directory the user may write."""
+    parent = Path(os.path.abspath(out)).parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
 def replace_problem(out: Path, force: bool, flag: str) -> str | None:
     """Why a new checkpoint may not be written to `out`, or None: `out` is missing or an empty
     directory, or `force` is set and it is a checkpoint (config.json plus safetensors files and
     nothing else). `flag` names the switch that sets `force` (`--force`, `overwrite=True`)."""
     if not out.exists() and not out.is_symlink():
         return None
-    if out.is_symlink() or not out.is_dir():
+    if out.is_symlink():   # renaming over it would replace the link, not the directory
+        return f"is a symbolic link (to {os.readlink(out)}): give the directory itself"
+    if not out.is_dir():
         return "exists and is not a directory"
     entries = sorted(out.iterdir())
     if not entries:

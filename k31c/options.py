@@ -4,6 +4,7 @@ api.py's docstring."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Optional
 
 from .errors import UsageError
@@ -22,6 +23,8 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
     from .passes.manager import registered
     compile_opts, pass_opts = dict(COMPILE_OPTIONS), {}
     passes = registered()
+    if options is not None and not isinstance(options, Mapping):
+        raise UsageError(f"options must be a dict of option names to values, got {options!r}")
     for key, value in (options or {}).items():
         if key in COMPILE_OPTIONS:
             compile_opts[key] = value
@@ -41,10 +44,12 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         compile_opts["device_graphs"] = target.device_graphs
     if not isinstance(compile_opts["device_graphs"], bool):
         raise UsageError(f"option device_graphs must be True or False, got {compile_opts['device_graphs']!r}")
+    buckets = compile_opts["buckets"]
     try:
-        compile_opts["buckets"] = check_buckets(compile_opts["buckets"])
-    except ValueError as e:
-        raise UsageError(f"option {e}") from None
+        compile_opts["buckets"] = check_buckets(buckets)
+    except ValueError:      # check_buckets names the items it iterated (a dict's keys): name the value
+        raise UsageError(f"option buckets must be a list of positive batch sizes (e.g. [1, 2, 4, 8]), "
+                         f"got {buckets!r}") from None
     if compile_opts["pdl"] is None:
         compile_opts["pdl"] = target.pdl
     if not isinstance(compile_opts["pdl"], bool):

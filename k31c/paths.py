@@ -18,6 +18,20 @@ def k31c_home() -> Path:
     return base / "k31c"
 
 
+def home_origin() -> str:
+    """Where k31c_home() comes from, for a message about a directory there that cannot be used."""
+    if os.environ.get("K31C_HOME"):
+        return f"$K31C_HOME={os.environ['K31C_HOME']}"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return f"$XDG_CACHE_HOME={os.environ['XDG_CACHE_HOME']}; set $K31C_HOME to choose another"
+    return f"{k31c_home()}, the default; set $K31C_HOME to choose another"
+
+
+def remake_hint(path: Path) -> str:
+    """What to do about a damaged model that k31c made itself."""
+    return f"this is k31c's cached tiny model: delete {path} and the next run makes it again"
+
+
 def models_dir() -> Path:
     """Checkpoints that k31c made itself (random-weight models for trying the tools)."""
     return k31c_home() / "models"

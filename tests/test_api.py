@@ -131,3 +131,17 @@ def test_caches_are_written_like_eager(model, compiled_run):
     for sa, sb in zip(a.pool.kda, b.pool.kda):
         close(sa.recurrent, sb.recurrent)
         close(sa.conv, sb.conv)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"target": "nope"}, "unknown target 'nope'"),
+    ({"target": None}, "unknown target None"),
+    ({"target": 5}, "unknown target 5"),
+    ({"options": ["x"]}, r"options must be a dict .* got \['x'\]"),
+    ({"disable": 5}, "disable must be a pass name or a list of pass names, got 5"),
+    ({"disable": [5]}, r"disable must be .* got \[5\]"),
+])
+def test_bad_arguments_are_usage_errors_naming_them(model, kwargs, message):
+    from k31c.errors import UsageError
+    with pytest.raises(UsageError, match=message):
+        k31c_api.compile(model, **kwargs)

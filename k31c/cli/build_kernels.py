@@ -1,6 +1,6 @@
 """`k31c build-kernels`: the Triton kernels of a GPU target compiled ahead of time (no GPU needed).
 
-The arguments and the build belong to k31c.lowering.aot (also `python -m k31c.lowering.aot`)."""
+The arguments and the build belong to k31c.lowering.aot."""
 from __future__ import annotations
 
 

@@ -79,11 +79,27 @@ def printable(text: str) -> str:
 # ---- paths ------------------------------------------------------------------------------------
 
 def output_file(arg: str, flag: str) -> Path:
-    """An output file path whose directory exists and is writable, and that is not a directory."""
+    """An output file path whose directory exists and is writable, and that is not a directory.
+    A symbolic link is checked as its target (the file that gets written); a device or FIFO
+    (/dev/null) is written into, so only it must be writable."""
+    from ..fsutil import is_special, output_target
+    if not arg:
+        raise UsageError(f"{flag} is empty: give a file name")
+    if arg.endswith(os.sep) or os.path.basename(arg) == ".":   # Path() would drop the tail
+        raise UsageError(f"{flag} {arg} ends in {os.path.basename(arg) or os.sep!r}: give a file "
+                         "name, not a directory")
     path = Path(arg)
-    parent = path.parent
-    if path.is_dir():
+    try:
+        target = output_target(path)
+    except OSError as e:
+        raise UsageError(f"{flag} {arg}: {e.strerror}") from None
+    if target.is_dir():
         raise UsageError(f"{flag} {arg} is a directory")
+    if is_special(target):
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{flag} {arg} is not writable")
+        return path
+    parent = target.parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
         raise UsageError(f"{flag} {arg}: directory {parent} {what}")
@@ -93,12 +109,19 @@ def output_file(arg: str, flag: str) -> Path:
 
 
 def checkpoint_dir(arg: Optional[str]) -> Optional[Path]:
-    """--checkpoint checked (None: the default tiny model)."""
+    """--checkpoint checked (None: the default tiny model). A checkpoint that a killed
+    `init --force` left aside is first put back, as the next write would."""
+    from ..fsutil import clean_stale_for_reader, left_aside
     if arg is None:
         return None
+    if not arg:
+        raise UsageError("--checkpoint is empty: give a checkpoint directory")
     path = Path(arg)
+    clean_stale_for_reader(path)
     if not path.exists():
-        raise UsageError(f"--checkpoint {arg}: checkpoint directory {path} does not exist")
+        aside = left_aside(path)
+        where = f" (a replacement left the previous one in {aside[0]})" if aside else ""
+        raise UsageError(f"--checkpoint {arg}: checkpoint directory {path} does not exist{where}")
     if not path.is_dir():
         raise UsageError(f"--checkpoint {arg} is not a directory")
     return path
@@ -108,14 +131,22 @@ def checkpoint_config(path: Optional[Path]):
     """The config of a checkpoint, read from its config.json alone (no torch, no weights), so that
     arguments are checked against it first; for the default model, the preset it is made from."""
     from ..checkpoint_files import CONFIG_FILE, CheckpointError
-    from ..config import K31Config, preset
-    from ..paths import default_model_dir
+    from ..config import ConfigError, K31Config, preset
+    from ..paths import default_model_dir, remake_hint
     if path is None:
         made = default_model_dir() / CONFIG_FILE
-        return K31Config.from_json(made) if made.is_file() else preset("tiny")
-    if not (path / CONFIG_FILE).is_file():
-        raise CheckpointError([f"no {CONFIG_FILE} in the directory"], path)
-    return K31Config.from_json(path / CONFIG_FILE)
+        if not made.is_file():
+            return preset("tiny")
+        try:
+            return K31Config.from_json(made)
+        except ConfigError as e:
+            raise ConfigError(e.problems + [remake_hint(made.parent)], str(made)) from None
+    config = path / CONFIG_FILE
+    if not config.is_file():
+        there = config.exists()   # a FIFO or a directory: there, but not a file
+        problem = f"{CONFIG_FILE} is not a file" if there else f"no {CONFIG_FILE} in the directory"
+        raise CheckpointError([problem], path)
+    return K31Config.from_json(config)
 
 
 def check_length(n: int, cfg, what: str) -> None:
@@ -131,6 +162,7 @@ def load_model(path: Optional[Path]):
     from ..checkpoint import default_checkpoint, load_checkpoint
     from ..checkpoint_files import CheckpointError
     from ..config import ConfigError
+    from ..paths import remake_hint
     torch.manual_seed(0)            # same checkpoint and tokens -> same bytes out, run after run
     torch.use_deterministic_algorithms(True, warn_only=True)
     if path is not None:
@@ -140,5 +172,4 @@ def load_model(path: Optional[Path]):
     try:
         return load_checkpoint(path)
     except (CheckpointError, ConfigError) as e:
-        hint = f"this is k31c's cached tiny model: delete {path} and the next run makes it again"
-        raise type(e)(e.problems + [hint], path) from None
+        raise type(e)(e.problems + [remake_hint(path)], path) from None

@@ -23,22 +23,24 @@ def add(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _check_out(out: Path, force: bool) -> None:
-    from ..checkpoint_files import replace_problem
+def _check_out(arg: str, force: bool) -> Path:
+    """--out checked before the model is built: a place a checkpoint may be written."""
+    from ..checkpoint_files import parent_problem, replace_problem
+    if not arg:   # Path("") is `.`, which the user did not ask for
+        raise UsageError("--out is empty: give the directory to write")
+    out = Path(arg)
     problem = replace_problem(out, force, "--force")
     if problem:
-        raise UsageError(f"--out {out} {problem}")
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--out {out}: {parent} is not a directory")
+        raise UsageError(f"--out {arg} {problem}")
+    problem = parent_problem(out)
+    if problem:
+        raise UsageError(f"--out {arg}: {problem}")
+    return out
 
 
 def run(args) -> int:
     cfg = config_from_name_or_path(args.config)
-    out = Path(args.out)
-    _check_out(out, args.force)
+    out = _check_out(args.out, args.force)
     progress(f"building the {args.config} model (seed {args.seed}) and writing {out}")
     from ..checkpoint import init_checkpoint
     init_checkpoint(cfg, args.seed, out, overwrite=args.force)

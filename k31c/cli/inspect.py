@@ -29,7 +29,7 @@ def add(sub) -> None:
     p.add_argument("--config", default="tiny",
                    help=f"a preset ({', '.join(PRESETS)}) or a config.json / checkpoint directory")
     p.add_argument("--step", choices=STEPS, default="decode")
-    p.add_argument("--rows", type=int, default=2, help="rows per request of a verify step (default 2)")
+    p.add_argument("--rows", type=int, default=None, help="rows per request of a verify step (default 2)")
     p.add_argument("--target", default="cpu", help="cpu, h200 or mi350x (default cpu)")
     p.add_argument("--after", default=None, help="stop after this pass (default: the whole pipeline)")
     p.add_argument("--passes", default=None, help="comma-separated pass list (default: all, in order)")
@@ -42,7 +42,8 @@ def add(sub) -> None:
     p.add_argument("--format", choices=("text", "svg", "program"), default="text",
                    help="text: canonical graph; svg: a picture; program: the steps the GPU program "
                         "executor runs (dense pieces, bound kernels, events)")
-    p.add_argument("--layer", type=int, default=None, help="svg: draw only this decoder layer")
+    p.add_argument("--layer", type=int, default=None,
+                   help="text, svg: only the ops of this decoder layer (0 is the first)")
     p.add_argument("--k31c-only", action="store_true",
                    help="text: only the k31c ops and stream markers (the per-target lowering)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
@@ -50,12 +51,16 @@ def add(sub) -> None:
 
 
 def parse_options(items: list[str]) -> dict:
+    from ..passes.manager import registered
     out: dict = {}
     for item in items:
         key, sep, raw = item.partition("=")
         name, dot, option = key.partition(".")
         if not sep or not dot or not name or not option:
             raise UsageError(f"--option {item!r}: expected PASS.OPTION=VALUE")
+        if name not in registered():    # compile options (buckets, executor) are not for inspect
+            raise UsageError(f"--option {item!r}: expected PASS.OPTION=VALUE, and '{name}' is not a "
+                             f"pass; passes: {', '.join(registered())}")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -64,8 +69,13 @@ def parse_options(items: list[str]) -> dict:
     return out
 
 
-def _names(text: Optional[str]) -> Optional[list[str]]:
-    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+def _names(text: Optional[str], flag: str) -> Optional[list[str]]:
+    if text is None:
+        return None
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:      # an empty list would silently mean "no passes" or "the default"
+        raise UsageError(f"{flag} {text!r} names no pass: give comma-separated pass names")
+    return names
 
 
 def pipeline(passes: Optional[list[str]], disable: Optional[list[str]]) -> Optional[list[str]]:
@@ -99,11 +109,16 @@ def shape_model(cfg):
         return K31ForCausalLM(cfg).eval()
 
 
-def pool_inputs(cfg, index_cache: str = "bf16", device="meta"):
+def pool_inputs(cfg, index_cache: str = "bf16", device="meta", latent_cache: str = "model"):
     """Step metadata and caches of the fixed inspection pool (values are never read)."""
     from ..graph.step import step_meta
     from ..runtime.kv import CachePool
-    pool = CachePool(cfg, index_cache=index_cache, device=device, **POOL)
+    try:
+        pool = CachePool(cfg, index_cache=index_cache, latent_cache=latent_cache, device=device, **POOL)
+    except ValueError as e:     # a cache format this config cannot have
+        if isinstance(e, K31cError):
+            raise
+        raise UsageError(f"the inspection pool: {e}") from None
     meta = step_meta(slot_mapping=[0], block_table=pool.block_table[:1], row_req=[0], row_len=[1],
                      kda_slots=[0], cu_seqlens=[0, 1], device=device)
     return meta, pool.caches()
@@ -133,7 +148,12 @@ def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu",
         known = "unknown pass" if after not in registered() else "pass"
         raise UsageError(f"--after: {known} '{after}' is not in the pipeline "
                          f"({', '.join(compiled.pipeline.names)})")
-    meta, caches = pool_inputs(cfg, index_cache)
+    # the latent cache format quantize.latent_cache asks for, as Engine(compiled) allocates it
+    # (a bad value is left to the quantize pass, whose error names its option)
+    from ..runtime.kv import LATENT_CACHE_KINDS
+    latent = compiled.cache_formats.get("latent_cache", "model")
+    latent = latent if latent in LATENT_CACHE_KINDS else "model"
+    meta, caches = pool_inputs(cfg, index_cache, latent_cache=latent)
     progress(f"capturing the {step} step and running the passes")
     program = compiled.build(kind, meta, caches, stop_after=after, executable=False)
     return program.gm, program.captured
@@ -156,27 +176,48 @@ def render(gm, captured, fmt: str, title: str, layer: Optional[int] = None,
            k31c_only: bool = False, target: str = "cpu") -> str:
     if fmt == "program":
         return program_text(gm, target, captured.step.name)
+    if layer is not None and not any((n.meta.get("k31c") or {}).get("layer") == layer
+                                     for n in gm.graph.nodes):
+        raise UsageError(f"--layer {layer}: no op of this graph is in layer {layer} (layers are "
+                         "set by the annotate_layers pass)")
     if fmt == "svg":
         from ..graph.svg import draw_svg
         return draw_svg(gm, title=title, layer=layer)
     from ..graph.printer import format_graph
-    return format_graph(gm, title=title, dims=captured.dims, only_k31c=k31c_only)
+    return format_graph(gm, title=title, dims=captured.dims, only_k31c=k31c_only, layer=layer)
+
+
+def check_args(args, cfg) -> None:
+    """Flags that would be ignored are refused, before anything is built."""
+    if args.rows is not None and args.step != "verify":
+        raise UsageError(f"--rows applies to --step verify only, not --step {args.step}")
+    if args.layer is not None:
+        if args.format == "program":
+            raise UsageError("--layer applies to --format text or svg, not --format program")
+        n = cfg.num_hidden_layers
+        if not 0 <= args.layer < n:
+            raise UsageError(f"--layer {args.layer}: the model has {n} decoder layers, 0 to {n - 1}")
+    if args.k31c_only and args.format != "text":
+        raise UsageError(f"--k31c-only applies to --format text only, not --format {args.format}")
+    if args.format == "program" and args.after is not None:
+        raise UsageError("--format program shows the program of the whole pipeline; drop --after")
 
 
 def run(args) -> int:
     output = output_file(args.output, "-o") if args.output else None
     cfg = config_from_name_or_path(args.config)
-    step_kind(args.step, args.rows)
+    check_args(args, cfg)
+    rows = 2 if args.rows is None else args.rows
+    step_kind(args.step, rows)
     progress("loading torch and the passes")
     from ..passes.manager import DEFAULT_PIPELINE
-    passes = pipeline(_names(args.passes), _names(args.disable))
+    passes = pipeline(_names(args.passes, "--passes"), _names(args.disable, "--disable"))
     progress(f"building the {args.config} model on the meta device")
-    gm, captured = inspect_graph(cfg, args.step, args.rows, args.target, passes,
+    gm, captured = inspect_graph(cfg, args.step, rows, args.target, passes,
                                  parse_options(args.option), args.after, args.index_cache)
-    after = args.after or (passes or DEFAULT_PIPELINE)[-1]
+    after = args.after or ((passes[-1] if passes else "capture (no passes)") if passes is not None
+                           else DEFAULT_PIPELINE[-1])
     title = f"{captured.step.name} target={args.target} after={after}"
-    if args.format == "program" and args.after is not None:
-        raise UsageError("--format program shows the program of the whole pipeline; drop --after")
     text = render(gm, captured, args.format, title, args.layer, args.k31c_only, args.target)
     if output is not None:
         from ..fsutil import write_atomic

@@ -12,6 +12,7 @@ from xml.sax.saxutils import escape
 
 import torch
 
+from ..errors import UsageError
 from .ops import is_k31c
 from .ops.streams import is_marker
 from .printer import node_names, op_name
@@ -37,7 +38,7 @@ def draw_svg(gm: torch.fx.GraphModule, title: str = "", layer: Optional[int] = N
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"
              and (layer is None or _meta(n).get("layer") == layer)]
     if not nodes:
-        raise ValueError(f"no ops to draw{f' in layer {layer}' if layer is not None else ''}")
+        raise UsageError(f"no ops to draw{f' in layer {layer}' if layer is not None else ''}")
     row = {n: i for i, n in enumerate(nodes)}
     streams = sorted({_meta(n).get("stream", 0) for n in nodes})
     lane = {s: i for i, s in enumerate(streams)}

@@ -29,16 +29,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from ..fsutil import write_atomic
+from ..errors import UsageError
+from .aot_dir import BINARY, check_out_dir, write_outputs
 from .aot_spec import AotShapes, AotSpec
 from .registry import kernels_for
 from .targets import get_target
 
-_BINARY = {"hip": "hsaco", "cuda": "cubin"}
 _TEXT = {"hip": "amdgcn", "cuda": "ptx"}
 
 
@@ -204,8 +204,10 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
     """Compile every registered Triton kernel of the target (optionally of some families only)
     at the launchers' real-shape specialisations; `progress` gets one line per kernel. Raises
     AotBuildError (after trying all) if any fails; with out_dir, writes <name>.<hsaco|cubin> per
-    kernel and manifest.json (only when all compiled)."""
+    kernel and manifest.json (only when all compiled; see write_outputs)."""
     target = get_target(target_name)
+    if out_dir is not None:
+        check_out_dir(out_dir, target_name)     # before minutes of compiling, not after
     specs = collect_specs(target_name, shapes, families)
     built, failures = [], []
     for spec in specs:
@@ -228,31 +230,11 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
     return built
 
 
-def write_outputs(built: list[BuiltKernel], out_dir: Path, target_name: str,
-                  families: Optional[Iterable[str]] = None) -> Path:
-    """Each binary and then manifest.json, every file written to a temporary name and renamed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for b in built:
-        fname = _file_name(b)
-        write_atomic(out_dir / fname, lambda f: f.write(b.binary))
-        entry = {k: v for k, v in asdict(b).items() if k != "binary"}
-        entry["file"] = fname
-        entries.append(entry)
-    manifest = {"target": target_name, "arch": get_target(target_name).arch,
-                "triton": _triton_version(),
-                "families": "all" if families is None else sorted(families), "kernels": entries}
-    path = out_dir / "manifest.json"
-    text = (json.dumps(manifest, indent=1) + "\n").encode()
-    write_atomic(path, lambda f: f.write(text))
-    return path
-
-
 # ---- metadata -------------------------------------------------------------------------------
 
 def _describe(ck, spec, name, target_name, backend, seconds) -> BuiltKernel:
     md = ck.metadata
-    binary = ck.asm[_BINARY[backend]]
+    binary = ck.asm[BINARY[backend]]
     text = ck.asm[_TEXT[backend]]
     if backend == "hip":
         regs, scratch = _amd_registers(text)
@@ -262,7 +244,7 @@ def _describe(ck, spec, name, target_name, backend, seconds) -> BuiltKernel:
         line = re.search(r"^\s*\.target\s+(\S+)", text, re.M)
     return BuiltKernel(name=name, kernel=spec.kernel.__name__, ops=spec.ops, target=target_name,
                        arch=get_target(target_name).arch, asm_target=line.group(1) if line else "",
-                       binary_kind=_BINARY[backend], size=len(binary),
+                       binary_kind=BINARY[backend], size=len(binary),
                        sha256=hashlib.sha256(binary).hexdigest(), num_warps=md.num_warps,
                        num_stages=md.num_stages, shared=md.shared, n_regs=regs, scratch_bytes=scratch,
                        compile_s=round(seconds, 2), binary=binary)
@@ -306,10 +288,6 @@ def _require_compiler_mode() -> None:
                          "compile them; unset it to build kernels ahead of time")
 
 
-def _file_name(b: BuiltKernel) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", b.name.replace("/", ".")).strip("_") + "." + b.binary_kind
-
-
 @contextlib.contextmanager
 def _stderr_to(file):
     """Point fd 2 at `file` (the compiler's C++ diagnostics bypass sys.stderr)."""
@@ -345,11 +323,6 @@ def _error_summary(e: BaseException, printed: str) -> str:
     return msg + "".join(f"\n    {ln}" for ln in errors[:4])
 
 
-def _triton_version() -> str:
-    import triton
-    return triton.__version__
-
-
 # ---- command line -----------------------------------------------------------------------------
 
 def add_build_parser(sub) -> None:
@@ -366,7 +339,12 @@ def add_build_parser(sub) -> None:
 def _run_build(args) -> int:
     try:
         get_target(args.target)
-        families = args.only.split(",") if args.only else None
+        families = None
+        if args.only is not None:
+            families = [f.strip() for f in args.only.split(",") if f.strip()]
+            if not families:    # not "every family": that is leaving --only out
+                raise UsageError(f"--only {args.only!r} names no kernel family: give comma-separated "
+                                 "families, or leave --only out to build them all")
         built = build_kernels(args.target, args.out, progress=lambda s: print(s, flush=True),
                               families=families)
     except ValueError as e:
@@ -379,15 +357,3 @@ def _run_build(args) -> int:
     where = f", written to {args.out}" if args.out else ""
     print(f"{len(built)} kernels for {args.target}, {total} bytes{where}", flush=True)
     return 0
-
-
-def main(argv=None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m k31c.lowering.aot")
-    add_build_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.run(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import UsageError
+
 
 @dataclass(frozen=True)
 class Target:
@@ -94,6 +96,7 @@ def targets_running(op: str, variant: str) -> tuple[str, ...]:
 
 
 def get_target(name: str) -> Target:
-    if name not in TARGETS:
-        raise ValueError(f"unknown target '{name}'; known targets: {', '.join(TARGETS)}")
+    # a UsageError (a ValueError too, for callers catching that): the CLI reports it as bad input
+    if not isinstance(name, str) or name not in TARGETS:
+        raise UsageError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
     return TARGETS[name]

@@ -38,7 +38,7 @@ def _env() -> dict:
 
 
 def _start_build(target: str, out: Path, families=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "k31c.lowering.aot", "build-kernels", "--target", target,
+    cmd = [sys.executable, "-m", "k31c", "build-kernels", "--target", target,
            "--out", str(out)]
     if families:
         cmd += ["--only", ",".join(families)]
