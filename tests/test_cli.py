@@ -214,3 +214,96 @@ def test_info_prints_full_size_parameter_counts():
                          capture_output=True, text=True, check=True).stdout
     assert "93 layers (69 KDA, 24 MLA + indexer)" in out
     assert "indexer" in out and "B parameters" in out
+
+
+# ---- the machine's limits and damaged weights ------------------------------------------------------
+
+@pytest.mark.parametrize("error,line", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                  "memory: you tried to allocate 640000005120 bytes. Error code 12 (Cannot allocate memory)"),
+     "k31c: error: out of memory: DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+     "640000005120 bytes. Error code 12 (Cannot allocate memory)"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+     "k31c: error: out of memory: CUDA out of memory. Tried to allocate 20.00 GiB"),
+    (MemoryError(), "k31c: error: out of memory"),
+])
+def test_out_of_memory_is_the_machines_failure(error, line, monkeypatch, capsys):
+    import k31c.cli.info
+
+    def fail(args):
+        raise error
+    monkeypatch.setattr(k31c.cli.info, "run", fail)
+    assert main(["info"]) == 1
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_generate_refuses_a_cache_pool_larger_than_memory(checkpoint, tmp_path, capsys):
+    big = tmp_path / "big"
+    big.mkdir()
+    for f in checkpoint.iterdir():
+        text = f.read_bytes()
+        if f.name == "config.json":
+            text = text.replace(b'"max_seq_len": 4096', b'"max_seq_len": 2147483647')
+        (big / f.name).write_bytes(text)
+    assert main(["generate", "--checkpoint", str(big), "--prompt", "hi", "--max-new-tokens", "2147483000"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k31c: error: out of memory: the cache pool for 1 request(s) of up to "
+                          "2147483003 tokens needs ") and err.count("\n") == 1, err
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(checkpoint, tmp_path_factory):
+    """The seed-3 checkpoint with every weight byte 0xFF (NaN)."""
+    out = tmp_path_factory.mktemp("nan") / "ckpt"
+    out.mkdir()
+    for f in checkpoint.iterdir():
+        data = f.read_bytes()
+        if f.suffix == ".safetensors":
+            n = 8 + int.from_bytes(data[:8], "little")   # past the length and the JSON header
+            data = data[:n] + b"\xff" * (len(data) - n)
+        (out / f.name).write_bytes(data)
+    return out
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi", "--max-new-tokens", "3"],
+                                  ["generate", "--prompt", "hi", "--temperature", "0.8"],
+                                  ["logits", "--tokens", "1,2", "--out", "{tmp}/x.npy"]],
+                         ids=["greedy", "sampled", "logits"])
+def test_nan_weights_are_a_checkpoint_error(argv, nan_checkpoint, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main([argv[0], "--checkpoint", str(nan_checkpoint), *argv[1:]]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == f"k31c: error: invalid checkpoint {nan_checkpoint}:", captured.err
+    assert len(lines) == 2 and "are NaN or inf" in lines[1] and "weights hold NaN or inf" in lines[1]
+    assert captured.out == "" and list(tmp_path.iterdir()) == []   # no text, no file
+
+
+@pytest.mark.parametrize("encoding,shown", [("ascii", b"\\ufffd(\\xe9\n"), ("latin-1", b"\\ufffd(\xe9\n")])
+def test_generate_text_degrades_to_the_output_encoding(encoding, shown, checkpoint, monkeypatch):
+    import io
+
+    def fixed_tokens(self, prompt, n, on_token=None, **kwargs):
+        new = [0xC3, 0x28, 0xC3, 0xA9]   # U+FFFD, "(", "é"
+        for t in new:
+            on_token(t)
+        return new
+    monkeypatch.setattr(Engine, "generate", fixed_tokens)
+    out = io.TextIOWrapper(io.BytesIO(), encoding=encoding)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "hi"]) == 0
+    out.flush()
+    assert out.buffer.getvalue() == shown
+
+
+def test_generate_with_stdout_closed(checkpoint, monkeypatch, capsys, no_loading):
+    monkeypatch.setattr(sys, "stdout", None)    # what Python makes of `k31c generate ... >&-`
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == ("k31c: error: standard output is closed: generate prints its "
+                                       "text there\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_logits_on_a_full_disk_names_the_cause_and_the_file(checkpoint, capsys):
+    assert main(["logits", "--checkpoint", str(checkpoint), "--tokens", "1,2", "--out", "/dev/full"]) == 1
+    assert capsys.readouterr().err == "k31c: error: No space left on device: /dev/full\n"

@@ -8,7 +8,8 @@ the k31c.errors hierarchy (README "Errors"):
   the user's paths: one `k31c: error: ...` line (a config or checkpoint error adds its list of
   problems), exit 2;
 - CompilerError: `k31c: internal error (a k31c bug): ...`, exit 1;
-- RuntimeFailure and other OS errors (disk full, I/O): `k31c: error: ...`, exit 1;
+- RuntimeFailure, other OS errors (disk full, I/O) and running out of memory: `k31c: error: ...`,
+  exit 1;
 - Ctrl-C: `k31c: interrupted`, exit 130; SIGTERM: `k31c: terminated`, exit 143; temporaries are
   removed in both cases.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import signal
 import sys
 import threading
@@ -68,6 +70,19 @@ def _describe(e: OSError) -> str:
     return f"{e.strerror or e}{where}"
 
 
+def _out_of_memory(e: Exception) -> Optional[str]:
+    """The one-line message of an allocation failure (MemoryError, or torch's allocators: a
+    RuntimeError saying "can't allocate memory" / "out of memory"), else None."""
+    if isinstance(e, MemoryError):
+        return str(e)
+    text = str(e).strip()
+    if not isinstance(e, RuntimeError) or not re.search(r"can't allocate memory|out of memory", text,
+                                                          re.IGNORECASE):
+        return None
+    first = text.splitlines()[0]
+    return re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", first)   # c10's location prefix
+
+
 def _run(args) -> int:
     try:
         return args.run(args)
@@ -92,7 +107,12 @@ def _run(args) -> int:
     except fsutil.Terminated:
         log("terminated")
         return 143
-    except Exception as e:  # a bug: the traceback is what its report needs
+    except Exception as e:
+        oom = _out_of_memory(e)
+        if oom is not None:   # the machine's limit, not a bug: no traceback
+            log(f"error: out of memory{': ' + oom if oom else ''}")
+            return 1
+        # a bug: the traceback is what its report needs
         traceback.print_exc()
         log(f"internal error (a k31c bug): {type(e).__name__}: {e}")
         return 1

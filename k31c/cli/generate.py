@@ -29,6 +29,8 @@ def add(sub) -> None:
 
 
 def _check_args(args) -> None:
+    if sys.stdout is None:   # started with stdout closed (`>&-`)
+        raise UsageError("standard output is closed: generate prints its text there")
     if args.prompt == "":
         raise UsageError("--prompt is empty")
     t = args.temperature
@@ -42,6 +44,8 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
+    from ..checkpoint_files import CheckpointError
+    from ..paths import default_model_dir, remake_hint
     from ..tokenizer import VOCAB_MIN, ByteTokenizer
     _check_args(args)
     ckpt = checkpoint_dir(args.checkpoint)
@@ -53,23 +57,33 @@ def run(args) -> int:
     check_length(len(prompt) + args.max_new_tokens, cfg, "the prompt plus --max-new-tokens")
 
     model = load_model(ckpt)
-    from ..runtime.engine import Engine
+    from ..runtime.engine import Engine, NonFiniteLogits
     engine = Engine(model, max_requests=1, max_seq_len=len(prompt) + args.max_new_tokens)
     stream = tok.stream_decoder()
     times: list[float] = []
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+
+    def show(text: str) -> str:
+        # an output encoding without a character (PYTHONIOENCODING=ascii: U+FFFD, é) gets its escape
+        return printable(text).encode(encoding, "backslashreplace").decode(encoding)
 
     def on_token(token_id: int) -> None:
         times.append(time.perf_counter())
-        sys.stdout.write(printable(stream.push(token_id)))
+        sys.stdout.write(show(stream.push(token_id)))
         sys.stdout.flush()
 
     start = time.perf_counter()
     try:
         new = engine.generate(prompt, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, on_token=on_token, eos_id=tok.eos_id)
+    except NonFiniteLogits as e:   # the same weights fail the same way on any machine: bad input
+        hint = [] if ckpt else [remake_hint(default_model_dir())]
+        where = f"after {len(times)} generated tokens" if times else "for the prompt"
+        raise CheckpointError([f"{e} {where} (its weights hold NaN or inf, or overflow)"] + hint,
+                              ckpt or default_model_dir()) from None
     finally:  # also on Ctrl-C: the partial text ends its line
         if times:
-            sys.stdout.write(printable(stream.flush()) + "\n")
+            sys.stdout.write(show(stream.flush()) + "\n")
             sys.stdout.flush()
     total = times[-1] - start
     decode = (f", then {(len(new) - 1) / (times[-1] - times[0]):.1f} tokens/s decoding"

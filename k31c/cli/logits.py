@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..errors import UsageError
-from ..fsutil import write_atomic
+from ..fsutil import naming, write_atomic
 from .common import check_length, checkpoint_config, checkpoint_dir, load_model, output_file
 
 
@@ -43,9 +43,29 @@ def run(args) -> int:
     model = load_model(ckpt)
     import numpy as np
 
+    from ..checkpoint_files import CheckpointError
+    from ..paths import default_model_dir, remake_hint
     from ..runtime.engine import Engine
     engine = Engine(model, max_requests=1, max_seq_len=len(tokens))
     logits = engine.prefill_logits(tokens).float().cpu().numpy()
-    write_atomic(out, lambda f: np.save(f, logits))
+    bad = int((~np.isfinite(logits)).sum())
+    if bad:   # the same weights fail the same way on any machine: bad input, and no file
+        hint = [] if ckpt else [remake_hint(default_model_dir())]
+        raise CheckpointError([f"{bad} of its {logits.size} logits are NaN or inf (its weights hold "
+                               f"NaN or inf, or overflow); {out} not written"] + hint,
+                              ckpt or default_model_dir())
+    try:
+        write_atomic(out, lambda f: np.save(_Writer(f), logits))
+    except OSError as e:   # a device (/dev/full) is written in place, its error without the path
+        raise (naming(e, out) if e.filename is None else e) from None
     print(f"wrote {out}: float32 {list(logits.shape)}")
     return 0
+
+
+class _Writer:
+    """A file as np.save sees a stream: it then writes through f.write, whose failure is an
+    OSError with its errno (ENOSPC), where a real file goes through ndarray.tofile, whose failure
+    says only "N requested and M written"."""
+
+    def __init__(self, f):
+        self.write = f.write

@@ -11,15 +11,42 @@ the chunk, not by the prompt. The result equals one prefill of everything.
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..config import K31Config
+from ..errors import RuntimeFailure, UsageError
 from ..graph.step import StepMeta, step_meta, step_to_device
 from .kv import CachePool
 
 
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+SEED_MAX = 2**64 - 1   # torch.Generator.manual_seed takes 64 bits
+
+
+class NonFiniteLogits(RuntimeFailure):
+    """The model produced NaN or inf logits (NaN/inf weights, or values that overflow)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value) -> None:
+    if not _is_int(value) or value < 1:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_sampling(temperature, top_p) -> None:
+    """temperature: 0 (greedy) or a finite positive number; top_p in (0, 1]."""
+    if not isinstance(temperature, numbers.Real) or not 0 <= temperature < math.inf:  # NaN fails
+        raise UsageError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1:
+        raise UsageError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
 class Engine:
@@ -30,14 +57,24 @@ class Engine:
                 or max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be a positive integer, got {max_prefill_tokens!r}")
         self.max_prefill_tokens = max_prefill_tokens
+        if not isinstance(getattr(model, "config", None), K31Config):
+            raise UsageError(f"model must be a K3.1 model (K31ForCausalLM) or what k31c.compile returns, "
+                             f"got {type(model).__module__}.{type(model).__qualname__}")
+        _positive_int("max_requests", max_requests)
+        _positive_int("block_size", block_size)
+        if max_seq_len is not None:   # None: the default below; 0 is an error, not the default
+            _positive_int("max_seq_len", max_seq_len)
+            if max_seq_len > model.config.max_seq_len:
+                raise UsageError(f"max_seq_len {max_seq_len} exceeds the model's maximum length "
+                                 f"{model.config.max_seq_len}")
         # a compiled model's quantize options (as the model or as the step function)
         formats = getattr(model if step_fn is None else step_fn, "cache_formats", {})
         index_cache = index_cache or formats.get("index_cache", "bf16")
         latent_cache = latent_cache or formats.get("latent_cache", "model")
         self.model = model
         self.cfg = model.config
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
-        self.max_seq_len = max_seq_len or min(self.cfg.max_seq_len, 4096)
+        self.device = _device(device) if device is not None else next(model.parameters()).device
+        self.max_seq_len = max_seq_len if max_seq_len is not None else min(self.cfg.max_seq_len, 4096)
         self.pool = CachePool(self.cfg, max_requests=max_requests, max_seq_len=self.max_seq_len,
                               block_size=block_size, index_cache=index_cache, latent_cache=latent_cache,
                               device=self.device)
@@ -50,14 +87,26 @@ class Engine:
         return self.pool.add_request()
 
     def free(self, rid: int) -> None:
+        self._request(rid)
         self.pool.free(rid)
 
     def length(self, rid: int) -> int:
-        return self.pool.requests[rid].length
+        return self._request(rid).length
+
+    def _request(self, rid: int):
+        try:
+            return self.pool.requests[rid]
+        except (KeyError, TypeError):   # TypeError: an unhashable rid
+            raise UsageError(f"no request {rid!r} (never added, or already freed)") from None
 
     # ---- steps ----------------------------------------------------------------------------------------
     def _check_tokens(self, tokens: Sequence[int]) -> None:
         V = self.cfg.vocab_size
+        for t in tokens:   # int() would truncate 1.5 and parse "7"
+            try:
+                operator.index(t)
+            except TypeError:
+                raise UsageError(f"token ids must be integers, got {t!r}") from None
         bad = [t for t in tokens if not 0 <= int(t) < V]
         if bad:
             raise ValueError(f"token ids out of range [0, {V}): {bad[:8]}")
@@ -194,10 +243,16 @@ class Engine:
                  on_token: Optional[Callable[[int], None]] = None,
                  eos_id: Optional[int] = None) -> list[int]:
         """Up to `max_new_tokens` new tokens; generation stops after `eos_id` (which is returned)."""
+        if isinstance(prompt, (str, bytes)):
+            raise UsageError(f"prompt must be a list of token ids, got a {type(prompt).__name__} "
+                             "(encode text first, e.g. with k31c.tokenizer.ByteTokenizer)")
+        prompt = list(prompt)
         if not prompt:
             raise ValueError("the prompt is empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        _positive_int("max_new_tokens", max_new_tokens)
+        check_sampling(temperature, top_p)
+        if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
+            raise UsageError(f"seed must be an integer in 0..{SEED_MAX} (64 bits), got {seed!r}")
         self._check_length(len(prompt) + max_new_tokens)
         gen = torch.Generator().manual_seed(seed)
         rid = self.add_request()
@@ -221,16 +276,35 @@ class Engine:
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    """Greedy at temperature 0; otherwise temperature + nucleus sampling on the CPU generator."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    """Greedy at temperature 0; otherwise temperature + nucleus sampling on the CPU generator.
+    NaN or inf logits raise NonFiniteLogits (argmax or multinomial would pick garbage or fail)."""
+    check_sampling(temperature, top_p)
     logits = logits.float().cpu()
+    if not torch.isfinite(logits).all():   # on the host already: no extra device sync
+        raise NonFiniteLogits("the model's logits are NaN or inf")
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # shifted first: the largest becomes 0, so a small temperature gives -inf, never inf - inf
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     sorted_p, order = probs.sort(descending=True)
-    keep = sorted_p.cumsum(0) - sorted_p < top_p       # always keeps the most likely token
+    keep = sorted_p.cumsum(0) - sorted_p < top_p
+    keep[0] = True   # the most likely token, also when top_p underflows float32 (1e-300 -> 0)
     sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
     return int(order[choice])
 
+
+def _device(device) -> torch.device:
+    """`device` as a torch.device this machine has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UsageError(f"device {device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {device!r}: this machine has no CUDA device (or torch was built "
+                             "without CUDA)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                             "device(s)")
+    return dev

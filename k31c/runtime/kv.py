@@ -14,11 +14,13 @@ sees the tensors, through graph/step.py's dataclasses.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import K31Config
+from ..errors import RuntimeFailure
 from ..graph.ops.cache_write import index_row_bytes
 from ..graph.ops.fp8_layouts import check_latent_fp8_dims, latent_fp8_row_bytes, mx_row_bytes
 from ..graph.step import Caches, KDALayerState, KDASnapshots, MLALayerCache
@@ -29,6 +31,50 @@ LATENT_CACHE_KINDS = ("model", "fp8")
 
 class PoolExhausted(RuntimeError):
     pass
+
+
+def _planes(cfg: K31Config, num_blocks: int, block_size: int, max_requests: int, index_cache: str,
+            latent_cache: str, dev) -> tuple[list[MLALayerCache], list[KDALayerState]]:
+    """The pool's tensors, zeroed, on `dev` ("meta" sizes them without allocating)."""
+    dt = cfg.torch_dtype
+    mla: list[MLALayerCache] = []
+    for _ in cfg.mla_layers:
+        if latent_cache == "fp8":
+            latent = torch.zeros(num_blocks, block_size,
+                                 latent_fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+                                 dtype=torch.uint8, device=dev)
+        else:
+            latent = torch.zeros(num_blocks, block_size, cfg.latent_dim, dtype=dt, device=dev)
+        if not cfg.has_indexer:
+            index = torch.zeros(0, dtype=dt, device=dev)
+        elif index_cache == "fp8":
+            index = torch.zeros(num_blocks, block_size * index_row_bytes(cfg.index_head_dim),
+                                dtype=torch.uint8, device=dev)
+        elif index_cache == "mxfp8":
+            index = torch.zeros(num_blocks, block_size * mx_row_bytes(cfg.index_head_dim),
+                                dtype=torch.float8_e4m3fn, device=dev)
+        else:
+            index_dt = torch.float32 if dt == torch.float32 else torch.bfloat16
+            index = torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=index_dt, device=dev)
+        mla.append(MLALayerCache(latent, index))
+    W, P = cfg.short_conv_kernel_size, cfg.kda_proj_dim
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    kda = [KDALayerState(torch.zeros(max_requests, W - 1, 3 * P, dtype=dt, device=dev),
+                         torch.zeros(max_requests, H, K, K, dtype=torch.float32, device=dev))
+           for _ in cfg.kda_layers]
+    return mla, kda
+
+
+def _memory_of(device: torch.device) -> int | None:
+    """Total memory of `device` in bytes (an upper bound of what a pool may take), None if unknown."""
+    try:
+        if device.type == "cpu":
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+    except (ValueError, OSError, RuntimeError, AssertionError):   # no such sysconf name / device
+        pass
+    return None
 
 
 @dataclass
@@ -57,33 +103,20 @@ class CachePool:
         self.max_seq_len = max_seq_len
         self.max_blocks_per_req = math.ceil(max_seq_len / block_size)
         self.num_blocks = num_blocks or max_requests * self.max_blocks_per_req
-        dt = cfg.torch_dtype
-        self.mla: list[MLALayerCache] = []
-        for _ in cfg.mla_layers:
-            if latent_cache == "fp8":
-                latent = torch.zeros(self.num_blocks, block_size,
-                                     latent_fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
-                                     dtype=torch.uint8, device=device)
-            else:
-                latent = torch.zeros(self.num_blocks, block_size, cfg.latent_dim, dtype=dt, device=device)
-            if not cfg.has_indexer:
-                index = torch.zeros(0, dtype=dt, device=device)
-            elif index_cache == "fp8":
-                index = torch.zeros(self.num_blocks, block_size * index_row_bytes(cfg.index_head_dim),
-                                    dtype=torch.uint8, device=device)
-            elif index_cache == "mxfp8":
-                index = torch.zeros(self.num_blocks, block_size * mx_row_bytes(cfg.index_head_dim),
-                                    dtype=torch.float8_e4m3fn, device=device)
-            else:
-                index_dt = torch.float32 if dt == torch.float32 else torch.bfloat16
-                index = torch.zeros(self.num_blocks, block_size, cfg.index_head_dim, dtype=index_dt,
-                                    device=device)
-            self.mla.append(MLALayerCache(latent, index))
-        W, P = cfg.short_conv_kernel_size, cfg.kda_proj_dim
-        H, K = cfg.kda_num_heads, cfg.kda_head_dim
-        self.kda = [KDALayerState(torch.zeros(max_requests, W - 1, 3 * P, dtype=dt, device=device),
-                                  torch.zeros(max_requests, H, K, K, dtype=torch.float32, device=device))
-                    for _ in cfg.kda_layers]
+        # sized on the meta device first, so a pool that cannot fit is refused with its size
+        # instead of failing inside the allocator (or, on CPU, swapping the machine to a halt)
+        mla, kda = _planes(cfg, self.num_blocks, block_size, max_requests, index_cache, latent_cache,
+                           "meta")
+        need = sum(t.numel() * t.element_size() for t in [x for c in mla for x in (c.latent, c.index)]
+                   + [x for st in kda for x in (st.conv, st.recurrent)])
+        have = _memory_of(self.device)
+        if have is not None and need > have:
+            raise RuntimeFailure(
+                f"out of memory: the cache pool for {max_requests} request(s) of up to {max_seq_len} "
+                f"tokens needs {need} bytes ({need / 2**30:.1f} GiB) and {self.device} has {have} "
+                f"bytes ({have / 2**30:.1f} GiB) in all; fewer or shorter requests fit")
+        self.mla, self.kda = _planes(cfg, self.num_blocks, block_size, max_requests, index_cache,
+                                     latent_cache, self.device)
         self.free_slots = list(range(max_requests - 1, -1, -1))
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         # host bookkeeping: a step ships its requests' rows with its other metadata
