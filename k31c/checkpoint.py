@@ -286,7 +286,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Move the finished temporary directory to `out` with a rename."""
     _check_replaceable(out, overwrite)
     if out.is_dir() and any(out.iterdir()):
-        if out.resolve() == Path.cwd().resolve() or os.path.ismount(out):  # cannot be renamed
+        if out.resolve() == Path.cwd().resolve():   # cannot be renamed (a mount point is refused)
             old = sorted(p.name for p in out.iterdir() if is_checkpoint_file(p))
             fsutil.replace_files(tmp, out, old)
         else:

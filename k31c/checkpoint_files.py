@@ -55,6 +55,9 @@ def replace_problem(out: Path, force: bool, flag: str) -> str | None:
         return f"is a symbolic link (to {os.readlink(out)}): give the directory itself"
     if not out.is_dir():
         return "exists and is not a directory"
+    if os.path.ismount(out):   # the new checkpoint is built beside it, on another file system
+        return ("is a mount point: a checkpoint is written beside its place and moved in, which "
+                "cannot cross file systems; give a directory inside it")
     entries = sorted(out.iterdir())
     if not entries:
         return None

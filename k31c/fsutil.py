@@ -186,7 +186,7 @@ def replace_dir(new: Path, target: Path) -> None:
 
 def replace_files(new: Path, target: Path, names: list[str]) -> None:
     """Replace the files `names` of `target` by the files of the directory `new`, for a directory
-    that cannot itself be renamed (the working directory, a mount point). The old files go aside
+    that cannot itself be renamed (the working directory). The old files go aside
     first, so a failure before all are aside puts them back and one after it finishes the move."""
     with _replacing(target) as old:
         os.rename(new, old / "new")

@@ -129,3 +129,19 @@ def test_init_out_empty_and_symlink_named_as_given(tmp_path, capsys, no_init):
     err = capsys.readouterr().err
     assert err == (f"k31c: error: --out {tmp_path}/cklink is a symbolic link (to real): give the "
                    "directory itself\n")
+
+
+def test_a_mount_point_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A checkpoint or a kernel build is made beside its place and moved in, which cannot cross
+    file systems: a mount point as --out is refused up front, naming the way out."""
+    from k31c.checkpoint_files import replace_problem
+    from k31c.lowering import aot_dir
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mount or real(p))
+    assert "is a mount point" in replace_problem(mount, True, "--force")
+    with pytest.raises(UsageError, match="is a mount point.*give a directory inside it"):
+        aot_dir.check_out_dir(mount, "h200")
+    assert replace_problem(mount / "ckpt", True, "--force") is None     # inside it: fine
+    assert os.listdir(mount) == []

@@ -42,6 +42,9 @@ def check_out_dir(out_dir, target_name: str) -> Path:
     if not out.is_dir():
         raise UsageError(f"--out {out_dir} exists and is not a directory: give a new directory or "
                          "that of an earlier build")
+    if os.path.ismount(out):   # the build is written beside it, on another file system
+        raise UsageError(f"--out {out_dir} is a mount point: a build is written beside its place and "
+                         "moved in, which cannot cross file systems; give a directory inside it")
     entries = sorted(os.listdir(out))
     problem = entries and _not_a_build(out, entries, target_name)
     if problem:
@@ -98,7 +101,7 @@ def write_outputs(built: list, out_dir: Path, target_name: str,
 def _publish(tmp: Path, out: Path) -> None:
     """Put the finished directory `tmp` in the place of `out` (fsutil keeps an earlier build aside
     until the new one is in)."""
-    if out.exists() and (out.resolve() == Path.cwd().resolve() or os.path.ismount(out)):
+    if out.exists() and out.resolve() == Path.cwd().resolve():   # (a mount point is refused)
         fsutil.replace_files(tmp, out, sorted(os.listdir(out)))    # cannot be renamed away
     elif out.is_dir() and any(out.iterdir()):
         fsutil.replace_dir(tmp, out)
