@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from . import fsutil
 from .checkpoint_files import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError,
-                               is_checkpoint_file, parent_problem, replace_problem)
+                               is_checkpoint_file, replace_problem)
 from .config import K31Config, config_from_name_or_path
 from .errors import UsageError
 from .paths import default_model_dir, home_origin, remake_hint
@@ -404,7 +404,7 @@ def _check_cache(out: Path) -> None:
     if replace_problem(out, False, "overwrite=True"):   # a damaged cache: no config.json, or a file
         what = "not a directory" if not out.is_dir() else f"files but no {CONFIG_FILE}"
         raise CheckpointError([what, remake_hint(out)], out)
-    problem = parent_problem(out)
+    problem = fsutil.parent_problem(out)
     if problem:
         raise UsageError(f"cannot make k31c's tiny model in {out}: {problem} (the directory comes "
                          f"from {home_origin()})")

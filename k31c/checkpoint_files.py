@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Union
 
 from .errors import InputError
+from .fsutil import mount_point_problem
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,19 +33,6 @@ def is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def parent_problem(out: Path) -> str | None:
-    """Why `out` cannot be created, or None: its nearest existing ancestor (the directory it
-    would be made in) must be a directory the user may write."""
-    parent = Path(os.path.abspath(out)).parent
-    while not os.path.lexists(parent):
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"directory {parent} is not writable"
-    return None
-
-
 def replace_problem(out: Path, force: bool, flag: str) -> str | None:
     """Why a new checkpoint may not be written to `out`, or None: `out` is missing or an empty
     directory, or `force` is set and it is a checkpoint (config.json plus safetensors files and
@@ -55,9 +43,9 @@ def replace_problem(out: Path, force: bool, flag: str) -> str | None:
         return f"is a symbolic link (to {os.readlink(out)}): give the directory itself"
     if not out.is_dir():
         return "exists and is not a directory"
-    if os.path.ismount(out):   # the new checkpoint is built beside it, on another file system
-        return ("is a mount point: a checkpoint is written beside its place and moved in, which "
-                "cannot cross file systems; give a directory inside it")
+    mounted = mount_point_problem(out, "a checkpoint")
+    if mounted:
+        return mounted
     entries = sorted(out.iterdir())
     if not entries:
         return None

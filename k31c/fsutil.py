@@ -236,6 +236,28 @@ def is_special(path: Path) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def parent_problem(out: Path) -> str | None:
+    """Why `out` cannot be created, or None: its nearest existing ancestor (the directory it
+    would be made in) must be a directory the user may write."""
+    parent = Path(os.path.abspath(out)).parent
+    while not os.path.lexists(parent):
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    return None
+
+
+def mount_point_problem(out: Path, what: str) -> str | None:
+    """Why the directory `out` cannot be replaced by `what`, made beside it and moved in: a mount
+    point, whose parent is another file system. None otherwise."""
+    if os.path.ismount(out):
+        return (f"is a mount point: {what} is written beside its place and moved in, which cannot "
+                "cross file systems; give a directory inside it")
+    return None
+
+
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Call `write(f)` on a temporary file beside `path`, then rename it to `path`.
 

@@ -173,3 +173,13 @@ def load_model(path: Optional[Path]):
         return load_checkpoint(path)
     except (CheckpointError, ConfigError) as e:
         raise type(e)(e.problems + [remake_hint(path)], path) from None
+
+
+def bad_weights(ckpt: Optional[Path], problem: str):
+    """The CheckpointError of logits that are NaN or inf: the same weights fail the same way on
+    any machine, so it is the checkpoint that is bad (for k31c's own tiny model: how to remake it)."""
+    from ..checkpoint_files import CheckpointError
+    from ..paths import default_model_dir, remake_hint
+    hint = [] if ckpt else [remake_hint(default_model_dir())]
+    return CheckpointError([f"{problem} (its weights hold NaN or inf, or overflow)"] + hint,
+                           ckpt or default_model_dir())

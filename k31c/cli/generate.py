@@ -5,7 +5,7 @@ import sys
 import time
 
 from ..errors import UsageError
-from .common import (check_length, checkpoint_config, checkpoint_dir, finite_float, load_model,
+from .common import (bad_weights, check_length, checkpoint_config, checkpoint_dir, finite_float, load_model,
                      log, positive_int, printable, seed, utf8_text)
 
 MIN_TEMPERATURE = 1e-3   # below it sampling is greedy in effect and logits / T overflow float32
@@ -44,8 +44,6 @@ def _check_args(args) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint_files import CheckpointError
-    from ..paths import default_model_dir, remake_hint
     from ..tokenizer import VOCAB_MIN, ByteTokenizer
     _check_args(args)
     ckpt = checkpoint_dir(args.checkpoint)
@@ -76,11 +74,9 @@ def run(args) -> int:
     try:
         new = engine.generate(prompt, args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, seed=args.seed, on_token=on_token, eos_id=tok.eos_id)
-    except NonFiniteLogits as e:   # the same weights fail the same way on any machine: bad input
-        hint = [] if ckpt else [remake_hint(default_model_dir())]
+    except NonFiniteLogits as e:
         where = f"after {len(times)} generated tokens" if times else "for the prompt"
-        raise CheckpointError([f"{e} {where} (its weights hold NaN or inf, or overflow)"] + hint,
-                              ckpt or default_model_dir()) from None
+        raise bad_weights(ckpt, f"{e} {where}") from None
     finally:  # also on Ctrl-C: the partial text ends its line
         if times:
             sys.stdout.write(show(stream.flush()) + "\n")

@@ -25,7 +25,8 @@ def add(sub) -> None:
 
 def _check_out(arg: str, force: bool) -> Path:
     """--out checked before the model is built: a place a checkpoint may be written."""
-    from ..checkpoint_files import parent_problem, replace_problem
+    from ..checkpoint_files import replace_problem
+    from ..fsutil import parent_problem
     if not arg:   # Path("") is `.`, which the user did not ask for
         raise UsageError("--out is empty: give the directory to write")
     out = Path(arg)

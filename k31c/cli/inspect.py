@@ -215,8 +215,8 @@ def run(args) -> int:
     progress(f"building the {args.config} model on the meta device")
     gm, captured = inspect_graph(cfg, args.step, rows, args.target, passes,
                                  parse_options(args.option), args.after, args.index_cache)
-    after = args.after or ((passes[-1] if passes else "capture (no passes)") if passes is not None
-                           else DEFAULT_PIPELINE[-1])
+    ran = DEFAULT_PIPELINE if passes is None else passes     # --passes X --disable X: none
+    after = args.after or (ran[-1] if ran else "capture (no passes)")
     title = f"{captured.step.name} target={args.target} after={after}"
     text = render(gm, captured, args.format, title, args.layer, args.k31c_only, args.target)
     if output is not None:

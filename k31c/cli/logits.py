@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from ..fsutil import naming, write_atomic
-from .common import check_length, checkpoint_config, checkpoint_dir, load_model, output_file
+from .common import bad_weights, check_length, checkpoint_config, checkpoint_dir, load_model, output_file
 
 
 def add(sub) -> None:
@@ -43,17 +43,12 @@ def run(args) -> int:
     model = load_model(ckpt)
     import numpy as np
 
-    from ..checkpoint_files import CheckpointError
-    from ..paths import default_model_dir, remake_hint
     from ..runtime.engine import Engine
     engine = Engine(model, max_requests=1, max_seq_len=len(tokens))
     logits = engine.prefill_logits(tokens).float().cpu().numpy()
     bad = int((~np.isfinite(logits)).sum())
-    if bad:   # the same weights fail the same way on any machine: bad input, and no file
-        hint = [] if ckpt else [remake_hint(default_model_dir())]
-        raise CheckpointError([f"{bad} of its {logits.size} logits are NaN or inf (its weights hold "
-                               f"NaN or inf, or overflow); {out} not written"] + hint,
-                              ckpt or default_model_dir())
+    if bad:   # no file
+        raise bad_weights(ckpt, f"{bad} of its {logits.size} logits are NaN or inf; {out} not written")
     try:
         write_atomic(out, lambda f: np.save(_Writer(f), logits))
     except OSError as e:   # a device (/dev/full) is written in place, its error without the path

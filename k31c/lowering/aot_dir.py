@@ -33,18 +33,16 @@ def check_out_dir(out_dir, target_name: str) -> Path:
         raise UsageError("--out is empty: give a directory")
     out = fsutil.output_target(Path(os.path.abspath(out_dir)))
     if not out.exists():
-        parent = out.parent
-        while not parent.exists():
-            parent = parent.parent
-        if not parent.is_dir():
-            raise UsageError(f"--out {out_dir}: {parent} is not a directory")
+        problem = fsutil.parent_problem(out)
+        if problem:
+            raise UsageError(f"--out {out_dir}: {problem}")
         return out
     if not out.is_dir():
         raise UsageError(f"--out {out_dir} exists and is not a directory: give a new directory or "
                          "that of an earlier build")
-    if os.path.ismount(out):   # the build is written beside it, on another file system
-        raise UsageError(f"--out {out_dir} is a mount point: a build is written beside its place and "
-                         "moved in, which cannot cross file systems; give a directory inside it")
+    mounted = fsutil.mount_point_problem(out, "a build")
+    if mounted:
+        raise UsageError(f"--out {out_dir} {mounted}")
     entries = sorted(os.listdir(out))
     problem = entries and _not_a_build(out, entries, target_name)
     if problem:

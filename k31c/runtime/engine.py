@@ -53,9 +53,7 @@ class Engine:
     def __init__(self, model, *, max_requests: int = 8, max_seq_len: Optional[int] = None,
                  block_size: int = 16, index_cache: Optional[str] = None, latent_cache: Optional[str] = None,
                  device=None, step_fn=None, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
-        if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
-                or max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be a positive integer, got {max_prefill_tokens!r}")
+        _positive_int("max_prefill_tokens", max_prefill_tokens)
         self.max_prefill_tokens = max_prefill_tokens
         if not isinstance(getattr(model, "config", None), K31Config):
             raise UsageError(f"model must be a K3.1 model (K31ForCausalLM) or what k31c.compile returns, "
