@@ -28,6 +28,10 @@ Executors (`options={"executor": ...}`):
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
 - `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
+  Its programs go to the compile cache (`options={"cache": DIR | True | False}`; left out,
+  `$K31C_COMPILE_CACHE` decides, a directory or `off`, else `<k31c home>/compile-cache`): a
+  later compile of the same program for the same cache pool loads it instead of capturing and
+  generating code again (cached_program.py; the report's "compile cache" line says which).
 - `iree`: reserved for the IREE build of the CPU and AMD dense regions, which k31c does not have
   yet (lowering/iree); asking for it is an error saying so.
 The report counts the kernels each step calls from what the built program executes: a GPU-target
@@ -39,82 +43,35 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import sympy
 import torch
 
+from .cached_program import ProgramCache, cache_root, factors
+from .compile_report import CompileReport, StepReport
 from .errors import UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
 from .graph.ops import is_k31c
 from .graph.ops.streams import is_marker
-from .graph.step import caches_device, step_to_device
+from .graph.step import caches_device, step_meta, step_to_device
 from .lowering.build import build_program, op_name
 from .lowering.program import Program as KernelProgram
 from .lowering.targets import Target, get_target
 from .lowering.triton.device import interpreting
 from .options import program_target, split_options
-from .passes.manager import PassContext, PassRecord, Pipeline, resolve, run_pipeline
+from .passes.manager import PassContext, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
 from .runtime.graphs import DecodeGraphs
 from .runtime.staging import StepInputs
 
 @dataclass
-class StepReport:
-    step: str
-    capture_seconds: float
-    passes: list[PassRecord]
-    kernels: dict = field(default_factory=dict)      # (op, kernel) -> calls per step, from what runs
-    fallbacks: dict = field(default_factory=dict)    # op -> reference calls per step on a GPU target
-    build_seconds: float = 0.0                       # passes + code generation
-    executor: str = ""
-    program: str = ""                                # pieces, streams: what the program executor built
-
-    def lines(self) -> list[str]:
-        out = [f"step {self.step}: capture {self.capture_seconds:.1f}s, passes + {self.executor or 'no'} "
-               f"build {self.build_seconds:.1f}s"]
-        for rec in self.passes:
-            r = rec.result
-            out.append(f"  {rec.name:24s} matches={r.matches:<5d} changed={str(r.changed):5s} "
-                       f"{rec.seconds:6.2f}s  {'; '.join(r.notes)}")
-        if self.program:
-            out.append(f"  program: {self.program}")
-        if self.kernels:
-            out.append("  kernels: " + ", ".join(f"{op.split('::')[-1]}={k.split('.')[-1] if k != 'reference' else k} x{n}"
-                                                 for (op, k), n in sorted(self.kernels.items())))
-        out.append("  reference fallbacks: " + (", ".join(f"{op} x{n}" for op, n in sorted(self.fallbacks.items()))
-                                                 if self.fallbacks else "none"))
-        return out
-
-
-@dataclass
-class CompileReport:
-    target: str
-    pipeline: tuple[str, ...]
-    options: dict[str, Any]
-    steps: dict[str, StepReport] = field(default_factory=dict)
-
-    def fallbacks(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for s in self.steps.values():
-            for op, n in s.fallbacks.items():
-                total[op] = total.get(op, 0) + n
-        return total
-
-    def __str__(self) -> str:
-        lines = [f"k31c compile: target={self.target} passes={','.join(self.pipeline)}"]
-        for s in self.steps.values():
-            lines += s.lines()
-        return "\n".join(lines)
-
-
-@dataclass
 class Program:
     captured: Captured
-    gm: torch.fx.GraphModule                 # the graph after the passes
+    gm: Optional[torch.fx.GraphModule]       # the graph after the passes (None: loaded from the cache)
     placeholders: list[torch.fx.Node]
     fn: Optional[Any]                        # callable(*weights, *step inputs) -> (logits,)
     kernels: Optional[KernelProgram] = None  # the program executor's steps
@@ -136,6 +93,10 @@ def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str,
     from torch._inductor.compile_fx import compile_fx
     with torch.no_grad():
         return compile_fx(clone_graph(gm), example_inputs)
+
+
+def _say(message: str) -> None:
+    print(f"k31c: {message}", file=sys.stderr, flush=True)
 
 
 def _progress(message: str) -> None:
@@ -176,6 +137,8 @@ class CompiledModel:
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
+        root = cache_root(compile_opts["cache"]) if self.executor == "inductor" else None
+        self.cache = ProgramCache(root, _say) if root is not None else None
 
     # Engine(compiled) works like Engine(model): it reads these two.
     @property
@@ -198,8 +161,10 @@ class CompiledModel:
 
     @property
     def graphs(self) -> dict[str, torch.fx.GraphModule]:
-        """Step name -> the graph after the passes."""
-        return {step.name: p.gm for step, p in self._programs.items()}
+        """Step name -> the graph after the passes (a program loaded from the compile cache has
+        none in memory: its entry's graph.txt holds its text; `build(..., executable=False)`
+        captures it)."""
+        return {step.name: p.gm for step, p in self._programs.items() if p.gm is not None}
 
     @property
     def programs(self) -> dict[str, KernelProgram]:
@@ -215,6 +180,22 @@ class CompiledModel:
         """Capture (once per step kind) and run the passes; with `executable`, generate code."""
         if executable:
             self._check_runnable(meta)
+        cache = self.cache if executable and stop_after is None else None
+        if cache is not None:
+            facts = factors(self, step, meta, caches)
+            name = cache.name(step, facts)
+            loaded, cache_note = cache.load(self.model, step, name)
+            if loaded is not None:
+                program = Program(loaded.captured, None, [], loaded.fn)
+                report = StepReport(step.name, 0.0, loaded.records, loaded.kernels, executor=self.executor,
+                                    build_seconds=loaded.seconds, cache=cache_note)
+                if self.target.device != "cpu":
+                    report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
+                self._register(step, program, report)
+                return program
+            if cache_note == "miss":
+                cache_note = "miss: " + cache.miss_reason(step, facts)
+            _say(f"compiling the {step.name} step for {self.target.name} (compile cache {cache_note})")
         captured = capture_cached(self.model, step, meta, caches)
         start = time.perf_counter()
         gm = clone_graph(captured.gm)
@@ -232,16 +213,24 @@ class CompiledModel:
                               f"{sorted(kp.streams) if program.executor.multi else [0]}, device graphs "
                               f"{'on' if program.graphs is not None else 'off'}")
         elif executable:
-            program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
             report.kernels = _reference_counts(gm)
+            if cache is not None:
+                program.fn = cache.store(self.model, name, facts, gm, placeholders, captured, records,
+                                         report.kernels, step)
+                report.cache = f"{cache_note}; stored as {name}"
+            else:
+                program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
         if self.target.device != "cpu":
             report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
         report.build_seconds = time.perf_counter() - start
         if stop_after is None:
-            self._programs[step] = program
-            self.compilations[step.name] = self.compilations.get(step.name, 0) + 1
-            self.report.steps[step.name] = report
+            self._register(step, program, report)
         return program
+
+    def _register(self, step: StepKind, program: Program, report: StepReport) -> None:
+        self._programs[step] = program
+        self.compilations[step.name] = self.compilations.get(step.name, 0) + 1
+        self.report.steps[step.name] = report
 
     def _build_program(self, program: Program, step: StepKind, meta) -> None:
         split = partition(clone_graph(program.gm))
@@ -262,6 +251,25 @@ class CompiledModel:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             program.graphs = DecodeGraphs(program.executor, _step_inputs(program, step), self.options["buckets"],
                                           self._graph_pool, meta.block_table.shape[1])
+
+    def prebuild(self, engine, steps: Sequence[str]) -> None:
+        """Build the programs of `steps` (names: "prefill", "decode", "verify4") for `engine`'s
+        cache pool without running them: with the compile cache on, a later process that
+        compiles the same model for an Engine of the same geometry loads them."""
+        kinds = []
+        for name in steps:
+            try:
+                kinds.append(StepKind.parse(name))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+        pool = engine.pool
+        for step in kinds:
+            n = 2 * step.rows                        # two requests (the trace's own example size)
+            meta = step_meta(slot_mapping=list(range(n)), block_table=torch.zeros(2, pool.block_table.shape[1]),
+                             row_req=[0] * n, row_len=[1] * n, kda_slots=[0, 1], cu_seqlens=[0, n // 2, n],
+                             device=engine.device)
+            snaps = pool.new_snapshots(2, step.rows) if step.snapshots else None
+            self.build(step, meta, pool.caches(snaps))
 
     def _check_runnable(self, meta) -> None:
         t = self.target

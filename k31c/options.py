@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Optional
 
+from .cached_program import cache_root
 from .errors import UsageError
 from .lowering.build import DENSE_CODEGENS
 from .lowering.targets import Target
@@ -14,7 +15,7 @@ from .runtime.graphs import DEFAULT_BUCKETS, check_buckets
 
 EXECUTORS = ("inductor", "fx", "iree", "program")
 COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
-                   "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None}
+                   "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None, "cache": None}
 
 
 def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
@@ -62,6 +63,7 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         compile_opts["streams"] = target.graph_streams
     elif isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
         raise UsageError(f"option streams must be a positive integer (1: one stream), got {streams!r}")
+    cache_root(compile_opts["cache"])              # a bad value is an error naming it
     return compile_opts, pass_opts
 
 

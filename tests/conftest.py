@@ -15,6 +15,8 @@ except Exception:  # pragma: no cover
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     fast_interpreter()
+# Compiled programs stay out of the user's compile cache; tests/test_compile_cache.py gives its own.
+os.environ.setdefault("K31C_COMPILE_CACHE", "off")
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".triton-cache"))
 
 

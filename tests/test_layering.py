@@ -3,13 +3,13 @@ count too: a lazy import is still a dependency).
 
 Rooms, bottom up; a module may import its own room and the rooms its room lists:
     base      config (+ config_values, presets), errors, paths, fsutil, tokenizer,
-              checkpoint_files, dynamo_registry
+              checkpoint_files, dynamo_registry, compile_cache
     (graph)   checkpoint.py sits with graph/: loading a checkpoint builds the model
     graph     k31c/graph/            base
     lowering  k31c/lowering/         base, graph
     passes    k31c/passes/           base, graph, lowering
     runtime   k31c/runtime/          base, graph, lowering
-    api       k31c/api.py, options.py   everything below
+    api       k31c/api.py, options.py, cached_program.py, compile_report.py   everything below
     cli       cli/, __main__, the package's __init__ (lazy re-exports): everything
 Besides: no import cycle between modules, no private name (`_x`) imported from another module
 (modules share code through public contracts), and no torch.fx in k31c/runtime/ (the runtime
@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "k31c"
 BASE = {"k31c.config", "k31c.config_values", "k31c.presets", "k31c.errors", "k31c.paths", "k31c.fsutil",
-        "k31c.tokenizer", "k31c.checkpoint_files", "k31c.dynamo_registry"}
+        "k31c.tokenizer", "k31c.checkpoint_files", "k31c.dynamo_registry", "k31c.compile_cache"}
 GRAPH_LEVEL = {"k31c.checkpoint"}      # loading a checkpoint builds the model (graph/model.py)
 TOP = {"k31c", "k31c.__main__"}
 ORDER = ("base", "graph", "lowering", "passes", "runtime", "api", "cli")
@@ -55,7 +55,7 @@ def room(module: str) -> str:
         return "graph"
     if module in TOP:
         return "cli"
-    if module in ("k31c.api", "k31c.options"):
+    if module in ("k31c.api", "k31c.options", "k31c.cached_program", "k31c.compile_report"):
         return "api"
     part = module.split(".")[1]
     if part in ("graph", "lowering", "passes", "runtime"):

@@ -38,6 +38,8 @@ COMMANDS = {
     "info": "info",
     "inspect": "inspect",
     "build-kernels": "build_kernels",
+    "prebuild": "prebuild",
+    "cache": "cache",
     "bench": "bench",
 }
 

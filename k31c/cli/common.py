@@ -183,3 +183,38 @@ def bad_weights(ckpt: Optional[Path], problem: str):
     hint = [] if ckpt else [remake_hint(default_model_dir())]
     return CheckpointError([f"{problem} (its weights hold NaN or inf, or overflow)"] + hint,
                            ckpt or default_model_dir())
+
+
+# ---- compiled models (generate --target, prebuild) ----------------------------------------------
+
+TARGET_NAMES = ("cpu", "h200", "mi350x")     # lowering/targets.py (not imported here: no torch yet)
+DEFAULT_POOL_LEN = 4096                      # the Engine's default pool length (runtime/engine.py)
+
+
+def add_compile_args(p, default_target: Optional[str]) -> None:
+    choices = (("eager",) if default_target == "eager" else ()) + TARGET_NAMES
+    p.add_argument("--target", default=default_target or "cpu", choices=choices,
+                   help=f"{'eager: the PyTorch model itself; ' if default_target == 'eager' else ''}"
+                        f"a k31c target to compile for (default: {default_target or 'cpu'})")
+    p.add_argument("--cache-dir", help="the compile cache (default: $K31C_COMPILE_CACHE, else "
+                                       "compile-cache in the k31c home, ~/.cache/k31c)")
+
+
+def pool_len(cfg, needed: int = 0) -> int:
+    """The cache pool's length for a compiled model: one length for every prompt, so the
+    compile cache's programs (which are specialised to the pool) serve them all."""
+    return max(min(cfg.max_seq_len, DEFAULT_POOL_LEN), needed)
+
+
+def compile_model(model, target: str, cache_dir: Optional[str]):
+    """`k31c.compile(model, target)` with the CLI's cache choice, the model on the target's device."""
+    from ..api import compile as k31c_compile
+    from ..lowering.targets import get_target
+    device = get_target(target).device
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"--target {target} runs on a CUDA device and this machine has none")
+        model = model.to("cuda")
+    return k31c_compile(model, target=target, options={"cache": cache_dir} if cache_dir else None)
+

@@ -5,8 +5,9 @@ import sys
 import time
 
 from ..errors import UsageError
-from .common import (bad_weights, check_length, checkpoint_config, checkpoint_dir, finite_float, load_model,
-                     log, positive_int, printable, seed, utf8_text)
+from .common import (add_compile_args, bad_weights, check_length, checkpoint_config, checkpoint_dir,
+                     compile_model, finite_float, load_model, log, pool_len, positive_int, printable, seed,
+                     utf8_text)
 
 MIN_TEMPERATURE = 1e-3   # below it sampling is greedy in effect and logits / T overflow float32
 
@@ -25,6 +26,7 @@ def add(sub) -> None:
                    help=f"0 = greedy, else at least {MIN_TEMPERATURE} (default: 0)")
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default: 1)")
     p.add_argument("--seed", type=seed, default=0, help="sampling seed, 0..2^64-1 (default: 0)")
+    add_compile_args(p, default_target="eager")
     p.set_defaults(run=run)
 
 
@@ -41,6 +43,9 @@ def _check_args(args) -> None:
                          "(smaller ones overflow the scaled logits)")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.target == "eager" and args.cache_dir is not None:
+        raise UsageError("--cache-dir is the compile cache of a compiled target (--target cpu); "
+                         "--target eager compiles nothing")
 
 
 def run(args) -> int:
@@ -56,7 +61,12 @@ def run(args) -> int:
 
     model = load_model(ckpt)
     from ..runtime.engine import Engine, NonFiniteLogits
-    engine = Engine(model, max_requests=1, max_seq_len=len(prompt) + args.max_new_tokens)
+    needed = len(prompt) + args.max_new_tokens
+    if args.target == "eager":
+        engine = Engine(model, max_requests=1, max_seq_len=needed)
+    else:   # the compile cache's programs are specialised to the pool: one length for all prompts
+        compiled = compile_model(model, args.target, args.cache_dir)
+        engine = Engine(compiled, max_requests=1, max_seq_len=pool_len(cfg, needed))
     stream = tok.stream_decoder()
     times: list[float] = []
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"

@@ -45,6 +45,16 @@ class StepKind:
         if self.mode == "prefill" and self.rows != 1:
             raise ValueError(f"prefill steps have rows=1, got {self.rows}")
 
+    @classmethod
+    def parse(cls, name: str) -> "StepKind":
+        """The step kind a name means: "prefill", "decode", or "verifyR" (R rows per request)."""
+        if name in STEP_MODES:
+            return cls(name)
+        rows = name[len("verify"):]
+        if name.startswith("verify") and rows.isdigit() and int(rows) > 1:
+            return cls("decode", int(rows))
+        raise ValueError(f"step {name!r}: expected prefill, decode, or verifyR with R >= 2 rows (verify4)")
+
     @property
     def snapshots(self) -> bool:
         """Verification steps (rows > 1) write per-row KDA snapshots."""
@@ -66,7 +76,7 @@ class GraphInput:
 
 @dataclass
 class Captured:
-    gm: torch.fx.GraphModule
+    gm: Optional[torch.fx.GraphModule]     # None for a program loaded from the compile cache
     step: StepKind
     inputs: list[GraphInput]               # one per placeholder, in order
     in_spec: pytree.TreeSpec               # structure of (input_ids, meta, caches)
@@ -308,6 +318,31 @@ def _leaf_checks(captured: Captured, placeholders: list[torch.fx.Node]) -> list[
                                      tuple(binds), tuple(derived)))
         captured.leaf_checks = checks
     return captured.leaf_checks
+
+
+def leaf_checks_record(captured: Captured, placeholders: list[torch.fx.Node]) -> list[dict]:
+    """The step inputs' checks as JSON-able records (the compile cache stores them)."""
+    return [{"name": c.name, "dtype": str(c.dtype).replace("torch.", ""), "ndim": c.ndim, "device": c.device,
+             "static": [list(s) for s in c.static], "binds": [list(b) for b in c.binds],
+             "derived": [[d, text, list(syms)] for d, text, _, syms in c.derived]}
+            for c in _leaf_checks(captured, placeholders)]
+
+
+def leaf_checks_from_record(records: list[dict]) -> list[_LeafCheck]:
+    """`leaf_checks_record`'s records as checks again (the derived sizes compiled once more)."""
+    checks = []
+    for r in records:
+        dtype = getattr(torch, r["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{r['name']}: unknown dtype {r['dtype']!r}")
+        derived = []
+        for d, text, syms in r["derived"]:
+            symbols = [sympy.Symbol(s) for s in syms]
+            expr = sympy.sympify(text, locals={s.name: s for s in symbols})
+            derived.append((d, text, sympy.lambdify(symbols, expr, "math"), tuple(syms)))
+        checks.append(_LeafCheck(r["name"], dtype, r["ndim"], r["device"], tuple(map(tuple, r["static"])),
+                                 tuple(map(tuple, r["binds"])), tuple(derived)))
+    return checks
 
 
 def flat_step_inputs(captured: Captured, placeholders: list[torch.fx.Node], input_ids, meta, caches,

@@ -1,0 +1,206 @@
+"""Step programs in the compile cache (compile_cache.py): what a key depends on, what an entry
+holds, and loading one without capture, passes or code generation.
+
+Cached: the whole-graph Inductor executor (`executor="inductor"`, the CPU target's default). Its
+program is one Inductor artifact of the step graph after the passes, with the batch symbolic, so
+one entry serves every batch size of its step kind and cache pool. An entry holds:
+- `program.bin`: `torch._inductor.standalone_compile(graph, fake inputs, dynamic_shapes=
+  "from_graph")`, saved in Inductor's binary format;
+- `inductor/`: Inductor's cache directory while it compiled (generated code and, on the CPU, the
+  compiled C++ libraries), so a load under it compiles nothing;
+- `graph.txt`: the graph after the passes, in canonical text (what `k31c inspect` prints);
+- `manifest.json`: the factors and files (compile_cache.py) and what a load needs besides the
+  artifact: the weights by name, the step inputs' shape checks, the pass report.
+The program executor (GPU targets) is not cached yet: its dense pieces fail `standalone_compile`
+(docs/architecture.md, "The GPU program").
+
+Where: `options={"cache": ...}` of `k31c.compile`: a directory, True (the default one), False
+(off); left out, `$K31C_COMPILE_CACHE` decides (a directory, or `off`), else the default one,
+`<k31c home>/compile-cache`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .compile_cache import CompileCache, Damaged, Entry
+from .errors import UsageError
+from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph,
+                            leaf_checks_from_record, leaf_checks_record)
+from .graph.printer import format_graph
+from .passes.manager import PassRecord, PassResult
+from .paths import compile_cache_dir
+
+CACHE_ENV = "K31C_COMPILE_CACHE"
+_OFF = ("0", "off", "false", "no")
+ROOT = Path(__file__).resolve().parent
+
+
+def cache_root(option) -> Optional[Path]:
+    """The cache directory the `cache` option asks for, or None (off)."""
+    env = os.environ.get(CACHE_ENV, "").strip()
+    if option is None:
+        if env.lower() in _OFF:
+            return None
+        option = True
+    if option is True:
+        return Path(env).expanduser() if env and env.lower() not in _OFF else compile_cache_dir()
+    if option is False:
+        return None
+    if isinstance(option, (str, os.PathLike)) and str(option):
+        return Path(option).expanduser()
+    raise UsageError(f"option cache must be a directory, True (the default one) or False, got {option!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def source_digests() -> dict[str, str]:
+    """k31c's own sources a compiled graph depends on (all but the command line), per file; its
+    version is in one of them (__init__.py)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith("cli/") and rel != "__main__.py":
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def _machine(device: torch.device) -> str:
+    """What generated code depends on: the CPU's vector ISA, or the GPU's architecture."""
+    if device.type == "cuda":
+        return "sm_%d%d" % torch.cuda.get_device_capability(device)
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return f"{platform.machine()} {pick_vec_isa() or 'no-vec'}"
+
+
+def factors(compiled, step: StepKind, meta, caches) -> dict:
+    """Everything a step program depends on, in clear text (no paths, host names or device index)."""
+    model = compiled.model
+    weights = [(canonical_path(n), list(t.shape), str(t.dtype)) for n, t in _named_tensors(model)]
+    options = {k: v for k, v in compiled.options.items() if k != "cache"}
+    return {
+        "torch": torch.__version__, "python": "%d.%d" % sys.version_info[:2],
+        "machine": _machine(meta.slot_mapping.device),
+        "target": compiled.target.name, "options": options,
+        "passes": list(compiled.pipeline.names), "pass_options": compiled.pipeline.options,
+        "config": dataclasses.asdict(model.config),
+        "weights": hashlib.sha256(repr(weights).encode()).hexdigest()[:16],
+        "step": step.name, "geometry": repr(cache_geometry(meta, caches)),
+        "source": source_digests(),
+    }
+
+
+def _named_tensors(model):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+@dataclasses.dataclass
+class Loaded:
+    captured: Captured
+    fn: Callable
+    records: list[PassRecord]
+    kernels: dict
+    seconds: float
+
+
+def _records_info(records: list[PassRecord]) -> list[dict]:
+    return [{"name": r.name, "matches": r.result.matches, "changed": r.result.changed,
+             "notes": list(r.result.notes), "seconds": r.seconds, "skipped": r.skipped} for r in records]
+
+
+def _records(info: list[dict]) -> list[PassRecord]:
+    return [PassRecord(r["name"], PassResult(r["matches"], r["changed"], r["notes"]), r["seconds"], r["skipped"])
+            for r in info]
+
+
+class ProgramCache:
+    """The compile cache as `CompiledModel` uses it: `load` a step's program, or `store` one."""
+
+    def __init__(self, root: Path, say: Callable[[str], None]):
+        self.store_ = CompileCache(root)
+        self.say = say                     # a line to the user (stderr): damaged entries, misses
+
+    @property
+    def root(self) -> Path:
+        return self.store_.root
+
+    def name(self, step: StepKind, facts: dict) -> str:
+        return self.store_.name(step.name, facts)
+
+    def load(self, model, step: StepKind, name: str) -> tuple[Optional[Loaded], str]:
+        """(the program of entry `name`, what happened): None with the reason on a miss."""
+        start = time.perf_counter()
+        try:
+            entry = self.store_.lookup(name)
+            if entry is None:
+                return None, "miss"
+            loaded = self._load(entry, model, step)
+        except Damaged as e:
+            self.say(f"compile cache: entry {e}; building it again")
+            return None, "damaged entry rebuilt"
+        except Exception as e:             # an artifact Inductor cannot load is damaged too
+            self.say(f"compile cache: entry {name} does not load ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''}); building it again")
+            return None, "unloadable entry rebuilt"
+        loaded.seconds = time.perf_counter() - start
+        return loaded, f"hit {name} (loaded in {loaded.seconds:.2f}s)"
+
+    def miss_reason(self, step: StepKind, facts: dict) -> str:
+        near = self.store_.nearest(step.name, facts)
+        if near is None:
+            return f"no {step.name} entry in {self.root}"
+        return f"the nearest entry, {near[0]}, differs in: {', '.join(near[1])}"
+
+    def _load(self, entry: Entry, model, step: StepKind) -> Loaded:
+        from torch._inductor import CompiledArtifact
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        info = entry.manifest["info"]
+        named = {canonical_path(n): t for n, t in _named_tensors(model)}
+        missing = [n for n, w in info["inputs"] if w and n not in named]
+        if missing:
+            raise Damaged(f"{entry.name}: the model has no weight {missing[0]}")
+        inputs = [GraphInput(n, w, named[n] if w else None) for n, w in info["inputs"]]
+        captured = Captured(None, step, inputs, None, dict(info["dims"]),
+                            leaf_checks=leaf_checks_from_record(info["checks"]))
+        with temporary_cache_dir(str(entry.path / "inductor")):
+            art = CompiledArtifact.load(path=str(entry.path / "program.bin"), format="binary")
+        kernels = {(op, k): n for op, k, n in info["kernels"]}
+        return Loaded(captured, art, _records(info["passes"]), kernels, 0.0)
+
+    def store(self, model, name: str, facts: dict, gm: torch.fx.GraphModule, placeholders: list,
+              captured: Captured, records: list[PassRecord], kernels: dict, step: StepKind) -> Callable:
+        """Compile `gm` into a new entry `name` and return the compiled program (a builder that
+        held the lock first may have written the entry meanwhile: then it is loaded)."""
+        from torch._inductor import standalone_compile
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        with self.store_.locked(name):
+            try:
+                entry = self.store_.lookup(name)
+            except Damaged:
+                entry = None
+            if entry is not None:
+                return self._load(entry, model, step).fn
+            unnamed = [i.name for i in captured.inputs if i.is_weight and i.tensor is None]
+            if unnamed:
+                raise UsageError(f"compile cache: the graph has a constant input that is not a weight "
+                                 f"of the model ({unnamed[0]}); compile with options={{'cache': False}}")
+            with self.store_.building(name) as tmp:
+                example = [n.meta["val"] for n in placeholders]
+                with temporary_cache_dir(str(tmp / "inductor")), torch.no_grad():
+                    art = standalone_compile(clone_graph(gm), example, dynamic_shapes="from_graph")
+                    art.save(path=str(tmp / "program.bin"), format="binary")
+                (tmp / "graph.txt").write_text(format_graph(gm, title=f"{step.name} after the passes") + "\n")
+                info = {"inputs": [[i.name, i.is_weight] for i in captured.inputs], "dims": captured.dims,
+                        "checks": leaf_checks_record(captured, placeholders), "passes": _records_info(records),
+                        "kernels": [[op, k, n] for (op, k), n in sorted(kernels.items())]}
+                self.store_.publish(tmp, name, facts, info)
+        return art

@@ -1,0 +1,45 @@
+"""`k31c cache`: what the compile cache holds (`list`), and emptying it (`clear`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add(sub) -> None:
+    p = sub.add_parser("cache", help="list or clear the compile cache",
+                       description="list: every entry with its step, target, size and state (a "
+                                   "damaged entry says why; it is rebuilt when next needed). "
+                                   "clear: remove every entry.")
+    p.add_argument("action", choices=("list", "clear"))
+    p.add_argument("--cache-dir", help="the compile cache (default: $K31C_COMPILE_CACHE, else "
+                                       "compile-cache in the k31c home, ~/.cache/k31c)")
+    p.set_defaults(run=run)
+
+
+def _root(arg) -> Path:
+    from ..cached_program import CACHE_ENV, cache_root
+    from ..errors import UsageError
+    root = cache_root(arg or None)
+    if root is None:
+        raise UsageError(f"${CACHE_ENV} turns the compile cache off; give --cache-dir")
+    return root
+
+
+def run(args) -> int:
+    from ..compile_cache import CompileCache
+    root = _root(args.cache_dir)
+    cache = CompileCache(root)
+    entries = cache.entries()
+    if args.action == "clear":
+        for path, _, _ in entries:
+            cache.remove(path)
+        print(f"removed {len(entries)} entries from {root}")
+        return 0
+    print(f"compile cache {root}: {len(entries)} entries")
+    for path, entry, problem in entries:
+        if entry is None:
+            print(f"  {path.name:34s} DAMAGED: {problem.split(': ', 1)[-1]}")
+            continue
+        f = entry.manifest["factors"]
+        print(f"  {path.name:34s} target={f.get('target')} torch={f.get('torch')} "
+              f"{entry.size() / 2**20:6.1f} MiB  {entry.manifest.get('created', '?')}")
+    return 0

@@ -1,0 +1,240 @@
+"""The compile cache: the store (compile_cache.py: entries, manifests, damage, locks, misses
+explained) on small files, and one step program through it (cached_program.py): built once into
+an entry, then loaded by another compile with no capture and no code generation, computing what
+eager computes. The one cold build (the decode step of the tiny model) takes ~15 s here."""
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import k31c.api as k31c_api
+from k31c.cached_program import cache_root, factors
+from k31c.cli import main
+from k31c.compile_cache import CompileCache, Damaged, key_of
+from k31c.errors import UsageError
+from k31c.graph.capture import StepKind
+from k31c.graph.step import step_meta
+from k31c.runtime.engine import Engine
+from tiny_model import close, engine_scenario, make_model
+
+FACTS = {"torch": "2.x", "target": "cpu", "step": "decode", "config": {"layers": 8},
+         "source": {"api.py": "aa", "passes/lower.py": "bb"}}
+
+
+def publish(cache: CompileCache, facts=FACTS, files=None):
+    name = cache.name(facts["step"], facts)
+    with cache.locked(name), cache.building(name) as tmp:
+        for rel, data in (files or {"program.bin": os.urandom(3000), "inductor/ab/x.py": b"print(1)\n"}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        return cache.publish(tmp, name, facts, {"note": "x"})
+
+
+# ---- the store ------------------------------------------------------------------------------------
+
+def test_an_entry_is_found_whole_with_its_factors_in_clear_text(tmp_path):
+    cache = CompileCache(tmp_path)
+    entry = publish(cache)
+    found = cache.lookup(entry.name)
+    assert found.manifest["factors"] == json.loads(json.dumps(FACTS))
+    assert set(found.manifest["files"]) == {"program.bin", "inductor/ab/x.py"}
+    assert found.manifest["files"]["program.bin"][0] == 3000
+    assert entry.name.startswith("decode-")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".locks"] == []
+
+
+def test_the_key_changes_with_every_factor_and_not_with_order():
+    base = key_of(FACTS)
+    assert key_of(dict(reversed(list(FACTS.items())))) == base
+    for k in FACTS:
+        changed = dict(FACTS, **{k: "other"})
+        assert key_of(changed) != base, k
+    assert key_of(dict(FACTS, source={"api.py": "aa", "passes/lower.py": "bc"})) != base
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate", "has 100 bytes, the manifest says 3000"),
+    ("flip", "does not match its SHA-256"),
+    ("delete", "program.bin is missing"),
+    ("no-manifest", "no manifest.json"),
+    ("bad-manifest", "unreadable manifest.json"),
+])
+def test_a_damaged_entry_is_refused_with_the_reason(tmp_path, damage, reason):
+    cache = CompileCache(tmp_path)
+    entry = publish(cache)
+    f = entry.path / "program.bin"
+    if damage == "truncate":
+        f.write_bytes(f.read_bytes()[:100])
+    elif damage == "flip":
+        data = bytearray(f.read_bytes())
+        data[1234] ^= 1
+        f.write_bytes(bytes(data))
+    elif damage == "delete":
+        f.unlink()
+    elif damage == "no-manifest":
+        (entry.path / "manifest.json").unlink()
+    else:
+        (entry.path / "manifest.json").write_text('{"format": 1, "fil')
+    with pytest.raises(Damaged, match=reason):
+        cache.lookup(entry.name)
+    [(path, listed, problem)] = cache.entries()
+    assert listed is None and reason in problem
+    # publishing the rebuilt entry replaces the damaged one
+    rebuilt = publish(cache)
+    assert cache.lookup(rebuilt.name).name == entry.name
+
+
+def test_a_build_that_fails_halfway_leaves_nothing(tmp_path):
+    cache = CompileCache(tmp_path)
+    name = cache.name("decode", FACTS)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cache.locked(name), cache.building(name) as tmp:
+            (tmp / "program.bin").write_bytes(b"half")
+            raise RuntimeError("boom")
+    assert cache.lookup(name) is None
+    assert [p.name for p in tmp_path.iterdir()] == [".locks"]
+
+
+def test_a_second_builder_waits_for_the_first(tmp_path):
+    cache = CompileCache(tmp_path)
+    name = cache.name("decode", FACTS)
+    order, inside = [], threading.Event()
+
+    def first():
+        with cache.locked(name):
+            inside.set()
+            time.sleep(0.3)
+            order.append("first done")
+
+    t = threading.Thread(target=first)
+    t.start()
+    inside.wait()
+    with cache.locked(name):            # a separate open file: flock blocks it as another process
+        order.append("second in")
+    t.join()
+    assert order == ["first done", "second in"]
+
+
+def test_a_miss_names_the_factors_the_nearest_entry_differs_in(tmp_path):
+    cache = CompileCache(tmp_path)
+    publish(cache)
+    publish(cache, dict(FACTS, torch="2.y", config={"layers": 9}))
+    near = cache.nearest("decode", dict(FACTS, source={"api.py": "aa", "passes/lower.py": "cc"}))
+    assert near[1] == ["source (passes/lower.py)"]
+    assert cache.nearest("prefill", FACTS) is None
+
+
+def test_cache_list_and_clear(tmp_path, capsys):
+    cache = CompileCache(tmp_path)
+    good = publish(cache)
+    bad = publish(cache, dict(FACTS, torch="2.y"))
+    (bad.path / "program.bin").write_bytes(b"x")
+    assert main(["cache", "list", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and f"{good.name}" in out and "target=cpu torch=2.x" in out
+    assert f"{bad.name}" in out and "DAMAGED: program.bin has 1 bytes" in out
+    assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert cache.entries() == []
+
+
+def test_the_cache_option_and_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("K31C_COMPILE_CACHE", "off")
+    assert cache_root(None) is None and cache_root(tmp_path) == tmp_path
+    monkeypatch.setenv("K31C_COMPILE_CACHE", str(tmp_path / "c"))
+    assert cache_root(None) == tmp_path / "c" and cache_root(False) is None
+    with pytest.raises(UsageError, match="option cache must be a directory, True .* got 5"):
+        k31c_api.compile(make_model(), target="cpu", options={"cache": 5})
+
+
+def test_cli_refusals(tmp_path, capsys):
+    assert main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path)]) == 2
+    assert "--target eager compiles nothing" in capsys.readouterr().err
+    assert main(["prebuild", "--steps", "decode,verify1", "--cache-dir", str(tmp_path)]) == 2
+    assert "verifyR with R >= 2" in capsys.readouterr().err
+    assert main(["prebuild", "--target", "eager"]) == 2
+    assert main(["prebuild", "--max-seq-len", "99999999", "--cache-dir", str(tmp_path)]) == 2
+    assert "exceeds the model's maximum length" in capsys.readouterr().err
+
+
+def test_the_cli_knows_every_target():
+    from k31c.cli.common import TARGET_NAMES
+    from k31c.lowering.targets import TARGETS
+    assert set(TARGET_NAMES) == set(TARGETS)
+
+
+# ---- a step program through the cache -------------------------------------------------------------
+
+POOL = dict(max_requests=4, max_seq_len=128)       # engine_scenario's pool
+
+
+def routed(model, compiled):
+    """Prefill and verification eager, decode through `compiled`."""
+    def step_fn(ids, meta, caches, mode="prefill", rows=1):
+        fn = compiled if (mode, rows) == ("decode", 1) else model
+        return fn(ids, meta, caches, mode, rows)
+    return step_fn
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile-cache")
+    model = make_model()
+    cold = k31c_api.compile(model, target="cpu", options={"cache": root})
+    cold.prebuild(Engine(cold, **POOL), ["decode"])
+    return model, root, cold
+
+
+def test_a_second_compile_loads_the_program_without_building(built, monkeypatch, capsys):
+    model, root, cold = built
+    assert cold.report.steps["decode"].cache.startswith("miss: no decode entry")
+    [(path, entry, problem)] = CompileCache(root).entries()
+    assert problem is None and entry.step == "decode"
+    assert (path / "graph.txt").read_text().count("k31c.sparse_mla") == 2
+    assert any(f.endswith(".so") for f in entry.manifest["files"])    # the C++ kernels, built
+
+    import torch._inductor as inductor
+    import torch._inductor.compile_fx as compile_fx
+
+    def no_compile(*a, **k):
+        raise AssertionError("the warm start compiled")
+    monkeypatch.setattr(inductor, "standalone_compile", no_compile)
+    monkeypatch.setattr(compile_fx, "compile_fx", no_compile)
+    monkeypatch.setattr(k31c_api, "capture_cached", no_compile)
+    warm = k31c_api.compile(model, target="cpu", options={"cache": root})
+    got = engine_scenario(model, routed(model, warm), [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 4)
+    report = warm.report.steps["decode"]
+    assert report.cache.startswith(f"hit {path.name}") and warm.compilations == {"decode": 1}
+    assert report.kernels == cold.report.steps["decode"].kernels
+    assert "decode" not in warm.graphs and "loaded from the compile cache" in str(warm.report)
+    monkeypatch.undo()
+    close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 4), tol=2e-5)
+
+
+def test_a_damaged_program_is_reported_not_loaded(built, capsys, tmp_path):
+    model, root, cold = built
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    [(path, entry, _)] = CompileCache(copy).entries()
+    f = path / "program.bin"
+    f.write_bytes(f.read_bytes()[:-1] + bytes([f.read_bytes()[-1] ^ 1]))
+    compiled = k31c_api.compile(model, target="cpu", options={"cache": copy})
+    loaded, note = compiled.cache.load(model, StepKind("decode"), path.name)
+    assert loaded is None and note == "damaged entry rebuilt"
+    assert "program.bin does not match its SHA-256" in capsys.readouterr().err
+
+
+def test_a_changed_option_misses_and_says_why(built):
+    model, root, cold = built
+    other = k31c_api.compile(model, target="cpu", options={"cache": root, "quantize": {"mxfp8_indexer": True}})
+    pool = Engine(other, **POOL).pool                 # MXFP8 index keys: another pool too
+    meta = step_meta(slot_mapping=[0, 1], block_table=torch.zeros(2, pool.block_table.shape[1]),
+                     row_req=[0, 1], row_len=[1, 1], kda_slots=[0, 1], cu_seqlens=[0, 1, 2])
+    step = StepKind("decode")
+    facts = factors(other, step, meta, pool.caches())
+    assert other.cache.miss_reason(step, facts).endswith("differs in: geometry, pass_options")
+
