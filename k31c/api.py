@@ -49,9 +49,10 @@ from typing import Any, Optional, Sequence
 import sympy
 import torch
 
-from .cached_program import ProgramCache, cache_root, factors
+from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, factors, step_inputs_from_record,
+                             step_inputs_record)
 from .compile_report import CompileReport, StepReport
-from .errors import UsageError
+from .errors import CompilerError, UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
 from .graph.ops import is_k31c
@@ -59,6 +60,7 @@ from .graph.ops.streams import is_marker
 from .graph.step import caches_device, step_meta, step_to_device
 from .lowering.build import build_program, op_name
 from .lowering.program import Program as KernelProgram
+from .lowering.program_record import program_from_record, program_record
 from .lowering.targets import Target, get_target
 from .lowering.triton.device import interpreting
 from .options import program_target, split_options
@@ -137,7 +139,8 @@ class CompiledModel:
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
-        root = cache_root(compile_opts["cache"]) if self.executor == "inductor" else None
+        cached = self.executor == "inductor" or (self.executor == "program" and compile_opts["dense_codegen"] == "inductor")
+        root = cache_root(compile_opts["cache"]) if cached else None
         self.cache = ProgramCache(root, _say) if root is not None else None
 
     # Engine(compiled) works like Engine(model): it reads these two.
@@ -177,22 +180,18 @@ class CompiledModel:
 
     def build(self, step: StepKind, meta, caches, stop_after: Optional[str] = None,
               executable: bool = True) -> Program:
-        """Capture (once per step kind) and run the passes; with `executable`, generate code."""
+        """Capture (once per step kind) and run the passes; with `executable`, generate code (or
+        load the program from the compile cache)."""
         if executable:
             self._check_runnable(meta)
         cache = self.cache if executable and stop_after is None else None
+        stored = None
         if cache is not None:
             facts = factors(self, step, meta, caches)
             name = cache.name(step, facts)
             loaded, cache_note = cache.load(self.model, step, name)
             if loaded is not None:
-                program = Program(loaded.captured, None, [], loaded.fn)
-                report = StepReport(step.name, 0.0, loaded.records, loaded.kernels, executor=self.executor,
-                                    build_seconds=loaded.seconds, cache=cache_note)
-                if self.target.device != "cpu":
-                    report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
-                self._register(step, program, report)
-                return program
+                return self._from_cache(step, meta, loaded, cache_note)
             if cache_note == "miss":
                 cache_note = "miss: " + cache.miss_reason(step, facts)
             _say(f"compiling the {step.name} step for {self.target.name} (compile cache {cache_note})")
@@ -204,27 +203,66 @@ class CompiledModel:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         program = Program(captured, gm, placeholders, None)
         report = StepReport(step.name, captured.seconds, records, executor=self.executor if executable else "")
+        if cache is not None:
+            def store(build, kernels):
+                return cache.store(self.model, name, facts, step, captured, placeholders, gm, records, kernels, build)
         if executable and self.executor == "program":
-            self._build_program(program, step, meta)
-            kp = program.kernels
-            report.kernels = kp.kernels()
-            report.program = (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, "
-                              f"{kp.dense_codegen}), {len(kp.steps)} steps, streams "
-                              f"{sorted(kp.streams) if program.executor.multi else [0]}, device graphs "
-                              f"{'on' if program.graphs is not None else 'off'}")
+            split = partition(clone_graph(gm))
+            keys = {n: p.key for n, p in split.pieces.items()}
+
+            def build(save_pieces=None):
+                kp = build_program(split.gm, keys, self.target, step.name, self.options["dense_codegen"],
+                                   progress=_progress, save_pieces=save_pieces)
+                if sys.stderr.isatty():
+                    print(file=sys.stderr)
+                return kp
+            inputs = _step_inputs(program, step) if step.mode == "decode" else None
+
+            def build_into(tmp):
+                (tmp / "pieces").mkdir()
+                kp = build(str(tmp / "pieces"))
+                try:
+                    info = {"program": program_record(kp)}
+                except ValueError as e:
+                    raise CompilerError(f"compile cache: the {step.name} program: {e}") from None
+                if inputs is not None:
+                    info["step_inputs"] = step_inputs_record(inputs)
+                return kp, info
+            kp, stored = (build(), None) if cache is None else store(build_into, lambda kp: kp.kernels())
+            if stored is None:
+                self._attach(program, step, meta, kp, inputs)
+                report.kernels = kp.kernels()
+                report.program = _describe(program)
         elif executable:
             report.kernels = _reference_counts(gm)
             if cache is not None:
-                program.fn = cache.store(self.model, name, facts, gm, placeholders, captured, records,
-                                         report.kernels, step)
-                report.cache = f"{cache_note}; stored as {name}"
+                program.fn, stored = store(lambda tmp: (compile_graph(gm, placeholders, tmp), {}),
+                                           lambda fn: report.kernels)
             else:
                 program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
+        if cache is not None:
+            report.cache = f"{cache_note}; stored as {name}"
         if self.target.device != "cpu":
             report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
         report.build_seconds = time.perf_counter() - start
+        if stored is not None:               # another process stored it first: its program runs
+            return self._from_cache(step, meta, stored, f"{cache_note}; loaded {name}, built meanwhile")
         if stop_after is None:
             self._register(step, program, report)
+        return program
+
+    def _from_cache(self, step: StepKind, meta, loaded: Loaded, note: str) -> Program:
+        program = Program(loaded.captured, None, [], loaded.fn)
+        report = StepReport(step.name, 0.0, loaded.records, loaded.kernels, executor=self.executor,
+                            build_seconds=loaded.seconds, cache=note)
+        if loaded.pieces is not None:
+            kp = program_from_record(loaded.info["program"], loaded.pieces, self.target)
+            inputs = loaded.info.get("step_inputs")
+            self._attach(program, step, meta, kp, step_inputs_from_record(inputs) if inputs else None)
+            report.program = _describe(program)
+        if self.target.device != "cpu":
+            report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
+        self._register(step, program, report)
         return program
 
     def _register(self, step: StepKind, program: Program, report: StepReport) -> None:
@@ -232,12 +270,10 @@ class CompiledModel:
         self.compilations[step.name] = self.compilations.get(step.name, 0) + 1
         self.report.steps[step.name] = report
 
-    def _build_program(self, program: Program, step: StepKind, meta) -> None:
-        split = partition(clone_graph(program.gm))
-        kp = build_program(split.gm, {n: p.key for n, p in split.pieces.items()}, self.target, step.name,
-                           self.options["dense_codegen"], progress=_progress)
-        if sys.stderr.isatty():
-            print(file=sys.stderr)
+    def _attach(self, program: Program, step: StepKind, meta, kp: KernelProgram,
+                inputs: Optional[StepInputs]) -> None:
+        """Run `kp` for `program`: on real streams, decode steps by device graphs (`inputs`: the
+        step's per-step inputs, which the graphs stage)."""
         device = meta.slot_mapping.device
         program.kernels = kp
         program.executor = Executor(kp, device, self.target, self.options["streams"])
@@ -249,7 +285,7 @@ class CompiledModel:
                                  "compile with options={'device_graphs': False}")
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            program.graphs = DecodeGraphs(program.executor, _step_inputs(program, step), self.options["buckets"],
+            program.graphs = DecodeGraphs(program.executor, inputs, self.options["buckets"],
                                           self._graph_pool, meta.block_table.shape[1])
 
     def prebuild(self, engine, steps: Sequence[str]) -> None:
@@ -303,6 +339,13 @@ class CompiledModel:
                 return program.graphs(flat, meta.block_table.shape[0])
             out = program.fn(*flat)
         return out[0]
+
+
+def _describe(program: Program) -> str:
+    kp = program.kernels
+    return (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, {kp.dense_codegen}), "
+            f"{len(kp.steps)} steps, streams {sorted(kp.streams) if program.executor.multi else [0]}, "
+            f"device graphs {'on' if program.graphs is not None else 'off'}")
 
 
 def _step_inputs(program: Program, step: StepKind) -> StepInputs:

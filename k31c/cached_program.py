@@ -28,8 +28,9 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import sympy
 import torch
 
 from .compile_cache import CompileCache, Damaged, Entry
@@ -39,6 +40,7 @@ from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, cano
 from .graph.printer import format_graph
 from .passes.manager import PassRecord, PassResult
 from .paths import compile_cache_dir
+from .runtime.staging import StepInputs
 
 CACHE_ENV = "K31C_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no")
@@ -105,11 +107,15 @@ def _named_tensors(model):
 
 @dataclasses.dataclass
 class Loaded:
+    """A step's program from an entry: for executor "inductor" `fn`, the whole graph's artifact;
+    for executor "program" `pieces` (the dense pieces' artifacts) and `info["program"]`."""
     captured: Captured
-    fn: Callable
     records: list[PassRecord]
     kernels: dict
-    seconds: float
+    info: dict
+    fn: Optional[Callable] = None
+    pieces: Optional[list] = None
+    seconds: float = 0.0
 
 
 def _records_info(records: list[PassRecord]) -> list[dict]:
@@ -122,25 +128,37 @@ def _records(info: list[dict]) -> list[PassRecord]:
             for r in info]
 
 
+def step_inputs_record(s: StepInputs) -> dict:
+    return {"per_step": s.per_step, "names": s.names, "shapes": [[str(d) for d in shape] for shape in s.shapes],
+            "snapshots": s.snapshots, "batch": s.batch_symbol.name, "rows": s.rows}
+
+
+def step_inputs_from_record(r: dict) -> StepInputs:
+    batch = sympy.Symbol(r["batch"], integer=True, positive=True)
+    shapes = [tuple(int(d) if d.lstrip("-").isdigit() else sympy.sympify(d, locals={batch.name: batch})
+                    for d in shape) for shape in r["shapes"]]
+    return StepInputs(r["per_step"], r["names"], shapes, r["snapshots"], batch, r["rows"])
+
+
 class ProgramCache:
     """The compile cache as `CompiledModel` uses it: `load` a step's program, or `store` one."""
 
     def __init__(self, root: Path, say: Callable[[str], None]):
-        self.store_ = CompileCache(root)
+        self.entries = CompileCache(root)
         self.say = say                     # a line to the user (stderr): damaged entries, misses
 
     @property
     def root(self) -> Path:
-        return self.store_.root
+        return self.entries.root
 
     def name(self, step: StepKind, facts: dict) -> str:
-        return self.store_.name(step.name, facts)
+        return self.entries.name(step.name, facts)
 
     def load(self, model, step: StepKind, name: str) -> tuple[Optional[Loaded], str]:
         """(the program of entry `name`, what happened): None with the reason on a miss."""
         start = time.perf_counter()
         try:
-            entry = self.store_.lookup(name)
+            entry = self.entries.lookup(name)
             if entry is None:
                 return None, "miss"
             loaded = self._load(entry, model, step)
@@ -155,7 +173,7 @@ class ProgramCache:
         return loaded, f"hit {name} (loaded in {loaded.seconds:.2f}s)"
 
     def miss_reason(self, step: StepKind, facts: dict) -> str:
-        near = self.store_.nearest(step.name, facts)
+        near = self.entries.nearest(step.name, facts)
         if near is None:
             return f"no {step.name} entry in {self.root}"
         return f"the nearest entry, {near[0]}, differs in: {', '.join(near[1])}"
@@ -171,36 +189,49 @@ class ProgramCache:
         inputs = [GraphInput(n, w, named[n] if w else None) for n, w in info["inputs"]]
         captured = Captured(None, step, inputs, None, dict(info["dims"]),
                             leaf_checks=leaf_checks_from_record(info["checks"]))
+        loaded = Loaded(captured, _records(info["passes"]), {(op, k): n for op, k, n in info["kernels"]}, info)
         with temporary_cache_dir(str(entry.path / "inductor")):
-            art = CompiledArtifact.load(path=str(entry.path / "program.bin"), format="binary")
-        kernels = {(op, k): n for op, k, n in info["kernels"]}
-        return Loaded(captured, art, _records(info["passes"]), kernels, 0.0)
+            if "program" in info:
+                loaded.pieces = [CompiledArtifact.load(path=str(entry.path / "pieces" / f"{i}.bin"), format="binary")
+                                 for i in range(len(info["program"]["piece_names"]))]
+            else:
+                loaded.fn = CompiledArtifact.load(path=str(entry.path / "program.bin"), format="binary")
+        return loaded
 
-    def store(self, model, name: str, facts: dict, gm: torch.fx.GraphModule, placeholders: list,
-              captured: Captured, records: list[PassRecord], kernels: dict, step: StepKind) -> Callable:
-        """Compile `gm` into a new entry `name` and return the compiled program (a builder that
-        held the lock first may have written the entry meanwhile: then it is loaded)."""
-        from torch._inductor import standalone_compile
+    def store(self, model, name: str, facts: dict, step: StepKind, captured: Captured, placeholders: list,
+              gm: torch.fx.GraphModule, records: list[PassRecord], kernels: Callable[[Any], dict],
+              build: Callable[[Path], tuple[Any, dict]]) -> tuple[Any, Optional[Loaded]]:
+        """Build entry `name` and return (what `build` made, None); `build(dir)` compiles into `dir`
+        (under Inductor's cache directory `dir/inductor`) and returns (its result, what the
+        manifest's info adds). A builder that held the lock first may have written the entry
+        meanwhile: then (None, the entry loaded)."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-        with self.store_.locked(name):
+        with self.entries.locked(name):
             try:
-                entry = self.store_.lookup(name)
+                entry = self.entries.lookup(name)
             except Damaged:
                 entry = None
             if entry is not None:
-                return self._load(entry, model, step).fn
+                return None, self._load(entry, model, step)
             unnamed = [i.name for i in captured.inputs if i.is_weight and i.tensor is None]
             if unnamed:
                 raise UsageError(f"compile cache: the graph has a constant input that is not a weight "
                                  f"of the model ({unnamed[0]}); compile with options={{'cache': False}}")
-            with self.store_.building(name) as tmp:
-                example = [n.meta["val"] for n in placeholders]
+            with self.entries.building(name) as tmp:
                 with temporary_cache_dir(str(tmp / "inductor")), torch.no_grad():
-                    art = standalone_compile(clone_graph(gm), example, dynamic_shapes="from_graph")
-                    art.save(path=str(tmp / "program.bin"), format="binary")
-                (tmp / "graph.txt").write_text(format_graph(gm, title=f"{step.name} after the passes") + "\n")
+                    result, extra = build(tmp)
+                (tmp / "graph.txt").write_text(format_graph(gm, title=f"{step.name} after the passes",
+                                                            dims=captured.dims) + "\n")
                 info = {"inputs": [[i.name, i.is_weight] for i in captured.inputs], "dims": captured.dims,
                         "checks": leaf_checks_record(captured, placeholders), "passes": _records_info(records),
-                        "kernels": [[op, k, n] for (op, k), n in sorted(kernels.items())]}
-                self.store_.publish(tmp, name, facts, info)
-        return art
+                        "kernels": [[op, k, n] for (op, k), n in sorted(kernels(result).items())], **extra}
+                self.entries.publish(tmp, name, facts, info)
+        return result, None
+
+
+def compile_graph(gm: torch.fx.GraphModule, placeholders: list, into: Path) -> Callable:
+    """The whole step graph as one Inductor artifact, saved as `into/program.bin`."""
+    from torch._inductor import standalone_compile
+    art = standalone_compile(clone_graph(gm), [n.meta["val"] for n in placeholders], dynamic_shapes="from_graph")
+    art.save(path=str(into / "program.bin"), format="binary")
+    return art

@@ -238,3 +238,39 @@ def test_a_changed_option_misses_and_says_why(built):
     facts = factors(other, step, meta, pool.caches())
     assert other.cache.miss_reason(step, facts).endswith("differs in: geometry, pass_options")
 
+
+
+def test_a_gpu_target_program_goes_through_the_cache(tmp_path, monkeypatch):
+    """The h200 program (executor "program": dense pieces + bound Triton kernels, here run by
+    the interpreter on CPU tensors): built once, then loaded with its steps and kernels bound
+    again, computing what eager computes."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the h200 program on the CPU through the Triton interpreter")
+    model = make_model()
+    cold = k31c_api.compile(model, target="h200", options={"cache": tmp_path})
+    cold.prebuild(Engine(cold, **POOL), ["decode"])
+    [(path, entry, _)] = CompileCache(tmp_path).entries()
+    pieces = entry.manifest["info"]["program"]["piece_names"]
+    assert len(pieces) > 1 and all(f"pieces/{i}.bin" in entry.manifest["files"] for i in range(len(pieces)))
+
+    import torch._inductor as inductor
+    monkeypatch.setattr(inductor, "standalone_compile", lambda *a, **k: pytest.fail("the warm start compiled"))
+    monkeypatch.setattr(k31c_api, "capture_cached", lambda *a, **k: pytest.fail("the warm start captured"))
+    warm = k31c_api.compile(model, target="h200", options={"cache": tmp_path})
+    got = engine_scenario(model, routed(model, warm), [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2)
+    assert warm.report.steps["decode"].cache.startswith(f"hit {path.name}")
+    assert warm.programs["decode"].describe() == cold.programs["decode"].describe()
+    assert warm.report.steps["decode"].fallbacks == {}
+    monkeypatch.undo()
+    close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2), tol=2e-5)
+
+
+def test_step_inputs_record_round_trip():
+    import sympy
+    from k31c.cached_program import step_inputs_from_record, step_inputs_record
+    from k31c.runtime.staging import StepInputs
+    b = sympy.Symbol("s17", integer=True, positive=True)
+    s = StepInputs([3, 4, 9], ["input_ids", "meta.block_table", "caches.kda_snapshots.0.conv"],
+                   [(4 * b,), (b, 8), (b, 4, 96, 3)], [9], b, 4)
+    back = step_inputs_from_record(json.loads(json.dumps(step_inputs_record(s))))
+    assert back == s and back.shapes[0][0].xreplace({b: 3}) == 12

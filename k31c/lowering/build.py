@@ -51,9 +51,11 @@ def example_args(node: torch.fx.Node) -> list:
     return [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
 
 
-def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False) -> Callable:
+def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False,
+                  save: Optional[str] = None) -> Callable:
     """The piece as a callable: Inductor's code (with `pdl`, its kernels launched with
-    programmatic dependent launch, as the k31c kernels are), or the FX module itself."""
+    programmatic dependent launch, as the k31c kernels are), or the FX module itself. With
+    `save`, Inductor builds it as a standalone artifact and saves it there (the compile cache)."""
     if codegen == "fx":
         return gm
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
@@ -61,7 +63,12 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False) -> 
     from torch._inductor.compile_fx import compile_fx
     try:
         with torch.no_grad(), inductor_config.patch({"triton.enable_pdl": True} if pdl else {}):
-            return compile_fx(gm, example)
+            if save is None:
+                return compile_fx(gm, example)
+            from torch._inductor import standalone_compile
+            artifact = standalone_compile(gm, example, dynamic_shapes="from_graph")
+            artifact.save(path=save, format="binary")
+            return artifact
     except Exception as e:                      # Inductor's errors carry the failing op
         raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
@@ -99,8 +106,10 @@ def _n_outputs(node: torch.fx.Node) -> int:
 
 
 def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: Target, name: str,
-                  dense_codegen: str = "inductor", progress: Optional[Callable[[str], None]] = None) -> Program:
-    """The Program of a partitioned graph (see the module docstring)."""
+                  dense_codegen: str = "inductor", progress: Optional[Callable[[str], None]] = None,
+                  save_pieces: Optional[str] = None) -> Program:
+    """The Program of a partitioned graph (see the module docstring). With `save_pieces` (a
+    directory), each compiled piece is also saved there as `<index>.bin` (compile_piece)."""
     if dense_codegen not in DENSE_CODEGENS:
         raise CompilerError(f"build: dense_codegen must be one of {DENSE_CODEGENS}, got {dense_codegen!r}")
     start = time.perf_counter()
@@ -165,7 +174,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
     for s in steps:
         if isinstance(s, Dense):
             s.weights_only = bool(s.args) and all(a in weights for a in s.args)
-    pieces, piece_names = _compile_pieces(gm, dense, target, dense_codegen, name, progress)
+    pieces, piece_names = _compile_pieces(gm, dense, target, dense_codegen, name, progress, save_pieces)
     _assign_frees(steps, len(placeholders), outputs)
     names = [("@" if n.meta.get("k31c_weight") else "%") + n.meta.get("k31c_input", n.name) for n in placeholders]
     return Program(name, target.name, steps, pieces, piece_names, len(placeholders), n_slots, outputs,
@@ -174,7 +183,8 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
                    input_names=names)
 
 
-def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, progress) -> tuple[list, list]:
+def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, progress,
+                    save_dir: Optional[str]) -> tuple[list, list]:
     """Compile each distinct piece key once (with `target.pdl`, its kernels launched with PDL) and
     point every Dense step at its piece."""
     distinct = len({key for _, key, _ in dense})
@@ -186,7 +196,8 @@ def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, pr
             if progress is not None:
                 progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
             compiled[key] = len(pieces)
-            pieces.append(compile_piece(gm.get_submodule(module), codegen, target.pdl))
+            save = None if save_dir is None else f"{save_dir}/{len(pieces)}.bin"
+            pieces.append(compile_piece(gm.get_submodule(module), codegen, target.pdl, save))
             names.append(key)
         step.piece = compiled[key]
     return pieces, names
