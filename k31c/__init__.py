@@ -30,8 +30,8 @@ __all__ = ["PRESETS", "ConfigError", "K31Config", "preset", "__version__", *_LAZ
 
 def dynamo_backend(gm, example_inputs):
     """The Dynamo backend `torch.compile(model, backend="k31c")`: the k31c passes on Dynamo's
-    graph (k31c.api.backend). It loads k31c.api on first use, so importing k31c stays cheap."""
-    from .api import dynamo_backend as backend
+    graph (k31c.backend). It loads k31c.backend on first use, so importing k31c stays cheap."""
+    from .backend import dynamo_backend as backend
     return backend(gm, example_inputs)
 
 

@@ -37,7 +37,7 @@ Executors (`options={"executor": ...}`):
 The report counts the kernels each step calls from what the built program executes: a GPU-target
 step run through its references says so as fallbacks.
 
-`torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (registered below).
+`torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (backend.py).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence
 import sympy
 import torch
 
+from .backend import make_executor
 from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, factors, step_inputs_from_record,
                              step_inputs_record)
 from .compile_report import CompileReport, StepReport
@@ -79,22 +80,6 @@ class Program:
     kernels: Optional[KernelProgram] = None  # the program executor's steps
     executor: Optional[Executor] = None
     graphs: Optional[DecodeGraphs] = None    # device graphs of a decode step kind
-
-
-def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str, target: Target):
-    """A callable running `gm` (not modified) on real inputs (the whole-graph executors)."""
-    if executor == "fx":
-        return clone_graph(gm)
-    if executor == "iree":
-        try:
-            from .lowering.iree import executor as iree_executor  # lazy: IREE is optional
-        except ImportError as e:
-            raise UsageError("executor 'iree' needs k31c.lowering.iree.executor, which is not "
-                             f"available here ({e})") from None
-        return iree_executor.build(gm, example_inputs, target)
-    from torch._inductor.compile_fx import compile_fx
-    with torch.no_grad():
-        return compile_fx(clone_graph(gm), example_inputs)
 
 
 def _say(message: str) -> None:
@@ -397,46 +382,3 @@ def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = N
         raise UsageError(f"disable must be a pass name or a list of pass names, got {disable!r}")
     disable = names
     return CompiledModel(model, t, resolve(passes, pass_opts, disable=disable), compile_opts)
-
-
-# ---- torch.compile(backend="k31c") ---------------------------------------------------------------
-
-BACKEND_COMPILES: list[dict] = []      # one entry per graph the Dynamo backend compiled
-
-
-def backend(target: str = "cpu", passes=None, options: Optional[dict] = None):
-    """A Dynamo backend running the k31c passes: `torch.compile(m, backend=k31c.api.backend(...))`."""
-    from .graph.capture import dynamo_to_aten
-    t = get_target(target)
-    compile_opts, pass_opts = split_options(options, t)
-    if compile_opts["executor"] == "program":
-        raise UsageError("the Dynamo backend runs whole graphs (executor inductor or fx); "
-                         "k31c.compile builds programs")
-    pipeline = resolve(passes, pass_opts)
-
-    def compile_graph(gm: torch.fx.GraphModule, example_inputs):
-        start = time.perf_counter()
-        aten = dynamo_to_aten(gm, example_inputs)
-        ctx = PassContext(target=t, step=f"dynamo{len(BACKEND_COMPILES)}")
-        records = run_pipeline(aten, pipeline, ctx)
-        fn = make_executor(aten, list(example_inputs), compile_opts["executor"], t)
-        BACKEND_COMPILES.append({"step": ctx.step, "nodes": len(aten.graph.nodes), "passes": records,
-                                 "seconds": time.perf_counter() - start})
-
-        def run(*args):
-            with torch.no_grad():
-                return fn(*args)
-        return run
-    return compile_graph
-
-
-dynamo_backend = backend()     # the default one, "k31c" (k31c.dynamo_backend calls it)
-
-
-def _register_backend() -> None:
-    import torch._dynamo.backends.registry  # noqa: F401  (loaded, so the name can be registered)
-    from .dynamo_registry import register
-    register(dynamo_backend)
-
-
-_register_backend()

@@ -9,7 +9,7 @@ Rooms, bottom up; a module may import its own room and the rooms its room lists:
     lowering  k31c/lowering/         base, graph
     passes    k31c/passes/           base, graph, lowering
     runtime   k31c/runtime/          base, graph, lowering
-    api       k31c/api.py, options.py, cached_program.py, compile_report.py   everything below
+    api       api.py, options.py, cached_program.py, compile_report.py, backend.py: everything below
     cli       cli/, __main__, the package's __init__ (lazy re-exports): everything
 Besides: no import cycle between modules, no private name (`_x`) imported from another module
 (modules share code through public contracts), and no torch.fx in k31c/runtime/ (the runtime
@@ -55,7 +55,7 @@ def room(module: str) -> str:
         return "graph"
     if module in TOP:
         return "cli"
-    if module in ("k31c.api", "k31c.options", "k31c.cached_program", "k31c.compile_report"):
+    if module in ("k31c.api", "k31c.options", "k31c.cached_program", "k31c.compile_report", "k31c.backend"):
         return "api"
     part = module.split(".")[1]
     if part in ("graph", "lowering", "passes", "runtime"):

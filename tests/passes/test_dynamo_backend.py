@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-import k31c.api as k31c_api
+import k31c.backend as k31c_backend
 from pass_helpers import MLALayer, step_inputs, tiny_cfg
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
@@ -28,8 +28,8 @@ def tiny_engine():
 def test_tiny_decode_is_one_graph_for_every_batch_size(tiny_engine):
     model, eng, rids = tiny_engine
     torch._dynamo.reset()
-    before = len(k31c_api.BACKEND_COMPILES)
-    compiled = torch.compile(model, backend=k31c_api.backend(options={"executor": "fx"}),
+    before = len(k31c_backend.BACKEND_COMPILES)
+    compiled = torch.compile(model, backend=k31c_backend.backend(options={"executor": "fx"}),
                              fullgraph=True, dynamic=True)
     for batch in (2, 3):
         ids, meta = eng._inputs(rids[:batch], [eng.length(r) for r in rids[:batch]], [1] * batch,
@@ -41,8 +41,8 @@ def test_tiny_decode_is_one_graph_for_every_batch_size(tiny_engine):
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
         for a, b in zip(ours.mla, theirs.mla):
             assert torch.equal(a.index, b.index)
-    assert len(k31c_api.BACKEND_COMPILES) == before + 1      # one graph, no retrace for batch 3
-    passes = {r.name: r.result for r in k31c_api.BACKEND_COMPILES[-1]["passes"]}
+    assert len(k31c_backend.BACKEND_COMPILES) == before + 1      # one graph, no retrace for batch 3
+    passes = {r.name: r.result for r in k31c_backend.BACKEND_COMPILES[-1]["passes"]}
     assert passes["indexer_prolog"].matches == len(model.config.mla_layers)
     assert passes["fuse_index_write"].matches == len(model.config.mla_layers)
 
@@ -51,7 +51,7 @@ def test_registered_backend_name_runs_inductor_on_a_layer():
     cfg = tiny_cfg()
     layer = MLALayer(cfg).eval()
     torch._dynamo.reset()
-    before = len(k31c_api.BACKEND_COMPILES)
+    before = len(k31c_backend.BACKEND_COMPILES)
     compiled = torch.compile(layer, backend="k31c", fullgraph=True)
     x, meta, cache = step_inputs(cfg)
     ours = copy.deepcopy(cache)
@@ -60,7 +60,7 @@ def test_registered_backend_name_runs_inductor_on_a_layer():
         got = compiled(x, meta, ours)
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
     assert torch.allclose(ours.index, cache.index, atol=1e-6)
-    assert len(k31c_api.BACKEND_COMPILES) == before + 1
+    assert len(k31c_backend.BACKEND_COMPILES) == before + 1
 
 
 @pytest.mark.parametrize("code", [
