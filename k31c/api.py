@@ -53,7 +53,7 @@ from .backend import make_executor
 from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, factors, step_inputs_from_record,
                              step_inputs_record)
 from .compile_report import CompileReport, StepReport
-from .errors import CompilerError, UsageError
+from .errors import ArtifactError, CompilerError, UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
 from .graph.ops import is_k31c
@@ -213,7 +213,8 @@ class CompiledModel:
                 if inputs is not None:
                     info["step_inputs"] = step_inputs_record(inputs)
                 return kp, info
-            kp, stored = (build(), None) if cache is None else store(build_into, lambda kp: kp.kernels())
+            kp, stored = (build(), None) if cache is None else self._store(store, build_into, lambda kp: kp.kernels(),
+                                                                            build, report, step)
             if stored is None:
                 self._attach(program, step, meta, kp, inputs)
                 report.kernels = kp.kernels()
@@ -221,11 +222,13 @@ class CompiledModel:
         elif executable:
             report.kernels = _reference_counts(gm)
             if cache is not None:
-                program.fn, stored = store(lambda tmp: (compile_graph(gm, placeholders, tmp), {}),
-                                           lambda fn: report.kernels)
+                program.fn, stored = self._store(
+                    store, lambda tmp: (compile_graph(gm, placeholders, tmp), {}), lambda fn: report.kernels,
+                    lambda: make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target),
+                    report, step)
             else:
                 program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
-        if cache is not None:
+        if cache is not None and not report.cache:
             report.cache = f"{cache_note}; stored as {name}"
         if self.target.device != "cpu":
             report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
@@ -235,6 +238,18 @@ class CompiledModel:
         if stop_after is None:
             self._register(step, program, report)
         return program
+
+    @staticmethod
+    def _store(store, build_into, kernels, build, report: StepReport, step: StepKind):
+        """`store(build_into, kernels)`; where Inductor cannot make standalone artifacts of this
+        program, it is built without the cache (`build()`), and the report and stderr say so."""
+        try:
+            return store(build_into, kernels)
+        except ArtifactError as e:
+            _say(f"compile cache: the {step.name} program cannot be stored (Inductor: {e}); "
+                 "building it without the cache")
+            report.cache = f"not stored: Inductor could not make a standalone artifact ({e})"
+            return build(), None
 
     def _from_cache(self, step: StepKind, meta, loaded: Loaded, note: str) -> Program:
         program = Program(loaded.captured, None, [], loaded.fn)

@@ -38,6 +38,7 @@ from .errors import UsageError
 from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph,
                             leaf_checks_from_record, leaf_checks_record)
 from .graph.printer import format_graph
+from .lowering.build import save_artifact
 from .passes.manager import PassRecord, PassResult
 from .paths import compile_cache_dir
 from .runtime.staging import StepInputs
@@ -231,7 +232,4 @@ class ProgramCache:
 
 def compile_graph(gm: torch.fx.GraphModule, placeholders: list, into: Path) -> Callable:
     """The whole step graph as one Inductor artifact, saved as `into/program.bin`."""
-    from torch._inductor import standalone_compile
-    art = standalone_compile(clone_graph(gm), [n.meta["val"] for n in placeholders], dynamic_shapes="from_graph")
-    art.save(path=str(into / "program.bin"), format="binary")
-    return art
+    return save_artifact(clone_graph(gm), [n.meta["val"] for n in placeholders], str(into / "program.bin"))

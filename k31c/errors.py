@@ -2,7 +2,7 @@
 
 - `InputError` (and its kinds `ConfigError`, `CheckpointError`, `UsageError`): the user's input is
   wrong. The CLI prints one `k31c: error:` line (plus the list of problems) and exits 2.
-- `CompilerError` (`GraphVerificationError`, `KernelBindError`): k31c itself produced something
+- `CompilerError` (`GraphVerificationError`, `KernelBindError`, `ArtifactError`): k31c itself produced something
   wrong. The CLI says it is a k31c bug and exits 1.
 - `RuntimeFailure`: running a program failed for a reason outside the input (no device, a pool
   exhausted). Exits 1.
@@ -33,6 +33,11 @@ class GraphVerificationError(CompilerError, ValueError):
 
 class KernelBindError(CompilerError):
     """A lowered program could not bind or build one of its kernels or dense pieces."""
+
+
+class ArtifactError(KernelBindError):
+    """Inductor could not build a dense piece (or graph) as a standalone artifact, the form the
+    compile cache stores; the program is then built without the cache."""
 
 
 class RuntimeFailure(K31cError, RuntimeError):

@@ -274,3 +274,24 @@ def test_step_inputs_record_round_trip():
                    [(4 * b,), (b, 8), (b, 4, 96, 3)], [9], b, 4)
     back = step_inputs_from_record(json.loads(json.dumps(step_inputs_record(s))))
     assert back == s and back.shapes[0][0].xreplace({b: 3}) == 12
+
+
+def test_a_program_inductor_cannot_store_is_built_without_the_cache(tmp_path, monkeypatch, capsys):
+    import k31c.cached_program as cached_program
+    from k31c.backend import make_executor
+    from k31c.errors import ArtifactError
+
+    def refuse(*a, **k):
+        raise ArtifactError("RuntimeError: vr must not be None")
+    monkeypatch.setattr(cached_program, "save_artifact", refuse)
+    built_fx = []
+    monkeypatch.setattr(k31c_api, "make_executor", lambda gm, ex, executor, t: built_fx.append(executor)
+                        or make_executor(gm, ex, "fx", t))        # quick: no code generation
+    model = make_model()
+    compiled = k31c_api.compile(model, target="cpu", options={"cache": tmp_path})
+    got = engine_scenario(model, routed(model, compiled), [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2)
+    assert built_fx == ["inductor"]
+    assert compiled.report.steps["decode"].cache.startswith("not stored: Inductor could not make")
+    assert "the decode program cannot be stored (Inductor: RuntimeError: vr must not be None)" in capsys.readouterr().err
+    assert CompileCache(tmp_path).entries() == []
+    close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2), tol=2e-5)

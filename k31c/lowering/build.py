@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import CompilerError, KernelBindError
+from ..errors import ArtifactError, CompilerError, KernelBindError
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
 from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
@@ -65,13 +65,24 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False,
         with torch.no_grad(), inductor_config.patch({"triton.enable_pdl": True} if pdl else {}):
             if save is None:
                 return compile_fx(gm, example)
-            from torch._inductor import standalone_compile
-            artifact = standalone_compile(gm, example, dynamic_shapes="from_graph")
-            artifact.save(path=save, format="binary")
-            return artifact
+            return save_artifact(gm, example, save)
+    except ArtifactError:
+        raise
     except Exception as e:                      # Inductor's errors carry the failing op
         raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def save_artifact(gm: torch.fx.GraphModule, example: list, path: str) -> Callable:
+    """`gm` compiled by Inductor as a standalone artifact (the batch symbolic: the shapes come
+    from the graph), saved at `path` in Inductor's binary format; ArtifactError if it cannot be."""
+    from torch._inductor import standalone_compile
+    try:
+        artifact = standalone_compile(gm, example, dynamic_shapes="from_graph")
+        artifact.save(path=path, format="binary")
+    except Exception as e:
+        raise ArtifactError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return artifact
 
 
 def _args(node: torch.fx.Node, slots: dict[torch.fx.Node, int]) -> tuple:
