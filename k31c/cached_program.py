@@ -1,18 +1,20 @@
 """Step programs in the compile cache (compile_cache.py): what a key depends on, what an entry
 holds, and loading one without capture, passes or code generation.
 
-Cached: the whole-graph Inductor executor (`executor="inductor"`, the CPU target's default). Its
-program is one Inductor artifact of the step graph after the passes, with the batch symbolic, so
-one entry serves every batch size of its step kind and cache pool. An entry holds:
-- `program.bin`: `torch._inductor.standalone_compile(graph, fake inputs, dynamic_shapes=
-  "from_graph")`, saved in Inductor's binary format;
-- `inductor/`: Inductor's cache directory while it compiled (generated code and, on the CPU, the
-  compiled C++ libraries), so a load under it compiles nothing;
+The programs keep the batch symbolic, so one entry serves every batch size of its step kind and
+cache pool. An entry holds:
+- executor "inductor" (the cpu target's default): `program.bin`, the whole step graph after the
+  passes as one Inductor artifact (`lowering/build.py: save_artifact`: `standalone_compile` with
+  the graph's own shapes, saved in Inductor's binary format);
+- executor "program" (the GPU targets'): `pieces/<i>.bin`, each distinct dense piece as such an
+  artifact, and in the manifest the program's steps (`lowering/program_record.py`; the kernels are
+  bound again from the registry on load) and a decode step's per-step inputs (the device graphs
+  stage them, and are captured at load);
+- `inductor/`: Inductor's cache directory while the artifacts were built (generated code and, on
+  the CPU, the compiled C++ libraries), so a load under it compiles nothing;
 - `graph.txt`: the graph after the passes, in canonical text (what `k31c inspect` prints);
 - `manifest.json`: the factors and files (compile_cache.py) and what a load needs besides the
-  artifact: the weights by name, the step inputs' shape checks, the pass report.
-The program executor (GPU targets) is not cached yet: its dense pieces fail `standalone_compile`
-(docs/architecture.md, "The GPU program").
+  artifacts: the weights by name, the step inputs' shape checks, the pass report, the kernels.
 
 Where: `options={"cache": ...}` of `k31c.compile`: a directory, True (the default one), False
 (off); left out, `$K31C_COMPILE_CACHE` decides (a directory, or `off`), else the default one,
@@ -77,9 +79,12 @@ def source_digests() -> dict[str, str]:
 
 
 def _machine(device: torch.device) -> str:
-    """What generated code depends on: the CPU's vector ISA, or the GPU's architecture."""
+    """What generated code depends on: the CPU's vector ISA, or the GPU's architecture and the
+    CUDA and Triton versions its kernels are built with."""
     if device.type == "cuda":
-        return "sm_%d%d" % torch.cuda.get_device_capability(device)
+        import triton
+        return "sm_%d%d CUDA %s Triton %s" % (*torch.cuda.get_device_capability(device), torch.version.cuda,
+                                              triton.__version__)
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     return f"{platform.machine()} {pick_vec_isa() or 'no-vec'}"
 

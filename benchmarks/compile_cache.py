@@ -1,0 +1,113 @@
+"""Cold and warm starts of a compiled model: the compile cache against Inductor's own caches
+(spec §8 G11: a warm start <= 5% of a cold one, no Inductor or Triton compile in it).
+
+Four child processes, each: import k31c, make the model (a preset with seeded random weights),
+`k31c.compile(model, target)`, an Engine of one pool, `compiled.prebuild(engine, steps)` (the
+programs built or loaded: "start"), then a prefill of 16 tokens and 3 decode steps ("first
+tokens": on a GPU target the k31c kernels' Triton JIT happens here unless Triton's cache has
+them). The runs, in order:
+1. `inductor cold`: the k31c cache off, fresh Inductor and Triton cache directories;
+2. `inductor warm`: the k31c cache off, the same Inductor and Triton caches, filled by run 1: what
+   torch's caches give without k31c's (capture, passes and Inductor's cache lookups remain);
+3. `k31c cold`: an empty k31c compile cache, fresh Inductor and Triton caches;
+4. `k31c warm`: the same compile cache, filled by run 3, and run 3's Triton cache.
+Each row: start (compile + prebuild), first tokens, the child's wall time (imports included), and
+the start as a share of its cold run's.
+
+    python benchmarks/compile_cache.py [--target cpu|h200] [--config tiny] [--steps prefill,decode]
+                                       [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(args) -> None:
+    start_wall = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import k31c
+    from k31c.graph.model import K31ForCausalLM
+    from k31c.runtime.engine import Engine
+    torch.manual_seed(0)
+    model = K31ForCausalLM(k31c.preset(args.config))
+    model.reset_parameters(torch.Generator().manual_seed(0))
+    device = "cuda" if args.target != "cpu" else "cpu"
+    model = model.eval().to(device)
+    t0 = time.perf_counter()
+    compiled = k31c.compile(model, target=args.target)
+    engine = Engine(compiled, max_requests=2, max_seq_len=256)
+    compiled.prebuild(engine, args.steps.split(","))
+    t1 = time.perf_counter()
+    rid = engine.add_request()
+    tokens = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.prefill([rid], [tokens])
+    for t in tokens[:3]:
+        engine.decode([rid], [t])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print(json.dumps({"start": t1 - t0, "first": t2 - t1, "wall": t2 - start_wall,
+                      "cache": {s: r.cache for s, r in compiled.report.steps.items()}}))
+
+
+def run_child(args, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--target", args.target, "--config", args.config,
+           "--steps", args.steps]
+    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"child failed ({env}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--steps", default="prefill,decode")
+    p.add_argument("--out")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    with tempfile.TemporaryDirectory(prefix="k31c-bench-cache-") as tmp:
+        d = Path(tmp)
+        runs = [("inductor cold", {"K31C_COMPILE_CACHE": "off", "TORCHINDUCTOR_CACHE_DIR": str(d / "ind1"),
+                                   "TRITON_CACHE_DIR": str(d / "tri1")}),
+                ("inductor warm", {"K31C_COMPILE_CACHE": "off", "TORCHINDUCTOR_CACHE_DIR": str(d / "ind1"),
+                                   "TRITON_CACHE_DIR": str(d / "tri1")}),
+                ("k31c cold", {"K31C_COMPILE_CACHE": str(d / "k31c"), "TORCHINDUCTOR_CACHE_DIR": str(d / "ind2"),
+                               "TRITON_CACHE_DIR": str(d / "tri2")}),
+                ("k31c warm", {"K31C_COMPILE_CACHE": str(d / "k31c"), "TORCHINDUCTOR_CACHE_DIR": str(d / "ind3"),
+                               "TRITON_CACHE_DIR": str(d / "tri2")})]
+        results = {}
+        for name, env in runs:
+            print(f"... {name}", file=sys.stderr, flush=True)
+            results[name] = run_child(args, env)
+    lines = [f"# Compile cache: cold and warm starts (target {args.target}, config {args.config}, "
+             f"steps {args.steps})", "",
+             f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}`",
+             "", "| run | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |",
+             "|---|---|---|---|---|"]
+    for name, r in results.items():
+        cold = results[name.split()[0] + " cold"]["start"]
+        lines.append(f"| {name} | {r['start']:.2f} | {r['first']:.2f} | {r['wall']:.2f} | {r['start'] / cold:.1%} |")
+    lines += ["", "k31c warm's steps: " + "; ".join(f"{s}: {c}" for s, c in results["k31c warm"]["cache"].items())]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
