@@ -85,8 +85,9 @@ def _machine(device: torch.device) -> str:
         import triton
         return "sm_%d%d CUDA %s Triton %s" % (*torch.cuda.get_device_capability(device), torch.version.cuda,
                                               triton.__version__)
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    return f"{platform.machine()} {pick_vec_isa() or 'no-vec'}"
+    # ATen's CPU capability (AVX512, AVX2, ...): the ISA Inductor's C++ is built for follows it,
+    # and asking Inductor itself (`pick_vec_isa`) compiles probe programs, seconds per process
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def factors(compiled, step: StepKind, meta, caches) -> dict:
