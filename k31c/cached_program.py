@@ -27,10 +27,13 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import sympy
 import torch
@@ -110,6 +113,24 @@ def factors(compiled, step: StepKind, meta, caches) -> dict:
 def _named_tensors(model):
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
+
+
+@contextmanager
+def _writable_copy(directory: Path) -> Iterator[Path]:
+    """`directory`, or where it is read-only (a prebuilt cache shipped read-only) a temporary copy
+    of it: loading an artifact rewrites Inductor's cache entries and takes locks there. The copy
+    is removed after the load (what it loaded stays mapped)."""
+    if os.access(directory, os.W_OK):
+        yield directory
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="k31c-load-"))
+    try:
+        shutil.copytree(directory, tmp / "inductor")
+        for path in [tmp / "inductor", *(tmp / "inductor").rglob("*")]:   # copies keep the modes
+            path.chmod(path.stat().st_mode | 0o700 if path.is_dir() else path.stat().st_mode | 0o600)
+        yield tmp / "inductor"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclasses.dataclass
@@ -197,7 +218,7 @@ class ProgramCache:
         captured = Captured(None, step, inputs, None, dict(info["dims"]),
                             leaf_checks=leaf_checks_from_record(info["checks"]))
         loaded = Loaded(captured, _records(info["passes"]), {(op, k): n for op, k, n in info["kernels"]}, info)
-        with temporary_cache_dir(str(entry.path / "inductor")):
+        with _writable_copy(entry.path / "inductor") as inductor_dir, temporary_cache_dir(str(inductor_dir)):
             if "program" in info:
                 loaded.pieces = [CompiledArtifact.load(path=str(entry.path / "pieces" / f"{i}.bin"), format="binary")
                                  for i in range(len(info["program"]["piece_names"]))]

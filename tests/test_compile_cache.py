@@ -295,3 +295,41 @@ def test_a_program_inductor_cannot_store_is_built_without_the_cache(tmp_path, mo
     assert "the decode program cannot be stored (Inductor: RuntimeError: vr must not be None)" in capsys.readouterr().err
     assert CompileCache(tmp_path).entries() == []
     close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2), tol=2e-5)
+
+
+def test_a_read_only_cache_loads_from_a_copy(built, monkeypatch):
+    """A prebuilt cache shipped read-only: loading (which rewrites Inductor's entries and takes
+    locks) works on a temporary copy and leaves the entry as it was."""
+    import k31c.cached_program as cached_program
+    model, root, cold = built
+    [(path, _, _)] = CompileCache(root).entries()
+    before = sorted((p.relative_to(path).as_posix(), p.stat().st_mtime_ns) for p in path.rglob("*"))
+    real_access = os.access
+    monkeypatch.setattr(cached_program.os, "access",
+                        lambda p, mode: False if str(p).startswith(str(path)) else real_access(p, mode))
+    warm = k31c_api.compile(model, target="cpu", options={"cache": root})
+    warm.prebuild(Engine(warm, **POOL), ["decode"])
+    assert warm.report.steps["decode"].cache.startswith("hit")
+    assert sorted((p.relative_to(path).as_posix(), p.stat().st_mtime_ns) for p in path.rglob("*")) == before
+
+
+def test_a_builder_that_finds_the_entry_written_meanwhile_loads_it(built, monkeypatch):
+    """Two processes missed at once: the second to take the lock loads the first one's entry."""
+    from k31c.cached_program import ProgramCache
+    model, root, cold = built
+    monkeypatch.setattr(ProgramCache, "load", lambda self, model, step, name: (None, "miss"))
+    other = k31c_api.compile(model, target="cpu", options={"cache": root})
+    other.prebuild(Engine(other, **POOL), ["decode"])
+    assert "built meanwhile" in other.report.steps["decode"].cache
+    assert other.programs == {} and len(CompileCache(root).entries()) == 1
+
+
+def test_a_killed_builders_temporary_is_removed_by_the_next(tmp_path):
+    cache = CompileCache(tmp_path)
+    name = cache.name("decode", FACTS)
+    dead = 2 ** 22 + 12345                       # above Linux's default pid_max: no such process
+    stale = tmp_path / f".{name}.tmp-{dead}-abc"
+    stale.mkdir(parents=True)
+    (stale / "program.bin").write_bytes(b"half")
+    publish(cache)
+    assert not stale.exists() and cache.lookup(name) is not None
