@@ -43,6 +43,7 @@ from .errors import UsageError
 from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph,
                             leaf_checks_from_record, leaf_checks_record)
 from .graph.printer import format_graph
+from .graph.step import caches_device
 from .lowering.build import save_artifact
 from .passes.manager import PassRecord, PassResult
 from .paths import compile_cache_dir
@@ -100,7 +101,7 @@ def factors(compiled, step: StepKind, meta, caches) -> dict:
     options = {k: v for k, v in compiled.options.items() if k != "cache"}
     return {
         "torch": torch.__version__, "python": "%d.%d" % sys.version_info[:2],
-        "machine": _machine(meta.slot_mapping.device),
+        "machine": _machine(caches_device(caches)),
         "target": compiled.target.name, "options": options,
         "passes": list(compiled.pipeline.names), "pass_options": compiled.pipeline.options,
         "config": dataclasses.asdict(model.config),

@@ -46,3 +46,24 @@ def test_warm_program_loads_and_replays(tmp_path, monkeypatch):
     assert stats["decode"]["replays"] >= 4 and stats["verify4"]["replays"] == 1
     errs = max_rel_err(got, want)
     assert max(errs) < TOL_F32, errs
+
+
+def test_generate_on_h200_builds_then_loads(tmp_path):
+    """`k31c generate --target h200` twice: the first builds the programs into the cache, the
+    second loads them (no "compiling" line) and prints the same text. (Their logits against
+    eager are the test above's; the eager text is printed beside, not compared: a greedy pick
+    between near-equal random-weight logits may differ in the last bits.)"""
+    import subprocess
+    import sys
+    env = {**os.environ, "K31C_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, "-m", "k31c", "generate", "--prompt", "Hello", "--max-new-tokens", "12"]
+    runs = [subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=500)
+            for extra in ([], ["--target", "h200", "--cache-dir", str(tmp_path / "cache")],
+                          ["--target", "h200", "--cache-dir", str(tmp_path / "cache")])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    eager, cold, warm = runs
+    print(cold.stderr, warm.stderr, f"eager: {eager.stdout!r}, h200: {cold.stdout!r}")
+    assert "compiling the prefill step for h200" in cold.stderr
+    assert "compiling" not in warm.stderr
+    assert cold.stdout == warm.stdout and cold.stdout.strip()
