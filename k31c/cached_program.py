@@ -111,6 +111,20 @@ def factors(compiled, step: StepKind, meta, caches) -> dict:
     }
 
 
+def stale(entry_factors: dict) -> Optional[str]:
+    """Why no compile of this k31c, torch and Python can ever load an entry with these factors
+    (None: it may be loaded)."""
+    if entry_factors.get("torch") != torch.__version__:
+        return f"built with torch {entry_factors.get('torch')}"
+    if entry_factors.get("python") != "%d.%d" % sys.version_info[:2]:
+        return f"built with Python {entry_factors.get('python')}"
+    theirs, ours = entry_factors.get("source") or {}, source_digests()
+    changed = [f for f in sorted(set(theirs) | set(ours)) if theirs.get(f) != ours.get(f)]
+    if changed:
+        return f"built from other k31c sources ({len(changed)} files differ, e.g. {changed[0]})"
+    return None
+
+
 def _named_tensors(model):
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)

@@ -127,17 +127,25 @@ def test_a_miss_names_the_factors_the_nearest_entry_differs_in(tmp_path):
     assert cache.nearest("prefill", FACTS) is None
 
 
-def test_cache_list_and_clear(tmp_path, capsys):
+def test_cache_list_prune_and_clear(tmp_path, capsys):
+    import sys
+    from k31c.cached_program import source_digests
     cache = CompileCache(tmp_path)
-    good = publish(cache)
-    bad = publish(cache, dict(FACTS, torch="2.y"))
+    current = dict(FACTS, torch=torch.__version__, python="%d.%d" % sys.version_info[:2], source=source_digests())
+    good = publish(cache, current)
+    old = publish(cache, dict(current, source=dict(source_digests(), **{"api.py": "0"})))
+    bad = publish(cache, dict(current, target="h200"))
     (bad.path / "program.bin").write_bytes(b"x")
     assert main(["cache", "list", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "2 entries" in out and f"{good.name}" in out and "target=cpu torch=2.x" in out
+    assert "3 entries" in out and f"{good.name}" in out and f"target=cpu torch={torch.__version__}" in out
     assert f"{bad.name}" in out and "DAMAGED: program.bin has 1 bytes" in out
+    assert "STALE: built from other k31c sources (1 files differ, e.g. api.py)" in out
+    assert main(["cache", "prune", "--cache-dir", str(tmp_path)]) == 0
+    assert "removed 2 of 3 entries" in capsys.readouterr().out
+    assert [e.name for _, e, _ in cache.entries()] == [good.name] and not old.path.exists()
     assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
-    assert "removed 2 entries" in capsys.readouterr().out
+    assert "removed 1 of 1 entries" in capsys.readouterr().out
     assert cache.entries() == []
 
 

@@ -1,15 +1,18 @@
-"""`k31c cache`: what the compile cache holds (`list`), and emptying it (`clear`)."""
+"""`k31c cache`: what the compile cache holds (`list`), removing what cannot be loaded any more
+(`prune`), and emptying it (`clear`)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 
 def add(sub) -> None:
-    p = sub.add_parser("cache", help="list or clear the compile cache",
+    p = sub.add_parser("cache", help="list, prune or clear the compile cache",
                        description="list: every entry with its step, target, size and state (a "
-                                   "damaged entry says why; it is rebuilt when next needed). "
-                                   "clear: remove every entry.")
-    p.add_argument("action", choices=("list", "clear"))
+                                   "damaged entry says why, and is rebuilt when next needed; a stale "
+                                   "one was built by another k31c, torch or Python and is never "
+                                   "loaded by this one). prune: remove the damaged and stale "
+                                   "entries. clear: remove every entry.")
+    p.add_argument("action", choices=("list", "prune", "clear"))
     p.add_argument("--cache-dir", help="the compile cache (default: $K31C_COMPILE_CACHE, else "
                                        "compile-cache in the k31c home, ~/.cache/k31c)")
     p.set_defaults(run=run)
@@ -29,10 +32,13 @@ def run(args) -> int:
     root = _root(args.cache_dir)
     cache = CompileCache(root)
     entries = cache.entries()
-    if args.action == "clear":
-        for path, _, _ in entries:
+    from ..cached_program import stale
+    if args.action != "list":
+        gone = [path for path, entry, _ in entries
+                if args.action == "clear" or entry is None or stale(entry.manifest["factors"])]
+        for path in gone:
             cache.remove(path)
-        print(f"removed {len(entries)} entries from {root}")
+        print(f"removed {len(gone)} of {len(entries)} entries from {root}")
         return 0
     print(f"compile cache {root}: {len(entries)} entries")
     for path, entry, problem in entries:
@@ -40,6 +46,8 @@ def run(args) -> int:
             print(f"  {path.name:34s} DAMAGED: {problem.split(': ', 1)[-1]}")
             continue
         f = entry.manifest["factors"]
+        why = stale(f)
         print(f"  {path.name:34s} target={f.get('target')} torch={f.get('torch')} "
-              f"{entry.size() / 2**20:6.1f} MiB  {entry.manifest.get('created', '?')}")
+              f"{entry.size() / 2**20:6.1f} MiB  {entry.manifest.get('created', '?')}"
+              + (f"  STALE: {why}" if why else ""))
     return 0
