@@ -10,6 +10,7 @@ import torch
 
 from .errors import UsageError
 from .graph.capture import clone_graph
+from .lowering.build import no_compiler
 from .lowering.targets import Target, get_target
 from .options import split_options
 from .passes.manager import PassContext, resolve, run_pipeline
@@ -27,8 +28,14 @@ def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str,
                              f"available here ({e})") from None
         return iree_executor.build(gm, example_inputs, target)
     from torch._inductor.compile_fx import compile_fx
-    with torch.no_grad():
-        return compile_fx(clone_graph(gm), example_inputs)
+    try:
+        with torch.no_grad():
+            return compile_fx(clone_graph(gm), example_inputs)
+    except Exception as e:
+        failure = no_compiler(e)
+        if failure is None:
+            raise
+        raise failure from e
 
 
 

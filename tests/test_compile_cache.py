@@ -341,3 +341,17 @@ def test_a_killed_builders_temporary_is_removed_by_the_next(tmp_path):
     (stale / "program.bin").write_bytes(b"half")
     publish(cache)
     assert not stale.exists() and cache.lookup(name) is not None
+
+
+def test_no_cpp_compiler_is_one_line_and_leaves_no_entry(tmp_path):
+    import subprocess
+    import sys
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "K31C_HOME": str(tmp_path / "home")}
+    out = subprocess.run([sys.executable, "-m", "k31c", "generate", "--prompt", "Hi", "--max-new-tokens", "2",
+                          "--target", "cpu", "--cache-dir", str(tmp_path / "cache")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("k31c: error: Inductor builds the dense code of CPU tensors as C++") and "$CXX" in last
+    assert "Traceback" not in out.stderr
+    assert CompileCache(tmp_path / "cache").entries() == []

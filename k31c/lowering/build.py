@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import ArtifactError, CompilerError, KernelBindError
+from ..errors import ArtifactError, CompilerError, KernelBindError, RuntimeFailure
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
 from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
@@ -66,11 +66,23 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False,
             if save is None:
                 return compile_fx(gm, example)
             return save_artifact(gm, example, save)
-    except ArtifactError:
+    except (ArtifactError, RuntimeFailure):
         raise
     except Exception as e:                      # Inductor's errors carry the failing op
-        raise KernelBindError(f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise no_compiler(e) or KernelBindError(
+            f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def no_compiler(e: Exception) -> Optional[RuntimeFailure]:
+    """The machine's missing C++ compiler (Inductor's InvalidCxxCompiler, on its own or wrapped)
+    as a RuntimeFailure saying so, else None: not a k31c bug, and no other build would work."""
+    text = f"{type(e).__name__}: {e}"
+    if "InvalidCxxCompiler" not in text:
+        return None
+    return RuntimeFailure("Inductor builds the dense code of CPU tensors as C++, and this machine has no "
+                          f"working C++ compiler ({text.splitlines()[0]}); install one (g++) or set "
+                          "$CXX, or run the eager model")
 
 
 def save_artifact(gm: torch.fx.GraphModule, example: list, path: str) -> Callable:
@@ -81,7 +93,7 @@ def save_artifact(gm: torch.fx.GraphModule, example: list, path: str) -> Callabl
         artifact = standalone_compile(gm, example, dynamic_shapes="from_graph")
         artifact.save(path=path, format="binary")
     except Exception as e:
-        raise ArtifactError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise no_compiler(e) or ArtifactError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return artifact
 
 
