@@ -52,6 +52,7 @@ import torch
 from .backend import make_executor
 from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, factors, step_inputs_from_record,
                              step_inputs_record)
+from .compile_cache import Unwritable
 from .compile_report import CompileReport, StepReport
 from .errors import ArtifactError, CompilerError, UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
@@ -246,10 +247,13 @@ class CompiledModel:
         try:
             return store(build_into, kernels)
         except ArtifactError as e:
-            _say(f"compile cache: the {step.name} program cannot be stored (Inductor: {e}); "
-                 "building it without the cache")
-            report.cache = f"not stored: Inductor could not make a standalone artifact ({e})"
-            return build(), None
+            why = f"Inductor could not make a standalone artifact ({e})"
+        except Unwritable as e:
+            why = f"the compile cache cannot take it ({e}; choose another with options={{'cache': DIR}} " \
+                  "or $K31C_COMPILE_CACHE)"
+        _say(f"compile cache: the {step.name} program is not stored: {why}; building it without the cache")
+        report.cache = f"not stored: {why}"
+        return build(), None
 
     def _from_cache(self, step: StepKind, meta, loaded: Loaded, note: str) -> Program:
         program = Program(loaded.captured, None, [], loaded.fn)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .errors import UsageError
 from .fsutil import clean_stale, dir_mode, temporary_dir, write_atomic
 
 MANIFEST = "manifest.json"
@@ -76,6 +75,10 @@ class Entry:
 
 class Damaged(Exception):
     """An entry whose manifest or files are not what was written (the message says which)."""
+
+
+class Unwritable(Exception):
+    """The cache directory cannot take a new entry (the message says why)."""
 
 
 class CompileCache:
@@ -150,20 +153,20 @@ class CompileCache:
         return best
 
     # ---- writing -----------------------------------------------------------------------------------
-    def _prepare_root(self) -> None:
+    def prepare(self) -> None:
+        """Make the cache directory if needed; Unwritable if it cannot take entries."""
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=dir_mode())
             (self.root / ".locks").mkdir(exist_ok=True, mode=dir_mode())
         except OSError as e:
-            raise UsageError(f"compile cache {self.root}: cannot create it ({e.strerror})") from None
+            raise Unwritable(f"{self.root}: cannot create it ({e.strerror})") from None
         if not os.access(self.root, os.W_OK | os.X_OK):
-            raise UsageError(f"compile cache {self.root}: not writable (choose another with "
-                             "options={'cache': DIR} or $K31C_COMPILE_CACHE)")
+            raise Unwritable(f"{self.root}: not writable")
 
     @contextmanager
     def locked(self, name: str) -> Iterator[None]:
         """Hold the builders' lock of entry `name` (another process building it waits here)."""
-        self._prepare_root()
+        self.prepare()
         with open(self.root / ".locks" / f"{name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:

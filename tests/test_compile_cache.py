@@ -166,6 +166,9 @@ def test_cli_refusals(tmp_path, capsys):
     assert main(["prebuild", "--target", "eager"]) == 2
     assert main(["prebuild", "--max-seq-len", "99999999", "--cache-dir", str(tmp_path)]) == 2
     assert "exceeds the model's maximum length" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["prebuild", "--cache-dir", str(tmp_path / "a-file")]) == 2
+    assert "the compile cache cannot take entries: " in capsys.readouterr().err
 
 
 def test_the_cli_knows_every_target():
@@ -284,24 +287,32 @@ def test_step_inputs_record_round_trip():
     assert back == s and back.shapes[0][0].xreplace({b: 3}) == 12
 
 
-def test_a_program_inductor_cannot_store_is_built_without_the_cache(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("why", ["artifact", "unwritable"])
+def test_a_program_that_cannot_be_stored_is_built_without_the_cache(tmp_path, monkeypatch, capsys, why):
     import k31c.cached_program as cached_program
     from k31c.backend import make_executor
     from k31c.errors import ArtifactError
 
-    def refuse(*a, **k):
-        raise ArtifactError("RuntimeError: vr must not be None")
-    monkeypatch.setattr(cached_program, "save_artifact", refuse)
+    root = tmp_path / "cache"
+    if why == "artifact":
+        def refuse(*a, **k):
+            raise ArtifactError("RuntimeError: vr must not be None")
+        monkeypatch.setattr(cached_program, "save_artifact", refuse)
+        expect = "Inductor could not make a standalone artifact (RuntimeError: vr must not be None)"
+    else:
+        root.write_text("a file where the cache directory should be")
+        expect = f"the compile cache cannot take it ({root}: cannot create it"
     built_fx = []
     monkeypatch.setattr(k31c_api, "make_executor", lambda gm, ex, executor, t: built_fx.append(executor)
                         or make_executor(gm, ex, "fx", t))        # quick: no code generation
     model = make_model()
-    compiled = k31c_api.compile(model, target="cpu", options={"cache": tmp_path})
+    compiled = k31c_api.compile(model, target="cpu", options={"cache": root})
     got = engine_scenario(model, routed(model, compiled), [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2)
     assert built_fx == ["inductor"]
-    assert compiled.report.steps["decode"].cache.startswith("not stored: Inductor could not make")
-    assert "the decode program cannot be stored (Inductor: RuntimeError: vr must not be None)" in capsys.readouterr().err
-    assert CompileCache(tmp_path).entries() == []
+    assert compiled.report.steps["decode"].cache.startswith("not stored: " + expect)
+    assert f"the decode program is not stored: {expect}" in capsys.readouterr().err
+    if why == "artifact":
+        assert CompileCache(root).entries() == []
     close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2), tol=2e-5)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import UsageError
+from ..errors import RuntimeFailure, UsageError
 from .common import (add_compile_args, checkpoint_config, checkpoint_dir, compile_model, load_model, log,
                      pool_len, positive_int)
 
@@ -52,11 +52,18 @@ def run(args) -> int:
                          "compile cache does not hold yet (it holds executor 'inductor', the cpu target's)")
     engine = Engine(compiled, max_requests=args.max_requests,
                     max_seq_len=args.max_seq_len or pool_len(cfg))
+    from ..compile_cache import Unwritable
+    try:
+        compiled.cache.entries.prepare()
+    except Unwritable as e:
+        raise UsageError(f"the compile cache cannot take entries: {e}") from None
     log(f"compile cache {compiled.cache.root}")
-    for i, s in enumerate(steps, 1):
+    for s in steps:
         start = time.perf_counter()
         compiled.prebuild(engine, [s])
-        report = compiled.report.steps[StepKind.parse(s).name]
-        done = "already cached" if report.cache.startswith("hit") else "built"
-        print(f"{s}: {done} in {time.perf_counter() - start:.1f} s ({report.cache.split('; ')[-1]})")
+        note = compiled.report.steps[StepKind.parse(s).name].cache
+        if note.startswith("not stored"):
+            raise RuntimeFailure(f"{s}: {note}")
+        done = "already cached" if note.startswith("hit") else "built"
+        print(f"{s}: {done} in {time.perf_counter() - start:.1f} s ({note.split('; ')[-1]})")
     return 0
