@@ -28,19 +28,18 @@ Executors (`options={"executor": ...}`):
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
 - `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
-  Its programs go to the compile cache (`options={"cache": DIR | True | False}`; left out,
-  `$K31C_COMPILE_CACHE` decides, a directory or `off`, else `<k31c home>/compile-cache`): a
-  later compile of the same program for the same cache pool loads it instead of capturing and
-  generating code again (cached_program.py; the report's "compile cache" line says which).
 - `iree`: reserved for the IREE build of the CPU and AMD dense regions, which k31c does not have
   yet (lowering/iree); asking for it is an error saying so.
 The report counts the kernels each step calls from what the built program executes: a GPU-target
 step run through its references says so as fallbacks.
 
+Executors `program` and `inductor` store what they build in the compile cache and load it when
+it is there (`options={"cache": DIR | True | False}`; cached_program.py says where by default).
 `torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (backend.py).
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -53,14 +52,12 @@ from .backend import make_executor
 from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, factors, step_inputs_from_record,
                              step_inputs_record)
 from .compile_cache import Unwritable
-from .compile_report import CompileReport, StepReport
+from .compile_report import CompileReport, StepReport, changed_options, describe_program, reference_counts
 from .errors import ArtifactError, CompilerError, UsageError
 from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
                             flat_step_inputs)
-from .graph.ops import is_k31c
-from .graph.ops.streams import is_marker
 from .graph.step import caches_device, step_meta, step_to_device
-from .lowering.build import build_program, op_name
+from .lowering.build import build_program
 from .lowering.program import Program as KernelProgram
 from .lowering.program_record import program_from_record, program_record
 from .lowering.targets import Target, get_target
@@ -92,28 +89,6 @@ def _progress(message: str) -> None:
         print(f"\r\033[Kk31c: {message}", end="", file=sys.stderr, flush=True)
 
 
-def _changed_options(pipeline: Pipeline) -> dict:
-    """Pass options that differ from their defaults (every pass has at least `enabled`)."""
-    from .passes.manager import registered
-    passes = registered()
-    out = {}
-    for name, opts in pipeline.options.items():
-        changed = {k: v for k, v in opts.items() if passes[name].options.get(k) != v}
-        if changed:
-            out[name] = changed
-    return out
-
-
-def _reference_counts(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
-    """(op, "reference") per k31c op of a graph a whole-graph executor runs (no kernel bound)."""
-    counts: dict[tuple[str, str], int] = {}
-    for n in gm.graph.nodes:
-        if is_k31c(n) and not is_marker(n.target):
-            key = (op_name(n.target), "reference")
-            counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 class CompiledModel:
     def __init__(self, model, target: Target, pipeline: Pipeline, compile_opts: dict):
         self.model = model
@@ -121,7 +96,7 @@ class CompiledModel:
         self.pipeline = pipeline
         self.options = compile_opts
         self.executor = compile_opts["executor"]
-        self.report = CompileReport(target.name, pipeline.names, {**compile_opts, **_changed_options(pipeline)})
+        self.report = CompileReport(target.name, pipeline.names, {**compile_opts, **changed_options(pipeline)})
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
@@ -189,46 +164,11 @@ class CompiledModel:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         program = Program(captured, gm, placeholders, None)
         report = StepReport(step.name, captured.seconds, records, executor=self.executor if executable else "")
-        if cache is not None:
-            def store(build, kernels):
-                return cache.store(self.model, name, facts, step, captured, placeholders, gm, records, kernels, build)
-        if executable and self.executor == "program":
-            split = partition(clone_graph(gm))
-            keys = {n: p.key for n, p in split.pieces.items()}
-
-            def build(save_pieces=None):
-                kp = build_program(split.gm, keys, self.target, step.name, self.options["dense_codegen"],
-                                   progress=_progress, save_pieces=save_pieces)
-                if sys.stderr.isatty():
-                    print(file=sys.stderr)
-                return kp
-            inputs = _step_inputs(program, step) if step.mode == "decode" else None
-
-            def build_into(tmp):
-                (tmp / "pieces").mkdir()
-                kp = build(str(tmp / "pieces"))
-                try:
-                    info = {"program": program_record(kp)}
-                except ValueError as e:
-                    raise CompilerError(f"compile cache: the {step.name} program: {e}") from None
-                if inputs is not None:
-                    info["step_inputs"] = step_inputs_record(inputs)
-                return kp, info
-            kp, stored = (build(), None) if cache is None else self._store(store, build_into, lambda kp: kp.kernels(),
-                                                                            build, report, step)
-            if stored is None:
-                self._attach(program, step, meta, kp, inputs)
-                report.kernels = kp.kernels()
-                report.program = _describe(program)
-        elif executable:
-            report.kernels = _reference_counts(gm)
-            if cache is not None:
-                program.fn, stored = self._store(
-                    store, lambda tmp: (compile_graph(gm, placeholders, tmp), {}), lambda fn: report.kernels,
-                    lambda: make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target),
-                    report, step)
-            else:
-                program.fn = make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
+        if executable:
+            store = None if cache is None else functools.partial(
+                cache.store, self.model, name, facts, step, captured, placeholders, gm, records)
+            builder = self._build_program if self.executor == "program" else self._build_graph
+            stored = builder(program, step, meta, report, store)
         if cache is not None and not report.cache:
             report.cache = f"{cache_note}; stored as {name}"
         if self.target.device != "cpu":
@@ -240,12 +180,62 @@ class CompiledModel:
             self._register(step, program, report)
         return program
 
+    def _build_program(self, program: Program, step: StepKind, meta, report: StepReport,
+                       store) -> Optional[Loaded]:
+        """Executor "program": partition the graph, compile its dense pieces (with `store`, as
+        artifacts into the cache entry), bind the kernels, attach the executor. Returns the
+        entry another process stored meanwhile, if so (then nothing was built here)."""
+        split = partition(clone_graph(program.gm))
+        keys = {n: p.key for n, p in split.pieces.items()}
+        inputs = _step_inputs(program, step) if step.mode == "decode" else None
+
+        def build(save_pieces=None):
+            kp = build_program(split.gm, keys, self.target, step.name, self.options["dense_codegen"],
+                               progress=_progress, save_pieces=save_pieces)
+            if sys.stderr.isatty():
+                print(file=sys.stderr)
+            return kp
+
+        def build_into(tmp):
+            (tmp / "pieces").mkdir()
+            kp = build(str(tmp / "pieces"))
+            try:
+                info = {"program": program_record(kp)}
+            except ValueError as e:
+                raise CompilerError(f"compile cache: the {step.name} program: {e}") from None
+            if inputs is not None:
+                info["step_inputs"] = step_inputs_record(inputs)
+            return kp, info
+        kp, stored = (build(), None) if store is None else \
+            self._store(store, build_into, lambda kp: kp.kernels(), build, report, step)
+        if stored is None:
+            self._attach(program, step, meta, kp, inputs)
+            report.kernels = kp.kernels()
+            report.program = describe_program(program.kernels, program.executor.multi, program.graphs is not None)
+        return stored
+
+    def _build_graph(self, program: Program, step: StepKind, meta, report: StepReport,
+                     store) -> Optional[Loaded]:
+        """The whole-graph executors: the graph as one callable (with `store`, one Inductor
+        artifact in the cache entry). Returns the entry another process stored meanwhile, if so."""
+        gm, placeholders = program.gm, program.placeholders
+        report.kernels = reference_counts(gm)
+
+        def build():
+            return make_executor(gm, [n.meta["val"] for n in placeholders], self.executor, self.target)
+        if store is None:
+            program.fn = build()
+            return None
+        program.fn, stored = self._store(store, lambda tmp: (compile_graph(gm, placeholders, tmp), {}),
+                                         lambda fn: report.kernels, build, report, step)
+        return stored
+
     @staticmethod
     def _store(store, build_into, kernels, build, report: StepReport, step: StepKind):
         """`store(build_into, kernels)`; where Inductor cannot make standalone artifacts of this
         program, it is built without the cache (`build()`), and the report and stderr say so."""
         try:
-            return store(build_into, kernels)
+            return store(kernels=kernels, build=build_into)
         except ArtifactError as e:
             why = f"Inductor could not make a standalone artifact ({e})"
         except Unwritable as e:
@@ -263,7 +253,7 @@ class CompiledModel:
             kp = program_from_record(loaded.info["program"], loaded.pieces, self.target)
             inputs = loaded.info.get("step_inputs")
             self._attach(program, step, meta, kp, step_inputs_from_record(inputs) if inputs else None)
-            report.program = _describe(program)
+            report.program = describe_program(program.kernels, program.executor.multi, program.graphs is not None)
         if self.target.device != "cpu":
             report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
         self._register(step, program, report)
@@ -343,13 +333,6 @@ class CompiledModel:
                 return program.graphs(flat, meta.block_table.shape[0])
             out = program.fn(*flat)
         return out[0]
-
-
-def _describe(program: Program) -> str:
-    kp = program.kernels
-    return (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, {kp.dense_codegen}), "
-            f"{len(kp.steps)} steps, streams {sorted(kp.streams) if program.executor.multi else [0]}, "
-            f"device graphs {'on' if program.graphs is not None else 'off'}")
 
 
 def _step_inputs(program: Program, step: StepKind) -> StepInputs:

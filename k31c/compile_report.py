@@ -1,11 +1,17 @@
 """What `k31c.compile` reports (`compiled.report`): per step kind, the capture, each pass's
-result, the program built, the kernels it calls and what the compile cache did."""
+result, the program built, the kernels it calls and what the compile cache did; and the
+helpers that fill it in."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .passes.manager import PassRecord
+import torch
+
+from .graph.ops import is_k31c
+from .graph.ops.streams import is_marker
+from .lowering.build import op_name
+from .passes.manager import PassRecord, Pipeline
 
 
 @dataclass
@@ -62,3 +68,32 @@ class CompileReport:
         for s in self.steps.values():
             lines += s.lines()
         return "\n".join(lines)
+
+
+def changed_options(pipeline: Pipeline) -> dict:
+    """Pass options that differ from their defaults (every pass has at least `enabled`)."""
+    from .passes.manager import registered
+    passes = registered()
+    out = {}
+    for name, opts in pipeline.options.items():
+        changed = {k: v for k, v in opts.items() if passes[name].options.get(k) != v}
+        if changed:
+            out[name] = changed
+    return out
+
+
+def reference_counts(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
+    """(op, "reference") per k31c op of a graph a whole-graph executor runs (no kernel bound)."""
+    counts: dict[tuple[str, str], int] = {}
+    for n in gm.graph.nodes:
+        if is_k31c(n) and not is_marker(n.target):
+            key = (op_name(n.target), "reference")
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def describe_program(kp, multi_stream: bool, device_graphs: bool) -> str:
+    """The report's program line: pieces, steps, streams, device graphs."""
+    return (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, {kp.dense_codegen}), "
+            f"{len(kp.steps)} steps, streams {sorted(kp.streams) if multi_stream else [0]}, "
+            f"device graphs {'on' if device_graphs else 'off'}")
