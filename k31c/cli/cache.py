@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .common import add_cache_dir
+
 
 def add(sub) -> None:
     p = sub.add_parser("cache", help="list, prune or clear the compile cache",
@@ -13,8 +15,7 @@ def add(sub) -> None:
                                    "loaded by this one). prune: remove the damaged and stale "
                                    "entries. clear: remove every entry.")
     p.add_argument("action", choices=("list", "prune", "clear"))
-    p.add_argument("--cache-dir", help="the compile cache (default: $K31C_COMPILE_CACHE, else "
-                                       "compile-cache in the k31c home, ~/.cache/k31c)")
+    add_cache_dir(p)
     p.set_defaults(run=run)
 
 

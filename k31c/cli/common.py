@@ -196,6 +196,10 @@ def add_compile_args(p, default_target: Optional[str]) -> None:
     p.add_argument("--target", default=default_target or "cpu", choices=choices,
                    help=f"{'eager: the PyTorch model itself; ' if default_target == 'eager' else ''}"
                         f"a k31c target to compile for (default: {default_target or 'cpu'})")
+    add_cache_dir(p)
+
+
+def add_cache_dir(p) -> None:
     p.add_argument("--cache-dir", help="the compile cache (default: $K31C_COMPILE_CACHE, else "
                                        "compile-cache in the k31c home, ~/.cache/k31c)")
 
