@@ -16,10 +16,12 @@ targets that cannot run here).
 
 Executors (`options={"executor": ...}`):
 - `program` (the default on GPU targets): `passes/partition.py` splits the graph into dense pieces
-  between the k31c ops and stream markers, `lowering/build.py` compiles each distinct piece with
-  Inductor and binds every k31c op to its registered kernel, and `runtime/executor.py` runs the
+  between the k31c ops and stream markers, `lowering/build.py` compiles each distinct piece
+  and binds every k31c op to its registered kernel, and `runtime/executor.py` runs the
   result on real streams; decode and verification steps replay one device graph per batch bucket
-  (`runtime/graphs.py`). Its options: `dense_codegen` ("inductor" | "fx"), `device_graphs`,
+  (`runtime/graphs.py`). Its options: `dense_codegen` (who compiles the pieces: "inductor",
+  "iree" (lowering/iree.py; mi350x's default, built and not run; on the cpu target it runs), or
+  "fx" (none); default: the target record's), `device_graphs`,
   `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
   pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
   first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
@@ -28,12 +30,10 @@ Executors (`options={"executor": ...}`):
 - `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
   reference implementations (on the CPU those are its kernels).
 - `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
-- `iree`: reserved for the IREE build of the CPU and AMD dense regions, which k31c does not have
-  yet (lowering/iree); asking for it is an error saying so.
 The report counts the kernels each step calls from what the built program executes: a GPU-target
 step run through its references says so as fallbacks.
 
-Executors `program` and `inductor` store what they build in the compile cache and load it when
+Executors `program` (dense_codegen "inductor" or "iree") and `inductor` store what they build in the compile cache and load it when
 it is there (`options={"cache": DIR | True | False}`; cached_program.py says where by default).
 `torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (backend.py).
 """
@@ -100,9 +100,9 @@ class CompiledModel:
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
-        cached = self.executor == "inductor" or (self.executor == "program" and compile_opts["dense_codegen"] == "inductor")
+        cached = self.executor == "inductor" or (self.executor == "program" and compile_opts["dense_codegen"] != "fx")
         root = cache_root(compile_opts["cache"]) if cached else None
-        self.cache = ProgramCache(root, _say) if root is not None else None
+        self.cache = ProgramCache(root, _say, target) if root is not None else None
 
     # Engine(compiled) works like Engine(model): it reads these two.
     @property
@@ -143,8 +143,8 @@ class CompiledModel:
               executable: bool = True) -> Program:
         """Capture (once per step kind) and run the passes; with `executable`, generate code (or
         load the program from the compile cache)."""
-        if executable:
-            self._check_runnable(meta)
+        if executable and self.target.runnable_here:
+            self._check_device(meta)
         cache = self.cache if executable and stop_after is None else None
         stored = None
         if cache is not None:
@@ -211,7 +211,7 @@ class CompiledModel:
         if stored is None:
             self._attach(program, step, meta, kp, inputs)
             report.kernels = kp.kernels()
-            report.program = describe_program(program.kernels, program.executor.multi, program.graphs is not None)
+            report.program = describe_program(program.kernels, program.executor, program.graphs is not None)
         return stored
 
     def _build_graph(self, program: Program, step: StepKind, meta, report: StepReport,
@@ -253,7 +253,7 @@ class CompiledModel:
             kp = program_from_record(loaded.info["program"], loaded.pieces, self.target)
             inputs = loaded.info.get("step_inputs")
             self._attach(program, step, meta, kp, step_inputs_from_record(inputs) if inputs else None)
-            report.program = describe_program(program.kernels, program.executor.multi, program.graphs is not None)
+            report.program = describe_program(program.kernels, program.executor, program.graphs is not None)
         if self.target.device != "cpu":
             report.fallbacks = {op: n for (op, k), n in report.kernels.items() if k == "reference"}
         self._register(step, program, report)
@@ -270,6 +270,8 @@ class CompiledModel:
         step's per-step inputs, which the graphs stage)."""
         device = meta.slot_mapping.device
         program.kernels = kp
+        if not self.target.runnable_here:      # built (and stored) for another machine, not run here
+            return
         program.executor = Executor(kp, device, self.target, self.options["streams"])
         program.fn = lambda *flat: program.executor(list(flat))
         if step.mode == "decode" and self.options["device_graphs"] and device.type == "cuda":
@@ -301,11 +303,8 @@ class CompiledModel:
             snaps = pool.new_snapshots(2, step.rows) if step.snapshots else None
             self.build(step, meta, pool.caches(snaps))
 
-    def _check_runnable(self, meta) -> None:
+    def _check_device(self, meta) -> None:
         t = self.target
-        if not t.runnable_here:
-            raise UsageError(f"target '{t.name}' is compile-only here: its programs are built and "
-                             "inspected, not run (use build(..., executable=False))")
         if t.device == "cuda" and meta.slot_mapping.device.type != "cuda":
             if self.executor == "program" and interpreting():
                 return
@@ -316,6 +315,9 @@ class CompiledModel:
                              f"{meta.slot_mapping.device}")
 
     def __call__(self, input_ids, meta, caches, mode: str = "prefill", rows: int = 1):
+        if not self.target.runnable_here:
+            raise UsageError(f"target '{self.target.name}' is compile-only here: its programs are built "
+                             "(build(step, meta, caches)) and inspected, not run")
         step = StepKind(mode, rows)
         program = self._programs.get(step)
         if getattr(input_ids, "device", None) is not None and input_ids.device.type == "cpu":

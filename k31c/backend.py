@@ -20,13 +20,6 @@ def make_executor(gm: torch.fx.GraphModule, example_inputs: list, executor: str,
     """A callable running `gm` (not modified) on real inputs (the whole-graph executors)."""
     if executor == "fx":
         return clone_graph(gm)
-    if executor == "iree":
-        try:
-            from .lowering.iree import executor as iree_executor  # lazy: IREE is optional
-        except ImportError as e:
-            raise UsageError("executor 'iree' needs k31c.lowering.iree.executor, which is not "
-                             f"available here ({e})") from None
-        return iree_executor.build(gm, example_inputs, target)
     from torch._inductor.compile_fx import compile_fx
     try:
         with torch.no_grad():

@@ -7,9 +7,10 @@ cache pool. An entry holds:
   passes as one Inductor artifact (`lowering/build.py: save_artifact`: `standalone_compile` with
   the graph's own shapes, saved in Inductor's binary format);
 - executor "program" (the GPU targets'): `pieces/<i>.bin`, each distinct dense piece as such an
-  artifact, and in the manifest the program's steps (`lowering/program_record.py`; the kernels are
-  bound again from the registry on load) and a decode step's per-step inputs (the device graphs
-  stage them, and are captured at load);
+  artifact (with dense_codegen "iree": `pieces/<i>.vmfb`, its IREE module), and in the manifest
+  the program's steps (`lowering/program_record.py`; the kernels are bound again from the
+  registry on load) and a decode step's per-step inputs (the device graphs stage them, and are
+  captured at load);
 - `inductor/`: Inductor's cache directory while the artifacts were built (generated code and, on
   the CPU, the compiled C++ libraries), so a load under it compiles nothing;
 - `graph.txt`: the graph after the passes, in canonical text (what `k31c inspect` prints);
@@ -44,7 +45,8 @@ from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, cano
                             leaf_checks_from_record, leaf_checks_record)
 from .graph.printer import format_graph
 from .graph.step import caches_device
-from .lowering.build import save_artifact
+from .lowering import iree
+from .lowering.build import piece_file, save_artifact
 from .passes.manager import PassRecord, PassResult
 from .paths import compile_cache_dir
 from .runtime.staging import StepInputs
@@ -101,7 +103,8 @@ def factors(compiled, step: StepKind, meta, caches) -> dict:
     options = {k: v for k, v in compiled.options.items() if k != "cache"}
     return {
         "torch": torch.__version__, "python": "%d.%d" % sys.version_info[:2],
-        "machine": _machine(caches_device(caches)),
+        "machine": _machine(caches_device(caches)) if options.get("dense_codegen") != "iree"
+                   else iree.machine(compiled.target),
         "target": compiled.target.name, "options": options,
         "passes": list(compiled.pipeline.names), "pass_options": compiled.pipeline.options,
         "config": dataclasses.asdict(model.config),
@@ -186,9 +189,10 @@ def step_inputs_from_record(r: dict) -> StepInputs:
 class ProgramCache:
     """The compile cache as `CompiledModel` uses it: `load` a step's program, or `store` one."""
 
-    def __init__(self, root: Path, say: Callable[[str], None]):
+    def __init__(self, root: Path, say: Callable[[str], None], target):
         self.entries = CompileCache(root)
         self.say = say                     # a line to the user (stderr): damaged entries, misses
+        self.target = target               # what the programs are built for (loads its pieces)
 
     @property
     def root(self) -> Path:
@@ -222,7 +226,6 @@ class ProgramCache:
         return f"the nearest entry, {near[0]}, differs in: {', '.join(near[1])}"
 
     def _load(self, entry: Entry, model, step: StepKind) -> Loaded:
-        from torch._inductor import CompiledArtifact
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
         info = entry.manifest["info"]
         named = {canonical_path(n): t for n, t in _named_tensors(model)}
@@ -235,10 +238,11 @@ class ProgramCache:
         loaded = Loaded(captured, _records(info["passes"]), {(op, k): n for op, k, n in info["kernels"]}, info)
         with _writable_copy(entry.path / "inductor") as inductor_dir, temporary_cache_dir(str(inductor_dir)):
             if "program" in info:
-                loaded.pieces = [CompiledArtifact.load(path=str(entry.path / "pieces" / f"{i}.bin"), format="binary")
+                loaded.pieces = [_load_piece(str(entry.path / "pieces" / piece_file(i, info["program"]["dense_codegen"])),
+                                             info["program"]["dense_codegen"], self.target)
                                  for i in range(len(info["program"]["piece_names"]))]
             else:
-                loaded.fn = CompiledArtifact.load(path=str(entry.path / "program.bin"), format="binary")
+                loaded.fn = _load_piece(str(entry.path / "program.bin"), "inductor", self.target)
         return loaded
 
     def store(self, model, name: str, facts: dict, step: StepKind, captured: Captured, placeholders: list,
@@ -252,15 +256,16 @@ class ProgramCache:
         with self.entries.locked(name):
             try:
                 entry = self.entries.lookup(name)
-            except Damaged:
-                entry = None
-            if entry is not None:
-                return None, self._load(entry, model, step)
+                if entry is not None:          # a builder that held the lock first stored it
+                    return None, self._load(entry, model, step)
+            except Exception:                  # damaged or unloadable: `publish` replaces it
+                pass
             unnamed = [i.name for i in captured.inputs if i.is_weight and i.tensor is None]
             if unnamed:
                 raise UsageError(f"compile cache: the graph has a constant input that is not a weight "
                                  f"of the model ({unnamed[0]}); compile with options={{'cache': False}}")
             with self.entries.building(name) as tmp:
+                (tmp / "inductor").mkdir()     # a load runs under it, even where Inductor wrote nothing
                 with temporary_cache_dir(str(tmp / "inductor")), torch.no_grad():
                     result, extra = build(tmp)
                 (tmp / "graph.txt").write_text(format_graph(gm, title=f"{step.name} after the passes",
@@ -270,6 +275,13 @@ class ProgramCache:
                         "kernels": [[op, k, n] for (op, k), n in sorted(kernels(result).items())], **extra}
                 self.entries.publish(tmp, name, facts, info)
         return result, None
+
+
+def _load_piece(path: str, codegen: str, target):
+    if codegen == "iree":
+        return iree.load_piece(path, target)
+    from torch._inductor import CompiledArtifact
+    return CompiledArtifact.load(path=path, format="binary")
 
 
 def compile_graph(gm: torch.fx.GraphModule, placeholders: list, into: Path) -> Callable:

@@ -92,8 +92,11 @@ def reference_counts(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
     return counts
 
 
-def describe_program(kp, multi_stream: bool, device_graphs: bool) -> str:
-    """The report's program line: pieces, steps, streams, device graphs."""
-    return (f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, {kp.dense_codegen}), "
-            f"{len(kp.steps)} steps, streams {sorted(kp.streams) if multi_stream else [0]}, "
+def describe_program(kp, executor, device_graphs: bool) -> str:
+    """The report's program line: pieces, steps, streams, device graphs (`executor` None: the
+    program is built for a target that does not run here)."""
+    pieces = f"{kp.stats['pieces']} dense pieces ({kp.stats['compiled_pieces']} compiled, {kp.dense_codegen})"
+    if executor is None:
+        return f"{pieces}, {len(kp.steps)} steps, streams {sorted(kp.streams)}; built for {kp.target}, not run here"
+    return (f"{pieces}, {len(kp.steps)} steps, streams {sorted(kp.streams) if executor.multi else [0]}, "
             f"device graphs {'on' if device_graphs else 'off'}")

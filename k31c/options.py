@@ -13,8 +13,8 @@ from .lowering.build import DENSE_CODEGENS
 from .lowering.targets import Target
 from .runtime.graphs import DEFAULT_BUCKETS, check_buckets
 
-EXECUTORS = ("inductor", "fx", "iree", "program")
-COMPILE_OPTIONS = {"executor": None, "dense_codegen": "inductor", "device_graphs": None,
+EXECUTORS = ("inductor", "fx", "program")
+COMPILE_OPTIONS = {"executor": None, "dense_codegen": None, "device_graphs": None,
                    "buckets": DEFAULT_BUCKETS, "streams": None, "pdl": None, "cache": None}
 
 
@@ -38,9 +38,17 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         compile_opts["executor"] = target.executor
     if compile_opts["executor"] not in EXECUTORS:
         raise UsageError(f"option executor must be one of {EXECUTORS}, got {compile_opts['executor']!r}")
+    if compile_opts["dense_codegen"] is None:
+        compile_opts["dense_codegen"] = target.dense_codegen
     if compile_opts["dense_codegen"] not in DENSE_CODEGENS:
         raise UsageError(f"option dense_codegen must be one of {DENSE_CODEGENS}, "
                          f"got {compile_opts['dense_codegen']!r}")
+    if compile_opts["dense_codegen"] == "iree":
+        if compile_opts["executor"] != "program":
+            raise UsageError(f"option dense_codegen 'iree' compiles the dense pieces of executor 'program'; "
+                             f"executor is {compile_opts['executor']!r}")
+        from .lowering import iree
+        iree.check_target(target)
     if compile_opts["device_graphs"] is None:
         compile_opts["device_graphs"] = target.device_graphs
     if not isinstance(compile_opts["device_graphs"], bool):

@@ -7,11 +7,11 @@ looked up in the registry here, whatever the `lower` pass annotated, so what the
 what the program calls. An op with no kernel for the target runs its reference implementation and
 is counted as a fallback.
 
-Dense pieces are compiled by Inductor's `compile_fx` with the graph's fake inputs, so the batch
-stays symbolic and one compiled piece serves every batch size (`standalone_compile(...,
-dynamic_shapes="from_graph")` loses the export shape environment's value ranges for these pieces
-on torch 2.13: "vr must not be None"). `dense_codegen="fx"` runs each piece op by op instead (no
-code generation; quick to build: tests and debugging). Equal pieces are compiled once.
+Dense pieces are compiled with the graph's fake inputs, so the batch stays symbolic and one
+compiled piece serves every batch size: by Inductor's `compile_fx` (or, for the compile cache,
+`standalone_compile`, saved as an artifact), by IREE (`dense_codegen="iree"`, lowering/iree.py:
+the host's CPU, or gfx950 built and not run), or not at all (`"fx"`: each piece runs op by op;
+quick to build, for tests and debugging). Equal pieces are compiled once.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
 from .registry import lookup
 from .targets import Target
 
-DENSE_CODEGENS = ("inductor", "fx")
+DENSE_CODEGENS = ("inductor", "fx", "iree")
 K31C = torch.ops.k31c
 
 
@@ -51,13 +51,18 @@ def example_args(node: torch.fx.Node) -> list:
     return [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
 
 
-def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False,
+def compile_piece(gm: torch.fx.GraphModule, codegen: str, target: Target,
                   save: Optional[str] = None) -> Callable:
-    """The piece as a callable: Inductor's code (with `pdl`, its kernels launched with
-    programmatic dependent launch, as the k31c kernels are), or the FX module itself. With
-    `save`, Inductor builds it as a standalone artifact and saves it there (the compile cache)."""
+    """The piece as a callable: Inductor's code (with `target.pdl`, its kernels launched with
+    programmatic dependent launch, as the k31c kernels are), IREE's module, or the FX module
+    itself. With `save`, the build is also saved there (the compile cache): Inductor's as a
+    standalone artifact, IREE's as its vmfb."""
     if codegen == "fx":
         return gm
+    if codegen == "iree":
+        from . import iree                      # lazy: IREE is imported only where it is asked for
+        return iree.compile_piece(gm, target, save)
+    pdl = target.pdl
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
@@ -72,6 +77,11 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, pdl: bool = False,
         raise no_compiler(e) or KernelBindError(
             f"build: Inductor failed on a dense piece ({len(gm.graph.nodes)} nodes): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def piece_file(index: int, codegen: str) -> str:
+    """The file a compile-cache entry holds piece `index` in."""
+    return f"{index}.vmfb" if codegen == "iree" else f"{index}.bin"
 
 
 def no_compiler(e: Exception) -> Optional[RuntimeFailure]:
@@ -132,7 +142,7 @@ def build_program(gm: torch.fx.GraphModule, piece_keys: dict[str, str], target: 
                   dense_codegen: str = "inductor", progress: Optional[Callable[[str], None]] = None,
                   save_pieces: Optional[str] = None) -> Program:
     """The Program of a partitioned graph (see the module docstring). With `save_pieces` (a
-    directory), each compiled piece is also saved there as `<index>.bin` (compile_piece)."""
+    directory), each compiled piece is also saved there (`piece_file`)."""
     if dense_codegen not in DENSE_CODEGENS:
         raise CompilerError(f"build: dense_codegen must be one of {DENSE_CODEGENS}, got {dense_codegen!r}")
     start = time.perf_counter()
@@ -219,8 +229,8 @@ def _compile_pieces(gm, dense: list, target: Target, codegen: str, name: str, pr
             if progress is not None:
                 progress(f"{name}: compiling dense piece {len(pieces) + 1}/{distinct}")
             compiled[key] = len(pieces)
-            save = None if save_dir is None else f"{save_dir}/{len(pieces)}.bin"
-            pieces.append(compile_piece(gm.get_submodule(module), codegen, target.pdl, save))
+            save = None if save_dir is None else f"{save_dir}/{piece_file(len(pieces), codegen)}"
+            pieces.append(compile_piece(gm.get_submodule(module), codegen, target, save))
             names.append(key)
         step.piece = compiled[key]
     return pieces, names

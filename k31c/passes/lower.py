@@ -4,8 +4,8 @@
 `reference` for the op's plain-PyTorch implementation. On the CPU the reference ops are the
 kernels. On a GPU target every reference fallback is counted per op and reported: nothing falls
 back silently. Stream markers lower to `stream` (events on a target with device graphs) or `noop`
-(the CPU has one stream); dense ops are left to the dense code generator (Inductor, or IREE on
-targets where DESIGN §5 says so), recorded per target in the report.
+(the CPU has one stream); dense ops are left to the dense code generator (the `dense_codegen`
+option: Inductor, or IREE; the report's program line says which built the pieces).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from .manager import PassResult, register_pass
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
     """Assign each k31c op its kernel for the target; count reference fallbacks.
     stats: kernels ({(op, kernel name): ops}), fallbacks ({op: ops lowered to the reference on a
-    GPU target}), dense_codegen (what generates the dense ops)."""
+    GPU target})."""
     target = ctx.target
     on_gpu = target.device != "cpu"
     kernels, fallbacks = Counter(), Counter()
@@ -44,5 +44,4 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
         notes.append("reference fallbacks on " + target.name + ": "
                      + ", ".join(f"{op} x{n}" for op, n in sorted(fallbacks.items())))
     return PassResult(matches=sum(kernels.values()), changed=bool(kernels), notes=notes,
-                      stats={"kernels": dict(kernels), "fallbacks": dict(fallbacks),
-                             "dense_codegen": target.dense_codegen})
+                      stats={"kernels": dict(kernels), "fallbacks": dict(fallbacks)})

@@ -117,7 +117,7 @@ def test_results_are_recorded_per_pass(captured):
     assert by_name["indexer_prolog"].stats["regions"][0]["key"] == 3
     assert by_name["verify"].stats["regions"] == 1
     lower = by_name["lower"].stats
-    assert set(lower) == {"kernels", "fallbacks", "dense_codegen"} and lower["fallbacks"] == {}
+    assert set(lower) == {"kernels", "fallbacks"} and lower["fallbacks"] == {}
     assert sum(lower["kernels"].values()) == by_name["lower"].matches
     _, again, _ = passes(gm, ["fuse_lightning_indexer"])
     assert again[0].result.matches == 1

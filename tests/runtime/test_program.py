@@ -132,7 +132,7 @@ def test_each_distinct_piece_is_compiled_once_with_the_targets_pdl(decode_graph,
     split = partition(clone_graph(program.gm))
     keys = {n: p.key for n, p in split.pieces.items()}
     built = []
-    monkeypatch.setattr(build, "compile_piece", lambda gm, codegen, pdl, save=None: built.append(pdl) or gm)
+    monkeypatch.setattr(build, "compile_piece", lambda gm, codegen, target, save=None: built.append(target.pdl) or gm)
     prog = build_program(split.gm, keys, dataclasses.replace(get_target("h200"), pdl=pdl), "decode", "fx")
     assert built == [pdl] * len(set(keys.values())) == [pdl] * len(prog.pieces)
     assert {s.piece for s in prog.steps if isinstance(s, Dense)} == set(range(len(prog.pieces)))
