@@ -14,6 +14,16 @@ from k31c.graph.capture import StepKind           # noqa: E402
 from k31c.lowering import iree                    # noqa: E402
 from tiny_model import close, engine_scenario, make_model  # noqa: E402
 
+def _piece(fn, *examples) -> torch.fx.GraphModule:
+    """`fn` as a dense piece is built: an FX graph whose nodes carry fake values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    gm = torch.fx.symbolic_trace(fn)
+    mode = FakeTensorMode()
+    FakeTensorProp(gm, mode).propagate(*[mode.from_tensor(e) for e in examples])
+    return gm
+
+
 IREE_CPU = {"executor": "program", "dense_codegen": "iree"}
 SCENARIO = ([(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2)    # prefill, decode, verification rows
 
@@ -90,9 +100,22 @@ def test_bad_iree_options_are_errors_naming_them(target, options, message):
 def test_a_piece_iree_cannot_compile_is_an_error_naming_it():
     from k31c.errors import KernelBindError
     from k31c.lowering.targets import get_target
-    gm = torch.fx.symbolic_trace(lambda x: torch.fft.fft(x).real)   # no complex numbers in IREE's torch input
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            node.meta["val"] = torch.empty(8)
+    aten = torch.ops.aten          # an FFT: IREE's torch input has no lowering for it
+    gm = _piece(lambda x: (aten.view_as_real.default(aten._fft_r2c.default(x, [0], 0, True)),), torch.randn(8))
     with pytest.raises(KernelBindError, match=r"IREE failed on a dense piece \(\d+ nodes\) for host"):
         iree.compile_piece(gm, get_target("cpu"))
+
+
+def test_a_bf16_piece_runs_through_numpy_and_back():
+    """bf16 tensors cross into IREE as their bits (numpy has no bfloat16) and come back as bf16."""
+    from k31c.lowering.targets import get_target
+
+    def piece(x, w):                                     # aten ops, as an exported piece has
+        return (torch.ops.aten.silu.default(torch.ops.aten.mm.default(x, torch.ops.aten.t.default(w))),)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16()
+    gm = _piece(piece, x, w)
+    [got] = iree.compile_piece(gm, get_target("cpu"))(x, w.requires_grad_())
+    want = piece(x.double(), w.detach().double())[0]      # the oracle: float64
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 32)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2   # bf16 rounding: 2^-8

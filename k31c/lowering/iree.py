@@ -157,10 +157,10 @@ def _to_numpy(x):
         raise UsageError(f"an IREE host module runs on CPU tensors, got one on {x.device}")
     if x.dtype == torch.bfloat16:            # numpy has no bfloat16: its bits, as IREE's type
         import ml_dtypes
-        return x.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.detach().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     if x.dtype not in _NUMPY_DTYPES:
         raise UsageError(f"an IREE host module cannot take a {x.dtype} tensor")
-    return x.contiguous().numpy()
+    return x.detach().contiguous().numpy()      # a weight may require grad: its values alone
 
 
 def _to_torch(r) -> torch.Tensor:
