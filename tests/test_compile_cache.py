@@ -161,6 +161,8 @@ def test_the_cache_option_and_variable(tmp_path, monkeypatch):
 def test_cli_refusals(tmp_path, capsys):
     assert main(["generate", "--prompt", "hi", "--cache-dir", str(tmp_path)]) == 2
     assert "--target eager compiles nothing" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--dense-codegen", "iree"]) == 2
+    assert "--dense-codegen applies to a compiled target" in capsys.readouterr().err
     assert main(["prebuild", "--steps", "decode,verify1", "--cache-dir", str(tmp_path)]) == 2
     assert "verifyR with R >= 2" in capsys.readouterr().err
     assert main(["prebuild", "--target", "eager"]) == 2

@@ -119,3 +119,10 @@ def test_a_bf16_piece_runs_through_numpy_and_back():
     want = piece(x.double(), w.detach().double())[0]      # the oracle: float64
     assert got.dtype == torch.bfloat16 and got.shape == (5, 32)
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2   # bf16 rounding: 2^-8
+
+
+def test_the_cli_flag_asks_for_the_program_executor():
+    from k31c.cli.common import compile_model
+    compiled = compile_model(make_model(), "cpu", None, "iree")
+    assert (compiled.executor, compiled.options["dense_codegen"]) == ("program", "iree")
+    assert compile_model(make_model(), "cpu", None).executor == "inductor"

@@ -196,6 +196,10 @@ def add_compile_args(p, default_target: Optional[str]) -> None:
     p.add_argument("--target", default=default_target or "cpu", choices=choices,
                    help=f"{'eager: the PyTorch model itself; ' if default_target == 'eager' else ''}"
                         f"a k31c target to compile for (default: {default_target or 'cpu'})")
+    p.add_argument("--dense-codegen", choices=("inductor", "iree", "fx"),
+                   help="who compiles the dense ops between the k31c kernels (executor 'program'; "
+                        "default: the target's: Inductor, IREE on mi350x; 'iree' on cpu runs IREE's "
+                        "CPU modules)")
     add_cache_dir(p)
 
 
@@ -210,8 +214,9 @@ def pool_len(cfg, needed: int = 0) -> int:
     return max(min(cfg.max_seq_len, DEFAULT_POOL_LEN), needed)
 
 
-def compile_model(model, target: str, cache_dir: Optional[str]):
-    """`k31c.compile(model, target)` with the CLI's cache choice, the model on the target's device."""
+def compile_model(model, target: str, cache_dir: Optional[str], dense_codegen: Optional[str] = None):
+    """`k31c.compile(model, target)` with the CLI's cache and dense code generator choices, the
+    model on the target's device."""
     from ..api import compile as k31c_compile
     from ..lowering.targets import get_target
     device = get_target(target).device
@@ -220,5 +225,8 @@ def compile_model(model, target: str, cache_dir: Optional[str]):
         if not torch.cuda.is_available():
             raise UsageError(f"--target {target} runs on a CUDA device and this machine has none")
         model = model.to("cuda")
-    return k31c_compile(model, target=target, options={"cache": cache_dir} if cache_dir else None)
+    options = {"cache": cache_dir} if cache_dir else {}
+    if dense_codegen is not None:            # the option of executor "program" (the cpu's default is "inductor")
+        options.update(executor="program", dense_codegen=dense_codegen)
+    return k31c_compile(model, target=target, options=options or None)
 

@@ -43,9 +43,10 @@ def _check_args(args) -> None:
                          "(smaller ones overflow the scaled logits)")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.target == "eager" and args.cache_dir is not None:
-        raise UsageError("--cache-dir is the compile cache of a compiled target (--target cpu); "
-                         "--target eager compiles nothing")
+    for given, flag in ((args.cache_dir, "--cache-dir"), (args.dense_codegen, "--dense-codegen")):
+        if args.target == "eager" and given is not None:
+            raise UsageError(f"{flag} applies to a compiled target (--target cpu); "
+                             "--target eager compiles nothing")
 
 
 def run(args) -> int:
@@ -65,7 +66,7 @@ def run(args) -> int:
     if args.target == "eager":
         engine = Engine(model, max_requests=1, max_seq_len=needed)
     else:   # the compile cache's programs are specialised to the pool: one length for all prompts
-        compiled = compile_model(model, args.target, args.cache_dir)
+        compiled = compile_model(model, args.target, args.cache_dir, args.dense_codegen)
         engine = Engine(compiled, max_requests=1, max_seq_len=pool_len(cfg, needed))
     stream = tok.stream_decoder()
     times: list[float] = []

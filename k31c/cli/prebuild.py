@@ -44,7 +44,7 @@ def run(args) -> int:
             StepKind.parse(s)
         except ValueError as e:
             raise UsageError(f"--steps: {e}") from None
-    compiled = compile_model(model, args.target, args.cache_dir)
+    compiled = compile_model(model, args.target, args.cache_dir, args.dense_codegen)
     if compiled.cache is None:
         raise UsageError("the compile cache is off ($K31C_COMPILE_CACHE); give --cache-dir, or unset it"
                          if args.cache_dir is None else
