@@ -92,12 +92,12 @@ def compile_piece(gm: torch.fx.GraphModule, target: Target, save: Optional[str] 
                               f"{type(e).__name__}: {_first_error(str(e))}") from e
     if save is not None:
         Path(save).write_bytes(vmfb)
-    return IreePiece(vmfb, target, nodes)
+    return IreePiece(vmfb, target)
 
 
 def load_piece(path: str, target: Target) -> "IreePiece":
     """A piece saved by `compile_piece(..., save=path)`."""
-    return IreePiece(Path(path).read_bytes(), target, 0)
+    return IreePiece(Path(path).read_bytes(), target)
 
 
 def _first_error(text: str) -> str:
@@ -110,10 +110,9 @@ class IreePiece:
     """A compiled piece: called with the step's tensors, returns its outputs as a tuple (as an
     Inductor piece does). Only host modules run here; a gfx950 module is built, not run."""
 
-    def __init__(self, vmfb: bytes, target: Target, nodes: int):
+    def __init__(self, vmfb: bytes, target: Target):
         self.vmfb = vmfb
         self.arch = target.arch
-        self.nodes = nodes
         self._main = None
         self.calls = 0
         self.seconds = 0.0                 # time inside the module (the IREE runtime)
