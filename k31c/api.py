@@ -33,8 +33,9 @@ Executors (`options={"executor": ...}`):
 The report counts the kernels each step calls from what the built program executes: a GPU-target
 step run through its references says so as fallbacks.
 
-Executors `program` (dense_codegen "inductor" or "iree") and `inductor` store what they build in the compile cache and load it when
-it is there (`options={"cache": DIR | True | False}`; cached_program.py says where by default).
+Executors `program` (dense_codegen "inductor" or "iree") and `inductor` store what they build in
+the compile cache and load it when it is there (`options={"cache": DIR | True | False}`;
+cached_program.py says where by default).
 `torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (backend.py).
 """
 from __future__ import annotations

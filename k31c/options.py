@@ -9,6 +9,7 @@ from typing import Optional
 
 from .cached_program import cache_root
 from .errors import UsageError
+from .lowering import iree
 from .lowering.build import DENSE_CODEGENS
 from .lowering.targets import Target
 from .runtime.graphs import DEFAULT_BUCKETS, check_buckets
@@ -47,7 +48,6 @@ def split_options(options: Optional[dict], target: Target) -> tuple[dict, dict]:
         if compile_opts["executor"] != "program":
             raise UsageError(f"option dense_codegen 'iree' compiles the dense pieces of executor 'program'; "
                              f"executor is {compile_opts['executor']!r}")
-        from .lowering import iree
         iree.check_target(target)
     if compile_opts["device_graphs"] is None:
         compile_opts["device_graphs"] = target.device_graphs

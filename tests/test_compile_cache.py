@@ -173,10 +173,11 @@ def test_cli_refusals(tmp_path, capsys):
     assert "the compile cache cannot take entries: " in capsys.readouterr().err
 
 
-def test_the_cli_knows_every_target():
-    from k31c.cli.common import TARGET_NAMES
+def test_the_cli_knows_every_target_and_code_generator():
+    from k31c.cli.common import DENSE_CODEGEN_NAMES, TARGET_NAMES
+    from k31c.lowering.build import DENSE_CODEGENS
     from k31c.lowering.targets import TARGETS
-    assert set(TARGET_NAMES) == set(TARGETS)
+    assert set(TARGET_NAMES) == set(TARGETS) and DENSE_CODEGEN_NAMES == DENSE_CODEGENS
 
 
 # ---- a step program through the cache -------------------------------------------------------------

@@ -188,6 +188,7 @@ def bad_weights(ckpt: Optional[Path], problem: str):
 # ---- compiled models (generate --target, prebuild) ----------------------------------------------
 
 TARGET_NAMES = ("cpu", "h200", "mi350x")     # lowering/targets.py (not imported here: no torch yet)
+DENSE_CODEGEN_NAMES = ("inductor", "fx", "iree")   # lowering/build.py: DENSE_CODEGENS
 DEFAULT_POOL_LEN = 4096                      # the Engine's default pool length (runtime/engine.py)
 
 
@@ -196,7 +197,7 @@ def add_compile_args(p, default_target: Optional[str]) -> None:
     p.add_argument("--target", default=default_target or "cpu", choices=choices,
                    help=f"{'eager: the PyTorch model itself; ' if default_target == 'eager' else ''}"
                         f"a k31c target to compile for (default: {default_target or 'cpu'})")
-    p.add_argument("--dense-codegen", choices=("inductor", "iree", "fx"),
+    p.add_argument("--dense-codegen", choices=DENSE_CODEGEN_NAMES,
                    help="who compiles the dense ops between the k31c kernels (executor 'program'; "
                         "default: the target's: Inductor, IREE on mi350x; 'iree' on cpu runs IREE's "
                         "CPU modules)")

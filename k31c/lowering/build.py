@@ -24,6 +24,7 @@ import torch
 from ..errors import ArtifactError, CompilerError, KernelBindError, RuntimeFailure
 from ..graph.ops import is_k31c
 from ..graph.ops.streams import is_marker
+from . import iree                              # imports IREE itself only when it builds
 from .program import Dense, Kernel, Program, Record, Ref, Refs, Wait, arg_slots
 from .registry import lookup
 from .targets import Target
@@ -60,7 +61,6 @@ def compile_piece(gm: torch.fx.GraphModule, codegen: str, target: Target,
     if codegen == "fx":
         return gm
     if codegen == "iree":
-        from . import iree                      # lazy: IREE is imported only where it is asked for
         return iree.compile_piece(gm, target, save)
     pdl = target.pdl
     example = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
