@@ -1,16 +1,19 @@
 """Cold and warm starts of a compiled model: the compile cache against Inductor's own caches
 (spec §8 G11: a warm start <= 5% of a cold one, no Inductor or Triton compile in it).
 
-Four child processes, each: import k31c, make the model (a preset with seeded random weights),
+Four child processes (five on a GPU target), each: import k31c, make the model (a preset with seeded random weights),
 `k31c.compile(model, target)`, an Engine of one pool, `compiled.prebuild(engine, steps)` (the
 programs built or loaded: "start"), then a prefill of 16 tokens and 3 decode steps ("first
 tokens": on a GPU target the k31c kernels' Triton JIT happens here unless Triton's cache has
-them). The runs, in order:
+them; a GPU row counts the kernels Triton compiled and those it loaded from its cache). The
+runs, in order:
 1. `inductor cold`: the k31c cache off, fresh Inductor and Triton cache directories;
 2. `inductor warm`: the k31c cache off, the same Inductor and Triton caches, filled by run 1: what
    torch's caches give without k31c's (capture, passes and Inductor's cache lookups remain);
 3. `k31c cold`: an empty k31c compile cache, fresh Inductor and Triton caches;
-4. `k31c warm`: the same compile cache, filled by run 3, and run 3's Triton cache.
+4. `k31c warm`: the same compile cache, filled by run 3, and run 3's Triton cache;
+5. (GPU targets) `k31c warm, fresh Triton cache`: the compile cache alone, as on another machine
+   it was copied to (k31c's own kernels are not in its entries: Triton compiles them again).
 Each row: the imports (torch, k31c.api and Inductor's compile and load modules, before the
 clock), start (compile + prebuild), first tokens, the child's wall time, and the start as a
 share of its cold run's.
@@ -46,6 +49,15 @@ def child(args) -> None:
     import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.standalone_compile  # noqa: F401
     imports = time.perf_counter() - start_wall
+    triton_builds = {"compiled": 0, "loaded": 0}      # Triton's compiles and its cache's hits
+    if args.target != "cpu":
+        import triton
+
+        def listen(*, cache_hit, **_):
+            triton_builds["loaded" if cache_hit else "compiled"] += 1
+        if not hasattr(getattr(triton, "knobs", None), "compilation"):
+            sys.exit(f"Triton {triton.__version__} has no compilation listener to count its builds by")
+        triton.knobs.compilation.listener = listen
     torch.manual_seed(0)
     model = K31ForCausalLM(k31c.preset(args.config))
     model.reset_parameters(torch.Generator().manual_seed(0))
@@ -65,6 +77,7 @@ def child(args) -> None:
         torch.cuda.synchronize()
     t2 = time.perf_counter()
     print(json.dumps({"start": t1 - t0, "first": t2 - t1, "wall": t2 - start_wall, "imports": imports,
+                      "triton": triton_builds,
                       "cache": {s: r.cache for s, r in compiled.report.steps.items()}}))
 
 
@@ -97,6 +110,10 @@ def main() -> None:
                                "TRITON_CACHE_DIR": str(d / "tri2")}),
                 ("k31c warm", {"K31C_COMPILE_CACHE": str(d / "k31c"), "TORCHINDUCTOR_CACHE_DIR": str(d / "ind3"),
                                "TRITON_CACHE_DIR": str(d / "tri2")})]
+        if args.target != "cpu":            # the compile cache alone: k31c's kernels JIT again
+            runs.append(("k31c warm, fresh Triton cache", {"K31C_COMPILE_CACHE": str(d / "k31c"),
+                                                           "TORCHINDUCTOR_CACHE_DIR": str(d / "ind4"),
+                                                           "TRITON_CACHE_DIR": str(d / "tri3")}))
         results = {}
         for name, env in runs:
             print(f"... {name}", file=sys.stderr, flush=True)
@@ -104,11 +121,13 @@ def main() -> None:
     lines = [f"# Compile cache: cold and warm starts (target {args.target}, config {args.config}, "
              f"steps {args.steps})", "",
              f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}`",
-             "", "| run | imports s | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |",
-             "|---|---|---|---|---|---|"]
+             "", "| run | imports s | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |"
+             " Triton kernels compiled / loaded from its cache |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         cold = results[name.split()[0] + " cold"]["start"]
-        lines.append(f"| {name} | {r['imports']:.2f} | {r['start']:.2f} | {r['first']:.2f} | {r['wall']:.2f} | {r['start'] / cold:.1%} |")
+        lines.append(f"| {name} | {r['imports']:.2f} | {r['start']:.2f} | {r['first']:.2f} | {r['wall']:.2f} | {r['start'] / cold:.1%} | "
+                     + (f"{r['triton']['compiled']} / {r['triton']['loaded']} |" if args.target != "cpu" else "- |"))
     lines += ["", "k31c warm's steps: " + "; ".join(f"{s}: {c}" for s, c in results["k31c warm"]["cache"].items())]
     text = "\n".join(lines)
     print(text)

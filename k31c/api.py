@@ -273,7 +273,8 @@ class CompiledModel:
         program.kernels = kp
         if not self.target.runnable_here:      # built (and stored) for another machine, not run here
             return
-        program.executor = Executor(kp, device, self.target, self.options["streams"])
+        store = self.cache.kernel_store() if self.cache is not None and device.type == "cuda" else None
+        program.executor = Executor(kp, device, self.target, self.options["streams"], kernel_store=store)
         program.fn = lambda *flat: program.executor(list(flat))
         if step.mode == "decode" and self.options["device_graphs"] and device.type == "cuda":
             if kp.fallbacks():

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import sympy
 import torch
 
-from .compile_cache import CompileCache, Damaged, Entry
+from .compile_cache import CompileCache, Damaged, Entry, Unwritable
 from .errors import UsageError
 from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph,
                             leaf_checks_from_record, leaf_checks_record)
@@ -49,6 +49,7 @@ from .lowering import iree
 from .lowering.build import piece_file, save_artifact
 from .passes.manager import PassRecord, PassResult
 from .paths import compile_cache_dir
+from .runtime import kernel_store
 from .runtime.staging import StepInputs
 
 CACHE_ENV = "K31C_COMPILE_CACHE"
@@ -193,10 +194,26 @@ class ProgramCache:
         self.entries = CompileCache(root)
         self.say = say                     # a line to the user (stderr): damaged entries, misses
         self.target = target               # what the programs are built for (loads its pieces)
+        self._kernels: Optional[str] = None   # the kernel store, once asked for ("" = not used)
 
     @property
     def root(self) -> Path:
         return self.entries.root
+
+    def kernel_store(self) -> Optional[str]:
+        """The directory the GPU programs' Triton kernels are kept in (runtime/kernel_store.py),
+        or None (and said once) where the cache cannot take them."""
+        if self._kernels is None:
+            why = None
+            try:
+                self.entries.prepare()
+            except Unwritable as e:
+                why = f"it cannot take them ({e})"
+            why = why or kernel_store.install()
+            if why:
+                self.say(f"compile cache: the k31c kernels' Triton binaries stay in Triton's own cache: {why}")
+            self._kernels = "" if why else str(self.root / kernel_store.STORE_DIR)
+        return self._kernels or None
 
     def name(self, step: StepKind, facts: dict) -> str:
         return self.entries.name(step.name, facts)

@@ -1,5 +1,7 @@
 """`k31c cache`: what the compile cache holds (`list`), removing what cannot be loaded any more
-(`prune`), and emptying it (`clear`)."""
+(`prune`), and emptying it (`clear`). Beside the entries it holds the k31c kernels' Triton
+binaries (`.triton/`, runtime/kernel_store.py): listed, removed by `clear`, kept by `prune`
+(Triton keys them itself, so one built by another Triton is never loaded, only kept)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +14,9 @@ def add(sub) -> None:
                        description="list: every entry with its step, target, size and state (a "
                                    "damaged entry says why, and is rebuilt when next needed; a stale "
                                    "one was built by another k31c, torch or Python and is never "
-                                   "loaded by this one). prune: remove the damaged and stale "
-                                   "entries. clear: remove every entry.")
+                                   "loaded by this one), and the k31c kernels' Triton binaries. "
+                                   "prune: remove the damaged and stale entries. clear: remove "
+                                   "every entry and the Triton binaries.")
     p.add_argument("action", choices=("list", "prune", "clear"))
     add_cache_dir(p)
     p.set_defaults(run=run)
@@ -28,20 +31,32 @@ def _root(arg) -> Path:
     return root
 
 
+def _kernels(n: int) -> str:
+    return f"{n} Triton kernel" + ("" if n == 1 else "s")
+
+
 def run(args) -> int:
     from ..compile_cache import CompileCache
     root = _root(args.cache_dir)
     cache = CompileCache(root)
     entries = cache.entries()
     from ..cached_program import stale
+    from ..runtime import kernel_store
+    store = root / kernel_store.STORE_DIR
+    kernels, size = kernel_store.summary(store)
     if args.action != "list":
         gone = [path for path, entry, _ in entries
                 if args.action == "clear" or entry is None or stale(entry.manifest["factors"])]
         for path in gone:
             cache.remove(path)
-        print(f"removed {len(gone)} of {len(entries)} entries from {root}")
+        also = ""
+        if args.action == "clear" and store.is_dir():
+            kernel_store.clear(store)
+            also = f" and {_kernels(kernels)} ({size / 2**20:.1f} MiB)"
+        print(f"removed {len(gone)} of {len(entries)} entries{also} from {root}")
         return 0
-    print(f"compile cache {root}: {len(entries)} entries")
+    print(f"compile cache {root}: {len(entries)} entries; {_kernels(kernels)} of k31c's "
+          f"({size / 2**20:.1f} MiB)")
     for path, entry, problem in entries:
         if entry is None:
             print(f"  {path.name:34s} DAMAGED: {problem.split(': ', 1)[-1]}")

@@ -9,7 +9,8 @@ the CPU) every step runs on stream 0 and the events are dropped; per-stream orde
 valid order of the whole program. A `weights_only` piece runs once and again only when a weight
 it reads changes (its data pointer or version counter); its outputs stay at one address, so a
 device graph captured after it keeps reading them (`refresh_weight_pieces` brings them up to date
-before a replay).
+before a replay). With `kernel_store` (a directory: the compile cache's, kernel_store.py) the
+Triton kernels the program's launches compile are kept there.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ..errors import RuntimeFailure
 from ..lowering.program import Dense, Kernel, Program, Record, Ref, Refs, Wait
 from ..lowering.targets import Target
 from ..lowering.triton.device import using_target
+from .kernel_store import keeping
 
 _SIDE_STREAMS: dict[tuple[str, int], list] = {}
 
@@ -77,8 +79,9 @@ class WeightsPiece:
 
 class Executor:
     def __init__(self, program: Program, device: torch.device, target: Target,
-                 streams: Optional[int] = None):
+                 streams: Optional[int] = None, kernel_store: Optional[str] = None):
         self.program = program
+        self.kernel_store = kernel_store
         self.target = target          # the record the kernels' launchers take their facts from
         self.device = torch.device(device)
         used = program.streams
@@ -120,7 +123,10 @@ class Executor:
         return plan
 
     def __call__(self, inputs: list) -> tuple:
-        with using_target(self.target):
+        if self.kernel_store is None:
+            with using_target(self.target):
+                return self._run(inputs)
+        with using_target(self.target), keeping(self.kernel_store):
             return self._run(inputs)
 
     def refresh_weight_pieces(self, inputs: list) -> None:
