@@ -25,6 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export K31C_FAILURES_AT_ONCE=1     # tests/conftest.py: a failure's traceback as it happens
 export TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor-cache"
 PY=${PYTHON:-python3}
 STALL=${STALL:-300}    # a stalled shard says where: the stacks of a test past STALL seconds

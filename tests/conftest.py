@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -39,6 +40,14 @@ def pytest_collection_modifyitems(config, items):
     keep = [item for j, item in enumerate(items) if j % n == i - 1]
     config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i - 1])
     items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+    """With $K31C_FAILURES_AT_ONCE set (scripts/gpu_check.sh), a failure's traceback goes to
+    stderr as it happens: a run cut off by a time limit never reaches pytest's summary."""
+    if report.failed and os.environ.get("K31C_FAILURES_AT_ONCE"):
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 @pytest.fixture
