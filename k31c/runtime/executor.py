@@ -144,7 +144,7 @@ class Executor:
         if self.multi:
             main = torch.cuda.current_stream(self.device)
             streams = [main] + self._side
-        for step in self.steps:
+        for index, step in enumerate(self.steps):
             kind, stream = step[0], step[1]
             if kind >= 2:
                 _, s, event, free = step
@@ -157,7 +157,7 @@ class Executor:
             ctx = torch.cuda.stream(streams[stream]) if stream else nullcontext()
             with ctx:
                 if kind == 0:
-                    result = fn(*[env[a] for a in args])
+                    call = [env[a] for a in args]
                 else:
                     consts, refs, lists = args
                     call = list(consts)
@@ -165,7 +165,11 @@ class Executor:
                         call[i] = env[slot]
                     for i, list_slots in lists:
                         call[i] = [env[slot] for slot in list_slots]
+                try:
                     result = fn(*call)
+                except Exception as e:          # say which step, and what it was given
+                    e.add_note(_describe_call(prog.name, index, fn, call))
+                    raise
             if len(outs) == 1:     # a piece returns a tuple; a kernel a tensor, or a list (Tensor[])
                 env[outs[0]] = result[0] if kind == 0 or isinstance(result, (list, tuple)) else result
             elif outs:
@@ -177,3 +181,14 @@ class Executor:
         self.runs += 1
         self.reference_calls += self._reference_steps
         return tuple(env[s] for s in prog.outputs)
+
+
+def _describe_call(program: str, index: int, fn, call: list) -> str:
+    def arg(a):
+        if isinstance(a, torch.Tensor):
+            return f"{a.dtype} {tuple(a.shape)} stride {a.stride()}"
+        if isinstance(a, (list, tuple)):
+            return "[" + ", ".join(arg(x) for x in a[:4]) + (", ..." if len(a) > 4 else "") + "]"
+        return repr(a)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return f"k31c: in program {program}, step {index} ({name}), called with: " + "; ".join(map(arg, call))

@@ -77,9 +77,11 @@ from k31c import api
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine
-builds = {"compiled": 0, "loaded": 0}
-def listen(*, cache_hit, **_):
+builds = {"compiled": 0, "loaded": 0, "compiled_names": []}
+def listen(*, cache_hit, metadata=None, **_):
     builds["loaded" if cache_hit else "compiled"] += 1
+    if not cache_hit:
+        builds["compiled_names"].append(str((metadata or {}).get("name", "?")))
 triton.knobs.compilation.listener = listen
 torch.manual_seed(0)
 model = K31ForCausalLM(preset("tiny"))

@@ -178,6 +178,24 @@ def test_weights_only_pieces_run_once_until_a_weight_changes(model):
     assert sorted(p.runs for p in pieces) == [1] * (len(pieces) - 1) + [2]
 
 
+def test_a_failing_step_says_which_and_what_it_was_given(model):
+    compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
+    eng = _engine(model, compiled)
+    rid = eng.add_request()
+    eng.decode([rid], [5])
+    executor = next(p for s, p in compiled._programs.items() if s.name == "decode").executor
+    i = next(j for j, step in enumerate(executor.steps) if step[0] == 0)     # a dense piece
+
+    def broken(*args):
+        raise ValueError("piece broke")
+    executor.steps[i] = executor.steps[i][:2] + (broken,) + executor.steps[i][3:]
+    with pytest.raises(ValueError, match="piece broke") as info:
+        eng.decode([rid], [6])
+    [note] = info.value.__notes__
+    assert note.startswith(f"k31c: in program decode, step {i} (broken), called with: ")
+    assert "torch.float32 (" in note and "stride (" in note
+
+
 def test_h200_program_runs_its_kernels_and_matches_eager(model):
     compiled = k31c_api.compile(model, target="h200", options={"dense_codegen": "fx"})
     topk = model.config.index_topk
