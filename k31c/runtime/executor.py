@@ -122,6 +122,11 @@ class Executor:
                 plan.append((1, stream, s.fn, (consts, refs, lists), s.outs, s.free))
         return plan
 
+    def keeping_kernels(self):
+        """A context in which Triton kernels compiled are kept in the program's kernel store (the
+        device graphs' staging kernel runs outside the executor's calls)."""
+        return keeping(self.kernel_store) if self.kernel_store is not None else nullcontext()
+
     def __call__(self, inputs: list) -> tuple:
         if self.kernel_store is None:
             with using_target(self.target):

@@ -125,7 +125,7 @@ class DecodeGraphs:
         run = statics.bind(flat)
         capture_stream = torch.cuda.Stream(device=self.executor.device)
         capture_stream.wait_stream(torch.cuda.current_stream(self.executor.device))
-        with torch.cuda.stream(capture_stream):
+        with torch.cuda.stream(capture_stream), self.executor.keeping_kernels():
             statics.stage()                     # warm-up on padding: compiles, tunes, writes nothing
             self.executor(run)
         torch.cuda.current_stream(self.executor.device).wait_stream(capture_stream)
