@@ -279,6 +279,23 @@ def test_a_gpu_target_program_goes_through_the_cache(tmp_path, monkeypatch):
     close(got, engine_scenario(model, model, [(0, 40), (0, 5), (7, 18)], 100, (0, 2), 2), tol=2e-5)
 
 
+def test_the_trace_example_avoids_the_static_sizes():
+    """A symbolic size equal to a static one at the trace's example was taken for the same size
+    by torch 2.11's standalone_compile (a verify4 piece read the block table's width, 8, as its
+    rows, B x R = 8 at B = 2): the example's sizes avoid every static size of the step's inputs."""
+    from k31c.graph.capture import StepKind, example_sizes, static_sizes
+    assert example_sizes(StepKind("decode", 4), {8, 4, 512}) == (5, 20)     # 2: 8; 3, 4: 4
+    assert example_sizes(StepKind("decode", 1), {3, 512}) == (4, 4)           # B + 1 = 3 at 2
+    assert example_sizes(StepKind("prefill", 1), {3, 6, 7}) == (3, 8)        # T: not 3, 4, 6, 7
+    model = make_model()
+    pool = Engine(model, **POOL).pool
+    from k31c.graph.step import step_meta
+    meta = step_meta(slot_mapping=[0], block_table=pool.block_table[:1], row_req=[0], row_len=[1],
+                     kda_slots=[0], cu_seqlens=[0, 1], device="cpu")
+    static = static_sizes(model, meta, pool.caches(pool.new_snapshots(1, 4)))
+    assert {8, 4, model.config.vocab_size, model.config.hidden_size} <= static
+
+
 def test_step_inputs_record_round_trip():
     import sympy
     from k31c.cached_program import step_inputs_from_record, step_inputs_record

@@ -4,8 +4,9 @@ A step kind (prefill, decode, or verification with R rows per request) is traced
 `torch.export` (non-strict: the Python code runs on fake tensors, so nothing is executed and no
 cache is written) into the pre-dispatch aten IR. Why export rather than a Dynamo backend:
 - the cache-writing k31c ops stay in place as they are (no `auto_functionalized` to match through);
-- the example is synthetic with B = 2 requests and the batch dimension is a `Dim` with min 1, so
-  the one trace serves every batch size, B = 1 included (Dynamo specializes sizes 0/1);
+- the example is synthetic with B >= 2 requests (`example_sizes`) and the batch dimension is a
+  `Dim` with min 1, so the one trace serves every batch size, B = 1 included (Dynamo specializes
+  sizes 0/1);
 - the trace is reusable: every pass pipeline starts from a copy of it.
 `torch.compile(model, backend="k31c")` reaches the same passes through `dynamo_to_aten` (api.py).
 
@@ -155,13 +156,39 @@ def _input_name(keypath, arg_names: Sequence[str]) -> str:
 
 # ---- example inputs --------------------------------------------------------------------------
 
-def example_step(step: StepKind, meta: StepMeta, caches: Caches):
-    """Synthetic inputs of the step's kind: B = 2 requests (T = 6 rows for prefill), the block
-    table width and every cache taken from the real ones. Values do not matter (the trace runs on
-    fake tensors); 2 and 6 are chosen so no symbolic size is 0 or 1, which torch would specialize."""
+def example_sizes(step: StepKind, static: set) -> tuple[int, int]:
+    """(B, rows) of the synthetic example: the smallest B >= 2 (prefill rows T >= 6) whose symbolic
+    sizes (B, B + 1 and the rows: B x R, or T) are neither 0 or 1 (torch would specialize them),
+    nor equal to each other or to any static size of the step's inputs. A symbolic size equal to
+    a static one at the example may be taken for the same size by a compiler that sizes by the
+    example's values (torch 2.11's standalone_compile did: a verify4 piece took the block table's
+    width, 8, for its rows, B x R = 8 at B = 2)."""
+    for b in range(2, 4096):
+        for n in (range(6, 4096) if step.mode == "prefill" else (b * step.rows,)):
+            if step.mode == "prefill" and n in (b, b + 1):       # T is a symbol of its own
+                continue
+            if not {b, b + 1, n} & static:
+                return b, n
+    raise ValueError(f"capture: no example size avoids the static sizes {sorted(static)[:16]}")
+
+
+def static_sizes(model: torch.nn.Module, meta: StepMeta, caches: Caches) -> set:
+    """Every dimension size of the weights, the block table's width and the cache planes."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [t for t in pytree.tree_leaves((caches.mla, caches.kda)) if isinstance(t, torch.Tensor)]
+    sizes = {int(d) for t in tensors for d in t.shape}
+    sizes.add(int(meta.block_table.shape[1]))
+    if caches.kda_snapshots is not None:
+        sizes |= {int(d) for s in caches.kda_snapshots for t in (s.conv, s.recurrent) for d in t.shape[1:]}
+    return sizes
+
+
+def example_step(step: StepKind, meta: StepMeta, caches: Caches, sizes: tuple[int, int]):
+    """Synthetic inputs of the step's kind: `sizes` = (B requests, rows) (`example_sizes`), the
+    block table width and every cache taken from the real ones. Values do not matter (the trace
+    runs on fake tensors)."""
     dev = meta.slot_mapping.device
-    B = 2
-    n = 6 if step.mode == "prefill" else B * step.rows
+    B, n = sizes
     ex_meta = step_meta(slot_mapping=torch.arange(n, device=dev),
                         block_table=torch.zeros(B, meta.block_table.shape[1], device=dev),
                         row_req=torch.zeros(n, device=dev), row_len=torch.ones(n, device=dev),
@@ -235,7 +262,8 @@ def capture(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Cache
     if step.snapshots and not caches.kda:
         raise ValueError("verification steps need KDA layers to snapshot")
     start = time.perf_counter()
-    args = example_step(step, meta, caches)
+    static = static_sizes(model, meta, caches) | {step.rows}
+    args = example_step(step, meta, caches, example_sizes(step, static))
     gm, inputs = trace(_Step(model, step), args, _dynamic_shapes(step, caches),
                        ("input_ids", "meta", "caches"), strip="step")
     captured = Captured(gm, step, inputs, pytree.tree_structure(args), seconds=time.perf_counter() - start)
