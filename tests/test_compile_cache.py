@@ -286,7 +286,7 @@ def test_the_trace_example_avoids_the_static_sizes():
     from k31c.graph.capture import StepKind, example_sizes, static_sizes
     assert example_sizes(StepKind("decode", 4), {8, 4, 512}) == (5, 20)     # 2: 8; 3, 4: 4
     assert example_sizes(StepKind("decode", 1), {3, 512}) == (4, 4)           # B + 1 = 3 at 2
-    assert example_sizes(StepKind("prefill", 1), {3, 6, 7}) == (3, 8)        # T: not 3, 4, 6, 7
+    assert example_sizes(StepKind("prefill", 1), {3, 6, 7}) == (4, 8)        # B: not 2, 3; T: not 6, 7
     model = make_model()
     pool = Engine(model, **POOL).pool
     from k31c.graph.step import step_meta
