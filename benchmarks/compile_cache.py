@@ -1,9 +1,9 @@
 """Cold and warm starts of a compiled model: the compile cache against Inductor's own caches
 (spec §8 G11: a warm start <= 5% of a cold one, no Inductor or Triton compile in it).
 
-Four child processes (five on a GPU target), each: import k31c, make the model (a preset with seeded random weights),
-`k31c.compile(model, target)`, an Engine of one pool, `compiled.prebuild(engine, steps)` (the
-programs built or loaded: "start"), then a prefill of 16 tokens and 3 decode steps ("first
+Four child processes (five on a GPU target), each: import k31c, make the model (a preset with
+seeded random weights), `k31c.compile(model, target)`, an Engine of one pool,
+`compiled.prebuild(engine, steps)` (the programs built or loaded: "start"), then a prefill of 16 tokens and 3 decode steps ("first
 tokens": on a GPU target the k31c kernels' Triton JIT happens here unless Triton's cache has
 them; a GPU row counts the kernels Triton compiled and those it loaded from its cache). The
 runs, in order:
@@ -13,7 +13,8 @@ runs, in order:
 3. `k31c cold`: an empty k31c compile cache, fresh Inductor and Triton caches;
 4. `k31c warm`: the same compile cache, filled by run 3, and run 3's Triton cache;
 5. (GPU targets) `k31c warm, fresh Triton cache`: the compile cache alone, as on another machine
-   it was copied to (k31c's own kernels are not in its entries: Triton compiles them again).
+   it was copied to (k31c's kernels from its kernel store, runtime/kernel_store.py; Inductor's
+   from its artifacts).
 Each row: the imports (torch, k31c.api and Inductor's compile and load modules, before the
 clock), start (compile + prebuild), first tokens, the child's wall time, and the start as a
 share of its cold run's.
@@ -110,7 +111,7 @@ def main() -> None:
                                "TRITON_CACHE_DIR": str(d / "tri2")}),
                 ("k31c warm", {"K31C_COMPILE_CACHE": str(d / "k31c"), "TORCHINDUCTOR_CACHE_DIR": str(d / "ind3"),
                                "TRITON_CACHE_DIR": str(d / "tri2")})]
-        if args.target != "cpu":            # the compile cache alone: k31c's kernels JIT again
+        if args.target != "cpu":            # the compile cache alone
             runs.append(("k31c warm, fresh Triton cache", {"K31C_COMPILE_CACHE": str(d / "k31c"),
                                                            "TORCHINDUCTOR_CACHE_DIR": str(d / "ind4"),
                                                            "TRITON_CACHE_DIR": str(d / "tri3")}))

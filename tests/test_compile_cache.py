@@ -292,7 +292,7 @@ def test_the_trace_example_avoids_the_static_sizes():
     from k31c.graph.step import step_meta
     meta = step_meta(slot_mapping=[0], block_table=pool.block_table[:1], row_req=[0], row_len=[1],
                      kda_slots=[0], cu_seqlens=[0, 1], device="cpu")
-    static = static_sizes(model, meta, pool.caches(pool.new_snapshots(1, 4)))
+    static = static_sizes(model, StepKind("decode", 4), meta, pool.caches(pool.new_snapshots(1, 4)))
     assert {8, 4, model.config.vocab_size, model.config.hidden_size} <= static
 
 

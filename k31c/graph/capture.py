@@ -172,15 +172,12 @@ def example_sizes(step: StepKind, static: set) -> tuple[int, int]:
     raise ValueError(f"capture: no example size avoids the static sizes {sorted(static)[:16]}")
 
 
-def static_sizes(model: torch.nn.Module, meta: StepMeta, caches: Caches) -> set:
-    """Every dimension size of the weights, the block table's width and the cache planes."""
+def static_sizes(model: torch.nn.Module, step: StepKind, meta: StepMeta, caches: Caches) -> set:
+    """Every dimension size of the weights and the cache planes (a snapshot's are a plane's and
+    R), the block table's width and R."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [t for t in pytree.tree_leaves((caches.mla, caches.kda)) if isinstance(t, torch.Tensor)]
-    sizes = {int(d) for t in tensors for d in t.shape}
-    sizes.add(int(meta.block_table.shape[1]))
-    if caches.kda_snapshots is not None:
-        sizes |= {int(d) for s in caches.kda_snapshots for t in (s.conv, s.recurrent) for d in t.shape[1:]}
-    return sizes
+    return {int(d) for t in tensors for d in t.shape} | {int(meta.block_table.shape[1]), step.rows}
 
 
 def example_step(step: StepKind, meta: StepMeta, caches: Caches, sizes: tuple[int, int]):
@@ -262,8 +259,7 @@ def capture(model: K31ForCausalLM, step: StepKind, meta: StepMeta, caches: Cache
     if step.snapshots and not caches.kda:
         raise ValueError("verification steps need KDA layers to snapshot")
     start = time.perf_counter()
-    static = static_sizes(model, meta, caches) | {step.rows}
-    args = example_step(step, meta, caches, example_sizes(step, static))
+    args = example_step(step, meta, caches, example_sizes(step, static_sizes(model, step, meta, caches)))
     gm, inputs = trace(_Step(model, step), args, _dynamic_shapes(step, caches),
                        ("input_ids", "meta", "caches"), strip="step")
     captured = Captured(gm, step, inputs, pytree.tree_structure(args), seconds=time.perf_counter() - start)

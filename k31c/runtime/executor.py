@@ -123,15 +123,12 @@ class Executor:
         return plan
 
     def keeping_kernels(self):
-        """A context in which Triton kernels compiled are kept in the program's kernel store (the
-        device graphs' staging kernel runs outside the executor's calls)."""
+        """A context in which the Triton kernels compiled are kept in the program's kernel store
+        (the executor's calls run in it; so does the device graphs' staging kernel)."""
         return keeping(self.kernel_store) if self.kernel_store is not None else nullcontext()
 
     def __call__(self, inputs: list) -> tuple:
-        if self.kernel_store is None:
-            with using_target(self.target):
-                return self._run(inputs)
-        with using_target(self.target), keeping(self.kernel_store):
+        with using_target(self.target), self.keeping_kernels():
             return self._run(inputs)
 
     def refresh_weight_pieces(self, inputs: list) -> None:

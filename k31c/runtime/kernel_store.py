@@ -55,11 +55,7 @@ def _manager_class():
         def get_group(self, filename: str):
             if not self.in_store:
                 return super().get_group(filename)
-            return self._group_here(filename) or self._copy_from_triton(filename)
-
-        def _group_here(self, filename: str) -> Optional[dict]:
-            """The group's files as they lie beside its group file (all of them, else None)."""
-            return _read_group(self.cache_dir, filename)
+            return _read_group(self.cache_dir, filename) or self._copy_from_triton(filename)
 
         def _copy_from_triton(self, filename: str) -> Optional[dict]:
             """The group from Triton's own cache, copied into the store (None: not there)."""
@@ -79,6 +75,7 @@ def _manager_class():
 
 
 def _read_group(directory: str, filename: str) -> Optional[dict]:
+    """The group's files as they lie beside its group file (all of them, else None)."""
     try:
         with open(os.path.join(directory, f"__grp__{filename}")) as f:
             children = json.load(f)["child_paths"]
