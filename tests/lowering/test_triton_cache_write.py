@@ -173,7 +173,9 @@ def test_mla_cache_write_fp8(device, nope, rope):
     gen = torch.Generator().manual_seed(6)
     row_bytes = latent_fp8_row_bytes(nope, rope)
     cache = torch.randint(0, 256, (3, 4, row_bytes), generator=gen, dtype=torch.uint8).to(device)
-    rows = (torch.randn(9, nope + rope, generator=gen) * 2).to(device)
+    rows = torch.randn(9, nope + rope, generator=gen) * 2
+    rows[:, :nope:7] *= 1e-7         # values that round to zero, of either sign: -0 is byte 0x80
+    rows = rows.to(device)
     slots = _slots(9, 12, gen, device)
     want = cache.cpu().clone()
     _fp8_latent_oracle(want, rows.cpu(), slots.cpu(), nope)   # on CPU: torch divides by 448 exactly there

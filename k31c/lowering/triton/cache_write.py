@@ -43,7 +43,9 @@ def round_to_e4m3(y):
 
     Done in fp32 arithmetic because the Triton interpreter's fp32→fp8 cast rounds wrongly; a value
     already on the e4m3 grid then casts exactly everywhere. Spacing is 2^(e-3) for exponent e,
-    and 2^-9 in the subnormal range (e < -6).
+    and 2^-9 in the subnormal range (e < -6). The sign is copied as a bit: negating in Triton
+    (0 - r, fused into an FMA on the GPU) turns a negative value that rounds to zero into +0,
+    where torch's cast gives -0 (byte 0x80).
     """
     bits = y.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
@@ -55,7 +57,8 @@ def round_to_e4m3(y):
     odd = (whole.to(tl.int32) & 1) == 1
     up = (frac > 0.5) | ((frac == 0.5) & odd)
     r = (whole + up.to(tl.float32)) * ulp
-    return tl.where(y < 0, -r, r)
+    sign = (bits >> 31) << 31                      # 0x80000000 where y is negative (-0 included)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
