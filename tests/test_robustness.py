@@ -89,9 +89,11 @@ def test_killed_init_force_keeps_or_restores_the_previous_checkpoint(sig, tmp_pa
     previous = {p.name: p.read_bytes() for p in out.iterdir()}
     proc = _kill_at("checkpoint-swap", sig, ["init", "--seed", "2", "--force", "--out", str(out)], tmp_path)
     _check_killed(proc, sig)
-    if sig == signal.SIGTERM:   # moved back before exiting
+    if sig == signal.SIGTERM:   # a whole checkpoint before exiting: mostly the previous one, moved
+        # back; the new one when the handler ran after the second rename (another thread can take
+        # the signal, so the main thread may pass its check before the flag is set: seen in CI)
         assert _entries(tmp_path) == ["ckpt"]
-        assert {p.name: p.read_bytes() for p in out.iterdir()} == previous
+        assert {p.name: p.read_bytes() for p in out.iterdir()} in (previous, reference)
     assert main(["init", "--seed", "2", "--force", "--out", str(out)]) == 0
     assert _entries(tmp_path) == ["ckpt"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == reference
