@@ -55,8 +55,8 @@ from .cached_program import (Loaded, ProgramCache, cache_root, compile_graph, fa
 from .compile_cache import Unwritable
 from .compile_report import CompileReport, StepReport, changed_options, describe_program, reference_counts
 from .errors import ArtifactError, CompilerError, UsageError
-from .graph.capture import (Captured, StepKind, capture_cached, check_model, clone_graph,
-                            flat_step_inputs)
+from .graph.capture import Captured, StepKind, capture_cached, check_model, clone_graph
+from .graph.input_checks import flat_step_inputs
 from .graph.step import caches_device, step_meta, step_to_device
 from .lowering.build import build_program
 from .lowering.program import Program as KernelProgram

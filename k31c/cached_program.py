@@ -41,8 +41,8 @@ import torch
 
 from .compile_cache import CompileCache, Damaged, Entry, Unwritable
 from .errors import UsageError
-from .graph.capture import (Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph,
-                            leaf_checks_from_record, leaf_checks_record)
+from .graph.capture import Captured, GraphInput, StepKind, cache_geometry, canonical_path, clone_graph
+from .graph.input_checks import leaf_checks_from_record, leaf_checks_record
 from .graph.printer import format_graph
 from .graph.step import caches_device
 from .lowering import iree

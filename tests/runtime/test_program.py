@@ -68,7 +68,7 @@ def test_partition_keeps_only_k31c_ops_and_markers_between_pieces(decode_graph):
 
 def test_partitioned_graph_computes_what_the_graph_computes(decode_graph, model):
     program, eng, meta = decode_graph
-    from k31c.graph.capture import flat_step_inputs
+    from k31c.graph.input_checks import flat_step_inputs
     ids = torch.tensor([3, 9])
 
     def run(gm):
@@ -252,7 +252,7 @@ def test_padding_requests_read_and_write_nothing(model):
     step = StepKind("decode")
     program = compiled._programs[step]
     from k31c.api import _step_inputs
-    from k31c.graph.capture import flat_step_inputs
+    from k31c.graph.input_checks import flat_step_inputs
     graphs = DecodeGraphs(program.executor, _step_inputs(program, step), (4,), None, b.pool.max_blocks_per_req)
     _, meta = b._inputs([0, 1], [b.length(0), b.length(1)], [1, 1], [3, 9])
     flat = flat_step_inputs(program.captured, program.placeholders, torch.tensor([3, 9]), meta, b.pool.caches())
