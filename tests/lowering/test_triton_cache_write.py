@@ -56,6 +56,7 @@ def test_index_cache_write_fp8_bit_exact(device, d, block_size):
     # keys spanning many binades, so rounding, carries into the exponent and subnormals all occur
     keys = (torch.randn(29, d, generator=gen) * torch.exp(torch.randn(29, 1, generator=gen) * 3)).to(device)
     keys[0, : min(d, 128)] *= 1e-7                          # a group whose amax hits the 1e-4 floor
+    keys[1:, ::5] *= 1e-9                                   # values that round to -0 / +0 (0x80 / 0x00)
     slots = _slots(29, 5 * block_size, gen, device)
     cache_before = cache.clone()
     ref = cache.clone()
@@ -218,6 +219,7 @@ def test_index_write_mxfp8(device, norm):
     cache = _random_mx_cache(4, block_size, d, gen, device)
     keys = torch.randn(40, d, generator=gen) * torch.exp2(torch.randint(-12, 12, (40, 1), generator=gen).float())
     keys[3, :32] = 0.0
+    keys[4:, ::5] *= 1e-9                                   # values that round to -0 / +0 (0x80 / 0x00)
     keys = keys.to(device)
     slots = _slots(40, 64, gen, device)
     ref = cache.clone()
