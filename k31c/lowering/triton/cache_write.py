@@ -45,8 +45,9 @@ def round_to_e4m3(y, SIGNED_ZERO: tl.constexpr = False):
     already on the e4m3 grid then casts exactly everywhere. Spacing is 2^(e-3) for exponent e,
     and 2^-9 in the subnormal range (e < -6). A negative y that rounds to zero gives +0 (Triton's
     -r is 0 - r), equal as a value; SIGNED_ZERO gives -0 (byte 0x80, as torch's cast), for bytes
-    that are stored: the sign then comes with the step, a product (the indexer's query tiles
-    keep the cheaper form: 120 registers against 128 in the MXFP8 scan).
+    that are stored: the sign then comes with the step, a product. The indexer's query tiles,
+    which only multiply the values, keep the other form: it costs the MXFP8 scan fewer registers
+    (BENCHMARKS.md, "The GPU check passes; G11 on the GPU").
     """
     bits = y.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
