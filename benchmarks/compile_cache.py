@@ -3,10 +3,10 @@
 
 Four child processes (five on a GPU target), each: import k31c, make the model (a preset with
 seeded random weights), `k31c.compile(model, target)`, an Engine of one pool,
-`compiled.prebuild(engine, steps)` (the programs built or loaded: "start"), then a prefill of 16 tokens and 3 decode steps ("first
-tokens": on a GPU target the k31c kernels' Triton JIT happens here unless Triton's cache has
-them; a GPU row counts the kernels Triton compiled and those it loaded from its cache). The
-runs, in order:
+`compiled.prebuild(engine, steps)` (the programs built or loaded, and on a GPU target run once,
+so the Triton JIT of k31c's kernels and the decode graph's capture happen here: "start"), then
+a prefill of 16 tokens and 3 decode steps ("first tokens"; a GPU row counts the kernels Triton
+compiled and those it loaded from its cache in the whole child). The runs, in order:
 1. `inductor cold`: the k31c cache off, fresh Inductor and Triton cache directories;
 2. `inductor warm`: the k31c cache off, the same Inductor and Triton caches, filled by run 1: what
    torch's caches give without k31c's (capture, passes and Inductor's cache lookups remain);

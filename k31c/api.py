@@ -286,10 +286,13 @@ class CompiledModel:
             program.graphs = DecodeGraphs(program.executor, inputs, self.options["buckets"],
                                           self._graph_pool, meta.block_table.shape[1])
 
-    def prebuild(self, engine, steps: Sequence[str]) -> None:
+    def prebuild(self, engine, steps: Sequence[str]) -> bool:
         """Build the programs of `steps` (names: "prefill", "decode", "verify4") for `engine`'s
-        cache pool without running them: with the compile cache on, a later process that
-        compiles the same model for an Engine of the same geometry loads them."""
+        cache pool: with the compile cache on, a later process that compiles the same model for an
+        Engine of the same geometry loads them. On a GPU this target runs on, each step then runs
+        once on a throwaway request (`Engine.run_once`), so the Triton kernels its program
+        launches are compiled now, into the compile cache's kernel store, not at the later
+        process's first step. Returns whether the steps ran."""
         kinds = []
         for name in steps:
             try:
@@ -304,6 +307,11 @@ class CompiledModel:
                              device=engine.device)
             snaps = pool.new_snapshots(2, step.rows) if step.snapshots else None
             self.build(step, meta, pool.caches(snaps))
+        # the cpu target's kernels are built with its program; a GPU's compile at first launch
+        if not (self.target.runnable_here and engine.device.type == "cuda" and engine.step_fn is self):
+            return False
+        engine.run_once([(s.mode, s.rows) for s in kinds])
+        return True
 
     def _check_device(self, meta) -> None:
         t = self.target

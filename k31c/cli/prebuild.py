@@ -60,10 +60,13 @@ def run(args) -> int:
     log(f"compile cache {compiled.cache.root}")
     for s in steps:
         start = time.perf_counter()
-        compiled.prebuild(engine, [s])
+        ran = compiled.prebuild(engine, [s])
         note = compiled.report.steps[StepKind.parse(s).name].cache
         if note.startswith("not stored"):
             raise RuntimeFailure(f"{s}: {note}")
-        done = "already cached" if note.startswith("hit") else "built"
+        done = ("already cached" if note.startswith("hit") else "built") + (", ran once" if ran else "")
         print(f"{s}: {done} in {time.perf_counter() - start:.1f} s ({note.split('; ')[-1]})")
+    if compiled.target.device == "cuda" and not ran:
+        print(f"the {args.target} programs did not run here: their Triton kernels compile at their first "
+              f"run on a {args.target} GPU, into this cache's kernel store")
     return 0

@@ -226,6 +226,29 @@ class Engine:
         for r, s, a in zip(rids, starts, accepted):
             self.pool.requests[r].length = s + a
 
+    @torch.no_grad()
+    def run_once(self, steps: Sequence[tuple[str, int]], seed: int = 0) -> None:
+        """Run each step of `steps` ((mode, rows): ("prefill", 1), ("decode", R)) once on a
+        throwaway request with random token ids, then free it, so that what happens at a step's
+        first run (Triton compiling the kernels it launches, a decode step capturing its device
+        graph for one request) happens now. Prefill runs at 7 and 16 tokens: Triton compiles an
+        integer argument divisible by 16 into its own kernel variant."""
+        gen = torch.Generator().manual_seed(seed)
+        for mode, rows in steps:
+            lengths = {min(n, self.max_seq_len) for n in (7, 16)} if mode == "prefill" else {rows}
+            for n in sorted(lengths):
+                if n > self.max_seq_len:
+                    continue         # a verification longer than a request: it never runs
+                tokens = torch.randint(self.cfg.vocab_size, (n,), generator=gen).tolist()
+                rid = self.add_request()
+                try:
+                    if mode == "prefill":
+                        self.prefill([rid], [tokens], logits="last")
+                    else:
+                        self.verify([rid], [tokens])
+                finally:
+                    self.free(rid)
+
     # ---- user-level -----------------------------------------------------------------------------------
     def prefill_logits(self, tokens: Sequence[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 of one prefill of a fresh request."""

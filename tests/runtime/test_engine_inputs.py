@@ -95,3 +95,20 @@ def test_pool_larger_than_the_device_memory_is_refused_by_its_size():
     with pytest.raises(RuntimeFailure, match=r"out of memory: the cache pool for 1 request\(s\) of up "
                                              r"to 1099511627776 tokens needs \d+ bytes"):
         CachePool(preset("tiny"), max_requests=1, max_seq_len=2**40)
+
+
+def test_run_once_runs_each_step_on_a_request_it_frees(model):
+    """`Engine.run_once` (what `prebuild` runs on a GPU): each step once, prefill at 7 and 16
+    tokens, a verification of R rows as one step of R rows; lengths capped by max_seq_len (a
+    verification longer than a request skipped); the throwaway request freed after each."""
+    calls = []
+
+    def step_fn(ids, meta, caches, mode="prefill", rows=1):
+        calls.append((mode, rows, ids.numel(), meta.row_len.tolist()))
+        return model(ids, meta, caches, mode, rows)
+    eng = Engine(model, max_requests=1, max_seq_len=12, step_fn=step_fn)
+    eng.run_once([("prefill", 1), ("decode", 1), ("decode", 4), ("decode", 16)])
+    assert calls == [("prefill", 1, 7, list(range(1, 8))), ("prefill", 1, 12, list(range(1, 13))),
+                     ("decode", 1, 1, [1]), ("decode", 4, 4, [1, 2, 3, 4])]
+    rid = eng.add_request()              # the one request slot is free again
+    assert eng.length(rid) == 0

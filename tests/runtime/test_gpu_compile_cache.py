@@ -1,9 +1,9 @@
 """The compile cache on the GPU (skipped without CUDA; `scripts/gpu_check.sh` runs it): the h200
 program of the tiny model built into a fresh cache, then loaded by a second compile that
 neither captures nor generates code, its decode steps replayed as device graphs staged from the
-recorded step inputs, computing what eager computes; and in fresh processes, a warm start with
-fresh Triton and Inductor caches (the compile cache alone, as on a machine it was copied to)
-compiling no Triton kernel. Prints the cold and warm compile times (spec G11: warm <= 5% of
+recorded step inputs, computing what eager computes; and in fresh processes, a start from a
+prebuilt compile cache with fresh Triton and Inductor caches (the compile cache alone, as on a
+machine it was copied to) compiling no Triton kernel. Prints the cold and warm compile times (spec G11: warm <= 5% of
 cold, no Inductor or Triton compile in it)."""
 import os
 import time
@@ -71,6 +71,38 @@ def test_generate_on_h200_builds_then_loads(tmp_path):
     assert cold.stdout == warm.stdout and cold.stdout.strip()
 
 
+def test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel(tmp_path):
+    """Two processes: the first only prebuilds (`compiled.prebuild(engine, steps)`: on the GPU
+    each step runs once) into an empty compile cache with fresh Triton and Inductor caches; the
+    second starts from that compile cache alone (fresh Triton and Inductor caches again, as on a
+    machine it was copied to), prefills and decodes: it loads its steps and compiles no Triton
+    kernel (k31c's from the cache's kernel store, Inductor's from its artifacts), and its logits
+    are eager's."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "start.py"
+    script.write_text(_START)
+    runs = []
+    for i, what in ((1, "prebuild"), (2, "run")):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{i}"),
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")}
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), what], env=env,
+                             capture_output=True, text=True, timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    prebuilt, warm = runs
+    print(f"Triton kernels compiled / loaded: prebuild {prebuilt['builds']}, then {warm['builds']}")
+    assert prebuilt["ran"] and prebuilt["builds"]["compiled"] > 0
+    assert all(c.startswith("miss") for c in prebuilt["cache"].values()), prebuilt["cache"]
+    assert all(c.startswith("hit") for c in warm["cache"].values()), warm["cache"]
+    assert warm["builds"]["compiled"] == 0, warm["builds"]
+    got, want = torch.tensor(warm["logits"]), torch.tensor(warm["eager"])
+    assert ((got - want).abs().max() / want.abs().max()).item() < TOL_F32
+
+
+# a process of the test above: argv[1] the compile cache, argv[2] "prebuild" or "run"; prints a
+# JSON line: Triton's compiles and loads, each step's cache note, and what it ran
 _START = r"""
 import json, sys, torch, triton
 from k31c import api
@@ -86,40 +118,21 @@ triton.knobs.compilation.listener = listen
 torch.manual_seed(0)
 model = K31ForCausalLM(preset("tiny"))
 model.reset_parameters(torch.Generator().manual_seed(0))
-compiled = api.compile(model.eval().cuda(), target="h200", options={"cache": sys.argv[1]})
+model = model.eval().cuda()
+compiled = api.compile(model, target="h200", options={"cache": sys.argv[1]})
 engine = Engine(compiled, max_requests=2, max_seq_len=256)
-rid = engine.add_request()
-logits = [engine.prefill([rid], [list(range(3, 19))])]
-for t in (5, 6, 7):
-    logits.append(engine.decode([rid], [t]))
+out = {}
+if sys.argv[2] == "prebuild":
+    out["ran"] = compiled.prebuild(engine, ["prefill", "decode"])
+else:
+    def steps(eng):
+        rid = eng.add_request()
+        logits = [eng.prefill([rid], [list(range(3, 19))])]
+        for t in (5, 6, 7):
+            logits.append(eng.decode([rid], [t]))
+        return [l.float().flatten()[:64].tolist() for l in logits]
+    out["logits"] = steps(engine)
+    out["eager"] = steps(Engine(model, max_requests=2, max_seq_len=256))
 torch.cuda.synchronize()
-print(json.dumps({"builds": builds, "cache": {s: r.cache for s, r in compiled.report.steps.items()},
-                  "logits": [l.float().flatten()[:64].tolist() for l in logits]}))
+print(json.dumps({"builds": builds, "cache": {s: r.cache for s, r in compiled.report.steps.items()}, **out}))
 """
-
-
-def test_a_copied_cache_starts_without_compiling_a_triton_kernel(tmp_path):
-    """Two processes: the first builds into an empty compile cache (fresh Triton and Inductor
-    caches), the second starts from that compile cache alone (fresh Triton and Inductor caches
-    again): it loads its steps and compiles no Triton kernel: k31c's kernels come from the
-    cache's kernel store, Inductor's from its artifacts."""
-    import json
-    import subprocess
-    import sys
-    script = tmp_path / "start.py"
-    script.write_text(_START)
-    runs = []
-    for i in (1, 2):
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{i}"),
-               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")}
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], env=env,
-                             capture_output=True, text=True, timeout=500)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    print(f"Triton kernels compiled / loaded: cold {cold['builds']}, warm {warm['builds']}")
-    assert cold["builds"]["compiled"] > 0
-    assert all(c.startswith("hit") for c in warm["cache"].values()), warm["cache"]
-    assert warm["builds"]["compiled"] == 0, warm["builds"]
-    got, want = torch.tensor(warm["logits"]), torch.tensor(cold["logits"])
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4    # the same programs
