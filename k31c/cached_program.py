@@ -253,7 +253,8 @@ class ProgramCache:
         captured = Captured(None, step, inputs, None, dict(info["dims"]),
                             leaf_checks=leaf_checks_from_record(info["checks"]))
         loaded = Loaded(captured, _records(info["passes"]), {(op, k): n for op, k, n in info["kernels"]}, info)
-        with _writable_copy(entry.path / "inductor") as inductor_dir, temporary_cache_dir(str(inductor_dir)):
+        with _writable_copy(entry.path / "inductor") as inductor_dir, temporary_cache_dir(str(inductor_dir)), \
+                _vec_isa_as_built(info.get("vec_isa")):
             if "program" in info:
                 loaded.pieces = [_load_piece(str(entry.path / "pieces" / piece_file(i, info["program"]["dense_codegen"])),
                                              info["program"]["dense_codegen"], self.target)
@@ -288,10 +289,45 @@ class ProgramCache:
                 (tmp / "graph.txt").write_text(format_graph(gm, title=f"{step.name} after the passes",
                                                             dims=captured.dims) + "\n")
                 info = {"inputs": [[i.name, i.is_weight] for i in captured.inputs], "dims": captured.dims,
+                        "vec_isa": _picked_vec_isa(),
                         "checks": leaf_checks_record(captured, placeholders), "passes": _records_info(records),
                         "kernels": [[op, k, n] for (op, k), n in sorted(kernels(result).items())], **extra}
                 self.entries.publish(tmp, name, facts, info)
         return result, None
+
+
+def _picked_vec_isa() -> Optional[str]:
+    """The CPU vector ISA Inductor built this process's C++ for (None where it has not probed
+    one: a GPU program's pieces, or a torch without the probe's cache)."""
+    from torch._inductor import cpu_vec_isa
+    probed = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+    if probed is None or probed().currsize == 0:
+        return None
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+@contextmanager
+def _vec_isa_as_built(built: Optional[str]) -> Iterator[None]:
+    """Loading an entry's C++ libraries under the ISA they were built for, without Inductor's
+    probe: `pick_vec_isa` (the libraries' cache key) first builds and dlopens a test program per
+    candidate ISA, each in a child Python, about 1.2 s a process; the entry's build ran that
+    probe. Where this process has not probed yet and the ISA the CPU reports (Inductor's
+    `vec_isa_ok`: the probe skipped) is the one the entry was built for, the load takes it; the
+    unprobed list is dropped after, so a later compile in this process probes as it would have."""
+    from torch._inductor import config, cpu_vec_isa
+    isas = cpu_vec_isa.valid_vec_isa_list
+    if built is None or not hasattr(isas, "cache_clear") or isas.cache_info().currsize:
+        yield
+        return
+    with config.patch({"cpp.vec_isa_ok": True}):
+        if str(cpu_vec_isa.pick_vec_isa()) == built:
+            try:
+                yield
+            finally:
+                isas.cache_clear()
+            return
+    isas.cache_clear()                 # built for another ISA: Inductor probes, as without k31c
+    yield
 
 
 def _load_piece(path: str, codegen: str, target):

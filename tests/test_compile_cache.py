@@ -386,3 +386,26 @@ def test_no_cpp_compiler_is_one_line_and_leaves_no_entry(tmp_path):
     assert last.startswith("k31c: error: Inductor builds the dense code of CPU tensors as C++") and "$CXX" in last
     assert "Traceback" not in out.stderr
     assert CompileCache(tmp_path / "cache").entries() == []
+
+
+def test_an_entry_loads_under_the_isa_it_was_built_for_without_the_probe():
+    """The cpu entries record the vector ISA Inductor built them for; a process that has not
+    probed its ISAs loads under it with Inductor's probe skipped (`vec_isa_ok`) when the CPU's
+    own pick is that ISA, and probes as usual otherwise; either way the unprobed list is dropped
+    after, and a process that has probed keeps its list."""
+    from torch._inductor import config, cpu_vec_isa
+    from k31c.cached_program import _vec_isa_as_built
+    isas = cpu_vec_isa.valid_vec_isa_list
+    isas.cache_clear()
+    with config.patch({"cpp.vec_isa_ok": True}):
+        mine = str(cpu_vec_isa.pick_vec_isa())
+    isas.cache_clear()
+    with _vec_isa_as_built(mine):
+        assert config.cpp.vec_isa_ok is True and str(cpu_vec_isa.pick_vec_isa()) == mine
+    assert config.cpp.vec_isa_ok is None and isas.cache_info().currsize == 0
+    with _vec_isa_as_built("an isa of another machine"):
+        assert config.cpp.vec_isa_ok is None and isas.cache_info().currsize == 0   # Inductor's own probe
+    isas()                                           # probed (by Inductor, in this process)
+    with _vec_isa_as_built(mine):
+        assert config.cpp.vec_isa_ok is None
+    assert isas.cache_info().currsize == 1
