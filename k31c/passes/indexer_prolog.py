@@ -39,14 +39,15 @@ def _next_ids(graph: torch.fx.Graph) -> tuple[int, int]:
 
 def _plan(consumer: torch.fx.Node, order: dict):
     """The three branches of one indexer, or a string saying why it is left alone."""
-    where = display_name(consumer)
+    def where() -> str:          # named only when left alone: naming walks the whole graph
+        return display_name(consumer)
     q, weights, cache = consumer.args[0], consumer.args[1], consumer.args[2]
     writes = [u for u in cache.users if u.target in INDEX_WRITES and u.args[0] is cache]
     if len(writes) != 1:
-        return f"{where}: {len(writes)} index-key writes into its cache (need exactly 1); left alone"
+        return f"{where()}: {len(writes)} index-key writes into its cache (need exactly 1); left alone"
     write = writes[0]
     if order[write] > order[consumer]:
-        return f"{where}: its keys are written after scoring; left alone"
+        return f"{where()}: its keys are written after scoring; left alone"
     branches = {
         "query": exclusive_slice([q], consumer),
         "key": exclusive_slice(write.args[1:], write) + [write],
@@ -60,7 +61,7 @@ def _plan(consumer: torch.fx.Node, order: dict):
     jumped = [n for n in consumer.graph.nodes
               if order[anchor] < order[n] < order[write] and n not in side and cache in n.all_input_nodes]
     if jumped:
-        return f"{where}: {display_name(jumped[0])} uses the index cache before its write; left alone"
+        return f"{where()}: {display_name(jumped[0])} uses the index cache before its write; left alone"
     return branches, anchor
 
 
