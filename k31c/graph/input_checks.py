@@ -22,7 +22,7 @@ class _LeafCheck:
     device: str
     static: tuple                      # (dim, size) of fixed sizes
     binds: tuple                       # (dim, symbol name) of sizes that are a bare symbol
-    derived: tuple                     # (dim, text, fn(**symbols) -> size) of the other sizes
+    derived: tuple                     # (dim, text, fn(*sizes of syms) -> size, syms) of the other sizes
 
 
 def _leaf_checks(captured: Captured, placeholders: list[torch.fx.Node]) -> list[_LeafCheck]:

@@ -235,10 +235,11 @@ class Engine:
         integer argument divisible by 16 into its own kernel variant."""
         gen = torch.Generator().manual_seed(seed)
         for mode, rows in steps:
-            lengths = {min(n, self.max_seq_len) for n in (7, 16)} if mode == "prefill" else {rows}
-            for n in sorted(lengths):
-                if n > self.max_seq_len:
-                    continue         # a verification longer than a request: it never runs
+            if mode == "prefill":
+                lengths = sorted({min(n, self.max_seq_len) for n in (7, 16)})
+            else:                    # a verification longer than a request never runs
+                lengths = [rows] if rows <= self.max_seq_len else []
+            for n in lengths:
                 tokens = torch.randint(self.cfg.vocab_size, (n,), generator=gen).tolist()
                 rid = self.add_request()
                 try:

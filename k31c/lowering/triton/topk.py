@@ -178,7 +178,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
     offs = run + tl.arange(0, RUN_KEYS)[None, :]
     held = tl.zeros((), tl.int32)
     ties = tl.zeros([TILE // RUN_KEYS], tl.int32)     # per run: a thread's adds, no carried tile
-    # the scores are read once, so evict-first (3-5% faster select, BENCHMARKS.md): L2 is left
+    # the scores are read once, so evict-first (a 4% faster select, BENCHMARKS.md): L2 is left
     # to what is read again (the candidate buffers the refine reads back, likely the gain)
     nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0, eviction_policy="evict_first")
     for start in range(lo, hi, TILE):
