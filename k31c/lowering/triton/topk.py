@@ -5,7 +5,9 @@ over its positions < row_len[t], where key is the score's order-preserving uint3
 with +0.0, every NaN sits above +inf, as torch.sort orders them). Composites are distinct, so the
 set is unique and equals the reference's: among equal scores the higher position wins.
 
-Three launches (no host sync; grids from static shapes; CUDA-graph safe):
+Three launches (no host sync; grids from static shapes; CUDA-graph safe). On CUDA sm_90+ the
+filter and the refine are each the PDL dependent of the launch before (`device.pair_launch`):
+their programs launch while it runs and wait for it at their start, so no launch gap is left.
 1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
    with n <= cap take threshold T = 0 (every position is a candidate). Longer rows gather a
    strided sample (runs of 8; more keys for longer rows, so about 80 sampled keys lie above T)
@@ -44,7 +46,8 @@ from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slot
                                                select_from_row, select_kth, select_kth_bracketed, store_where,
                                                take_top_ties, threshold_by_value, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
-from k31c.lowering.triton.device import inline_ptx, pdl_launch, wait_for_producers
+from k31c.lowering.triton.device import (inline_ptx, let_dependent_start, pair_launch, pdl_launch,
+                                         wait_for_producers)
 from k31c.lowering.triton import topk_plan
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
@@ -100,9 +103,11 @@ def _ranked_key(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.co
 @triton.jit
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, few_ptr, k, cap, target,
                  SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
-                 FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                 FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
+                 DEPENDENT: tl.constexpr = False):
     """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
     wait_for_producers(PDL)
+    let_dependent_start(PDL, DEPENDENT)     # the filter's programs launch now and wait for this one
     row = tl.program_id(0)
     n = tl.load(row_len_ptr + row)
     st = state_ptr + row * ST_WORDS
@@ -328,7 +333,10 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
     ptx = {"PTX": True} if inline_ptx(scores.device) else {}
-    launch_plan(scores, row_len, out, p, ws, **ptx, **pdl)
+    chained = pair_launch(scores.device)
+    launch_plan(scores, row_len, out, p, ws, **ptx, **pdl, **({"DEPENDENT": True} if chained else {}))
+    if chained:     # filter and refine: each the PDL dependent of the launch before it
+        pdl = {"PDL": True, "launch_pdl": True}
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
@@ -358,6 +366,9 @@ def aot_specs(shapes) -> list:
                 chunk=p.chunk, n_chunks=p.n_chunks)
 
     ptx = {"PTX": True} if shapes.target.triton_backend == "cuda" else {}   # as `inline_ptx` at launch
+    # as `pair_launch` at launch: the plan lets the filter start, filter and refine wait
+    chained = shapes.target.pdl_capable
+    plan_dep, waits = ({"DEPENDENT": True}, {"PDL": True}) if chained else ({}, {})
     refine_tile, warps = topk_plan.REFINE_TILE, topk_plan.warps
 
     def spec(kernel, variant, consts, num_warps):
@@ -365,11 +376,12 @@ def aot_specs(shapes) -> list:
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
                            num_warps=num_warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}",
-                 dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx),
+                 dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx,
+                      **plan_dep),
                  warps(p.samples, topk_plan.PLAN_KEYS)),
-            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=p.tile, SLOTS=p.slots, **ptx),
+            spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=p.tile, SLOTS=p.slots, **ptx, **waits),
                  topk_plan.FILTER_WARPS),
             spec(_refine_kernel, f"scores,CP={pow2(p.n_chunks)},BUF={pow2(p.cap)}",
                  dict(CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=refine_tile,
-                      FEW=p.few, **ptx),
+                      FEW=p.few, **ptx, **waits),
                  warps(pow2(p.cap), topk_plan.REFINE_KEYS))]
