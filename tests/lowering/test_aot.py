@@ -266,13 +266,20 @@ def test_every_integer_argument_has_its_value_at_the_shapes():
 _PDL_PROBE = """
 import dataclasses
 from k31c.lowering import aot, targets
-for pdl in (False, True):
-    targets.TARGETS["h200"] = dataclasses.replace(targets.TARGETS["h200"], pdl=pdl)
-    spec = next(s for s in aot.collect_specs("h200", families=["topk"]) if s.kernel.__name__ == "_filter_kernel")
+def build(specs, name):
+    spec = next(s for s in specs if s.kernel.__name__ == name)
     ck = aot.compile_spec(spec, "h200")
     ptx = ck.asm["ptx"]
-    print(pdl, spec.constexprs["PDL"], "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
-          bool(ck.metadata.launch_pdl))
+    return (spec.constexprs["PDL"], "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+            bool(ck.metadata.launch_pdl))
+for pdl in (False, True):
+    targets.TARGETS["h200"] = dataclasses.replace(targets.TARGETS["h200"], pdl=pdl)
+    print(pdl, *build(aot.collect_specs("h200", families=["cache_write"]), "_latent_write_kernel"))
+# the top-k's own chain, with the target's pdl off: the plan lets the filter launch, the filter waits
+targets.TARGETS["h200"] = dataclasses.replace(targets.TARGETS["h200"], pdl=False)
+topk = aot.collect_specs("h200", families=["topk"])
+print(*build(topk, "_plan_kernel"), *build(topk, "_filter_kernel"),
+      next(s for s in topk if s.kernel.__name__ == "_refine_kernel").constexprs["PDL"])
 """
 
 
@@ -308,8 +315,11 @@ def test_register_caps_are_built_as_launched():
 
 def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
     """With the target's `pdl`, the sm_90a build of a kernel waits for its producer and lets the
-    next kernel launch (griddepcontrol) and is marked for PDL launch; without it, neither."""
+    next kernel launch (griddepcontrol) and is marked for PDL launch; without it, neither. The
+    top-k chains its own launches whatever the target says: the plan lets the filter launch, the
+    filter and the refine wait (and are launched as dependents)."""
     out = subprocess.run([sys.executable, "-c", _PDL_PROBE], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["False False False False False", "True True True True True"]
+    assert out.stdout.split("\n")[:3] == ["False False False False False", "True True True True True",
+                                          "False False True False True True True True True"]
