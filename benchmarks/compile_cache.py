@@ -12,7 +12,7 @@ compiled and those it loaded from its cache in the whole child). The runs, in or
    torch's caches give without k31c's (capture, passes and Inductor's cache lookups remain);
 3. `k31c cold`: an empty k31c compile cache, fresh Inductor and Triton caches;
 4. `k31c warm`: the same compile cache, filled by run 3, and run 3's Triton cache;
-5. (GPU targets) `k31c warm, fresh Triton cache`: the compile cache alone, as on another machine
+5. (GPU targets) `k31c warm (fresh Triton cache)`: the compile cache alone, as on another machine
    it was copied to (k31c's kernels from its kernel store, runtime/kernel_store.py; Inductor's
    from its artifacts).
 Each row: the imports (torch, k31c's api, Inductor's compile and load modules and the target's
@@ -20,7 +20,16 @@ kernel modules, before the clock), start (compile + prebuild), first tokens, the
 time, and the start as a share of its cold run's.
 
     python benchmarks/compile_cache.py [--target cpu|h200] [--config tiny] [--steps prefill,decode]
-                                       [--out FILE]
+                                       [--runs "k31c cold,k31c warm"] [--out FILE]
+
+--runs: some of the runs above by name (default all); a warm run needs its cold run.
+
+--config takes a preset or a config.json. `benchmarks/configs/k3.1-pro-layers.json` is K3.1 Pro's
+layer structure (93 layers: 69 KDA, 24 MLA with the indexer; Block AttnRes every 12; the K3.1 Pro
+attention, KDA and indexer widths the kernels see) at a hidden size of 1024 with 8 small experts
+(7.1 B parameters, 14 GB in bf16): its `k31c cold` start with `--steps decode` is spec §8's G12
+(the cold compile of the 93-layer decode graph) with the projections narrowed to fit one GPU;
+`--runs "k31c cold"` times it alone (a child makes 7.1 B random weights first, 1-2 minutes).
 """
 from __future__ import annotations
 
@@ -42,6 +51,7 @@ def child(args) -> None:
 
     sys.path.insert(0, str(ROOT))
     import k31c
+    from k31c.config import config_from_name_or_path
     from k31c.graph.model import K31ForCausalLM
     from k31c.runtime.engine import Engine
     # what every compile and load imports, before the clock: a per-process constant (the
@@ -65,7 +75,7 @@ def child(args) -> None:
             sys.exit(f"Triton {triton.__version__} has no compilation listener to count its builds by")
         triton.knobs.compilation.listener = listen
     torch.manual_seed(0)
-    model = K31ForCausalLM(k31c.preset(args.config))
+    model = K31ForCausalLM(config_from_name_or_path(args.config))
     model.reset_parameters(torch.Generator().manual_seed(0))
     device = "cuda" if args.target != "cpu" else "cpu"
     model = model.eval().to(device)
@@ -96,11 +106,28 @@ def run_child(args, env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def chosen(runs: list, names: str | None) -> list:
+    """The runs `names` lists (comma-separated; None: all), in their order; a warm run needs the
+    cold run that fills its caches."""
+    if names is None:
+        return runs
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = [name for name, _ in runs]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        sys.exit(f"compile_cache: --runs {names!r}: unknown {unknown or 'nothing'}; runs: {', '.join(known)}")
+    orphans = [n for n in wanted if n.split()[0] + " cold" not in wanted]
+    if orphans:
+        sys.exit(f"compile_cache: --runs: {', '.join(orphans)} need(s) the cold run of the same family")
+    return [(name, env) for name, env in runs if name in wanted]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="cpu")
     p.add_argument("--config", default="tiny")
     p.add_argument("--steps", default="prefill,decode")
+    p.add_argument("--runs", help="comma-separated run names (default: all)")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,9 +144,10 @@ def main() -> None:
                 ("k31c warm", {"K31C_COMPILE_CACHE": str(d / "k31c"), "TORCHINDUCTOR_CACHE_DIR": str(d / "ind3"),
                                "TRITON_CACHE_DIR": str(d / "tri2")})]
         if args.target != "cpu":            # the compile cache alone
-            runs.append(("k31c warm, fresh Triton cache", {"K31C_COMPILE_CACHE": str(d / "k31c"),
+            runs.append(("k31c warm (fresh Triton cache)", {"K31C_COMPILE_CACHE": str(d / "k31c"),
                                                            "TORCHINDUCTOR_CACHE_DIR": str(d / "ind4"),
                                                            "TRITON_CACHE_DIR": str(d / "tri3")}))
+        runs = chosen(runs, args.runs)
         results = {}
         for name, env in runs:
             print(f"... {name}", file=sys.stderr, flush=True)
@@ -134,7 +162,8 @@ def main() -> None:
         cold = results[name.split()[0] + " cold"]["start"]
         lines.append(f"| {name} | {r['imports']:.2f} | {r['start']:.2f} | {r['first']:.2f} | {r['wall']:.2f} | {r['start'] / cold:.1%} | "
                      + (f"{r['triton']['compiled']} / {r['triton']['loaded']} |" if args.target != "cpu" else "- |"))
-    lines += ["", "k31c warm's steps: " + "; ".join(f"{s}: {c}" for s, c in results["k31c warm"]["cache"].items())]
+    if "k31c warm" in results:
+        lines += ["", "k31c warm's steps: " + "; ".join(f"{s}: {c}" for s, c in results["k31c warm"]["cache"].items())]
     text = "\n".join(lines)
     print(text)
     if args.out:
