@@ -7,7 +7,7 @@ set is unique and equals the reference's: among equal scores the higher position
 
 Three launches (no host sync; grids from static shapes; CUDA-graph safe). On CUDA sm_90+ the
 filter and the refine are each the PDL dependent of the launch before (`device.pair_launch`):
-their programs launch while it runs and wait for it at their start, so no launch gap is left.
+their programs launch while it runs and wait for it at their start, hiding the launch latency.
 1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
    with n <= cap take threshold T = 0 (every position is a candidate). Longer rows gather a
    strided sample (runs of 8; more keys for longer rows, so about 80 sampled keys lie above T)
