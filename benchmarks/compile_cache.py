@@ -154,7 +154,8 @@ def main() -> None:
             results[name] = run_child(args, env)
     lines = [f"# Compile cache: cold and warm starts (target {args.target}, config {args.config}, "
              f"steps {args.steps})", "",
-             f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}`",
+             f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}"
+             + (f' --runs "{args.runs}"' if args.runs else "") + "`",
              "", "| run | imports s | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |"
              " Triton kernels compiled / loaded from its cache |",
              "|---|---|---|---|---|---|---|"]
