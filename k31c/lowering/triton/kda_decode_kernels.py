@@ -162,10 +162,12 @@ def _state_rows_chunked(S, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr
                         FUSE_NORM: tl.constexpr):
     """A request's R rows on one [K, BV] state slice in chunk form: every product with the
     starting state S0 is issued at once, and the rows meet only through [R, R] coefficients.
-    With G_r the decays' running product and r_ij = prod_{i<j'<=r} d_j' (so G_r / G_i, without
-    the division): u_r = beta_r (v_r - S0^T (G_r k_r) - sum_{i<r} a_ri u_i), a_ri = k_r . (r_ij k_i);
-    o_r = S0^T (G_r q_r) + sum_{i<=r} b_ri u_i, b_ri = q_r . (r_ij k_i); S_R = G_R S0 +
-    sum_i (r_Ri k_i) u_i^T. The same rows as `_state_row` R times, the sums in another order."""
+    With G_r the decays' running product and r_ri = prod_{i<j<=r} d_j (G_r / G_i without the
+    division): u_r = beta_r (v_r - S0^T (G_r k_r) - sum_{i<r} a_ri u_i), a_ri = k_r . (r_ri k_i);
+    o_r = S0^T (G_r q_r) + sum_{i<=r} b_ri u_i, b_ri = q_r . (r_ri k_i) (r_rr = 1); and
+    S_R = G_R S0 + sum_i (r_Ri k_i) u_i^T. The same rows as `_state_row` R times, the sums in
+    another order. The rows' vectors are loaded stacked [RB, K] once (loaded row by row, the
+    build holds every row's broadcast copies and spills)."""
     rr = tl.arange(0, RB)
     rows = rr < ROWS
     vec = (row0_64 + rr)[:, None] * (H * K) + h * K
