@@ -133,6 +133,13 @@ def main() -> None:
     args = p.parse_args()
     if args.child:
         return child(args)
+    sys.path.insert(0, str(ROOT))
+    from k31c.config import config_from_name_or_path
+    from k31c.errors import K31cError
+    try:                        # a bad --config is said once here, not by every child
+        config_from_name_or_path(args.config)
+    except K31cError as e:
+        sys.exit(f"compile_cache: {e}")
     with tempfile.TemporaryDirectory(prefix="k31c-bench-cache-") as tmp:
         d = Path(tmp)
         runs = [("inductor cold", {"K31C_COMPILE_CACHE": "off", "TORCHINDUCTOR_CACHE_DIR": str(d / "ind1"),
