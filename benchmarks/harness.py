@@ -107,10 +107,14 @@ def measure_machine() -> Machine:
 G0_COPY_GBPS = 4000.0     # spec §8 G0: a run whose copy bandwidth is lower is discarded
 
 
+def meets_g0(m: Machine) -> bool:
+    return m.copy_gbps >= G0_COPY_GBPS
+
+
 def record_sanity(m: Machine) -> None:
     """Record G0 for the run measured on `m` (goals recorded after a missed G0 are void)."""
     record_goal("G0 harness sanity: copy bandwidth in the run", f">= {G0_COPY_GBPS / 1e3:.1f} TB/s",
-                f"{m.copy_gbps / 1e3:.2f} TB/s ({m.name})", m.copy_gbps >= G0_COPY_GBPS)
+                f"{m.copy_gbps / 1e3:.2f} TB/s ({m.name})", meets_g0(m))
 
 
 @dataclass
@@ -140,7 +144,7 @@ def flops_floor_ms(flops: float, tflops: float) -> float:
 def markdown(rows: list[Row], m: Machine) -> str:
     peers = sorted({p for r in rows for p in r.peers})
     head = ["kernel", "shape", "k31c ms", "floor ms", "floor", "ratio", *[f"{p} ms" for p in peers], "note"]
-    void = "" if m.copy_gbps >= G0_COPY_GBPS else \
+    void = "" if meets_g0(m) else \
         f" (below G0's {G0_COPY_GBPS / 1e3:.1f} TB/s: no spec §8 goal is judged from this run)"
     out = [f"Device: {m.name}; measured copy {m.copy_gbps:.0f} GB/s, bf16 {m.bf16_tflops:.0f} TFLOP/s, "
            f"fp8 {m.fp8_tflops or float('nan'):.0f} TFLOP/s{void}", "",

@@ -95,10 +95,11 @@ def pdl_launch(device: torch.device) -> dict:
     if not target_of(device).pdl or not inline_ptx(device):
         return {}        # the record's flag first: launches pay one attribute read when it is off
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _PDL_ON if _sm90(index) else {}
+    return PDL_ON if _sm90(index) else {}
 
 
-_PDL_ON = {"PDL": True, "launch_pdl": True}
+# a launch with PDL: the kernel waits for its producer, and is launched as a dependent
+PDL_ON = {"PDL": True, "launch_pdl": True}
 
 
 def register_cap(device: torch.device, maxnreg: int | None) -> dict:

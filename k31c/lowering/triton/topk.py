@@ -46,8 +46,8 @@ from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slot
                                                select_from_row, select_kth, select_kth_bracketed, store_where,
                                                take_top_ties, threshold_by_value, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
-from k31c.lowering.triton.device import (inline_ptx, let_dependent_start, pair_launch, pdl_launch,
-                                         wait_for_producers)
+from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start, pair_launch,
+                                         pdl_launch, wait_for_producers)
 from k31c.lowering.triton import topk_plan
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
@@ -336,7 +336,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     chained = pair_launch(scores.device)
     launch_plan(scores, row_len, out, p, ws, **ptx, **pdl, **({"DEPENDENT": True} if chained else {}))
     if chained:     # filter and refine: each the PDL dependent of the launch before it
-        pdl = {"PDL": True, "launch_pdl": True}
+        pdl = PDL_ON
     if width == 0:
         return out
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
