@@ -20,9 +20,11 @@ kernel modules, before the clock), start (compile + prebuild), first tokens, the
 time, and the start as a share of its cold run's.
 
     python benchmarks/compile_cache.py [--target cpu|h200] [--config tiny] [--steps prefill,decode]
-                                       [--runs "k31c cold,k31c warm"] [--out FILE]
+                                       [--runs "k31c cold,k31c warm"] [--jit-workers N] [--out FILE]
 
 --runs: some of the runs above by name (default all); a warm run needs its cold run.
+--jit-workers: prebuild's `jit_workers` (GPU targets: the steps' Triton kernels compiled on N
+threads from a dry run before their first run; default 0, each at its first launch).
 
 --config takes a preset or a config.json. `benchmarks/configs/k3.1-pro-layers.json` is K3.1 Pro's
 layer structure (93 layers: 69 KDA, 24 MLA with the indexer; Block AttnRes every 12; the K3.1 Pro
@@ -82,7 +84,7 @@ def child(args) -> None:
     t0 = time.perf_counter()
     compiled = k31c.compile(model, target=args.target)
     engine = Engine(compiled, max_requests=2, max_seq_len=256)
-    compiled.prebuild(engine, args.steps.split(","))
+    compiled.prebuild(engine, args.steps.split(","), jit_workers=args.jit_workers)
     t1 = time.perf_counter()
     rid = engine.add_request()
     tokens = torch.randint(0, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -99,7 +101,7 @@ def child(args) -> None:
 
 def run_child(args, env: dict) -> dict:
     cmd = [sys.executable, __file__, "--child", "--target", args.target, "--config", args.config,
-           "--steps", args.steps]
+           "--steps", args.steps, "--jit-workers", str(args.jit_workers)]
     out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"child failed ({env}):\n{out.stderr[-3000:]}")
@@ -128,6 +130,8 @@ def main() -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--steps", default="prefill,decode")
     p.add_argument("--runs", help="comma-separated run names (default: all)")
+    p.add_argument("--jit-workers", type=int, default=0,
+                   help="prebuild's jit_workers: threads compiling the steps' Triton kernels ahead (GPU)")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -162,7 +166,8 @@ def main() -> None:
     lines = [f"# Compile cache: cold and warm starts (target {args.target}, config {args.config}, "
              f"steps {args.steps})", "",
              f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}"
-             + (f' --runs "{args.runs}"' if args.runs else "") + "`",
+             + (f' --runs "{args.runs}"' if args.runs else "")
+             + (f" --jit-workers {args.jit_workers}" if args.jit_workers else "") + "`",
              "", "| run | imports s | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |"
              " Triton kernels compiled / loaded from its cache |",
              "|---|---|---|---|---|---|---|"]

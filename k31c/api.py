@@ -46,7 +46,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import sympy
 import torch
 
 from .backend import make_executor
@@ -68,7 +67,8 @@ from .passes.manager import PassContext, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
 from .runtime.graphs import DecodeGraphs
-from .runtime.staging import StepInputs
+from .runtime.jit_ahead import compile_ahead
+from .runtime.staging import StepInputs, decode_step_inputs
 
 @dataclass
 class Program:
@@ -101,6 +101,7 @@ class CompiledModel:
         self.compilations: dict[str, int] = {}
         self._programs: dict[StepKind, Program] = {}
         self._graph_pool = None
+        self._graphs_off = False        # a dry run (prebuild's compile ahead) runs eagerly
         cached = self.executor == "inductor" or (self.executor == "program" and compile_opts["dense_codegen"] != "fx")
         root = cache_root(compile_opts["cache"]) if cached else None
         self.cache = ProgramCache(root, _say, target) if root is not None else None
@@ -188,7 +189,8 @@ class CompiledModel:
         entry another process stored meanwhile, if so (then nothing was built here)."""
         split = partition(clone_graph(program.gm))
         keys = {n: p.key for n, p in split.pieces.items()}
-        inputs = _step_inputs(program, step) if step.mode == "decode" else None
+        inputs = (decode_step_inputs(program.captured, program.placeholders, step.rows)
+                  if step.mode == "decode" else None)
 
         def build(save_pieces=None):
             kp = build_program(split.gm, keys, self.target, step.name, self.options["dense_codegen"],
@@ -286,13 +288,18 @@ class CompiledModel:
             program.graphs = DecodeGraphs(program.executor, inputs, self.options["buckets"],
                                           self._graph_pool, meta.block_table.shape[1])
 
-    def prebuild(self, engine, steps: Sequence[str]) -> bool:
+    def prebuild(self, engine, steps: Sequence[str], jit_workers: int = 0) -> bool:
         """Build the programs of `steps` (names: "prefill", "decode", "verify4") for `engine`'s
         cache pool: with the compile cache on, a later process that compiles the same model for an
         Engine of the same geometry loads them. On a GPU this target runs on, each step then runs
         once on a throwaway request (`Engine.run_once`), so the Triton kernels its program
         launches are compiled now, into the compile cache's kernel store, not at the later
-        process's first step. Returns whether the steps ran."""
+        process's first step. With `jit_workers` > 0 those kernels are compiled on that many
+        threads first, from a dry run of the steps (runtime/jit_ahead.py). Returns whether the
+        steps ran."""
+        if isinstance(jit_workers, bool) or not isinstance(jit_workers, int) or jit_workers < 0:
+            raise UsageError(f"jit_workers must be a non-negative integer (0: compile at first launch), "
+                             f"got {jit_workers!r}")
         kinds = []
         for name in steps:
             try:
@@ -310,8 +317,24 @@ class CompiledModel:
         # the cpu target's kernels are built with its program; a GPU's compile at first launch
         if not (self.target.runnable_here and engine.device.type == "cuda" and engine.step_fn is self):
             return False
-        engine.run_once([(s.mode, s.rows) for s in kinds])
+        runs = [(s.mode, s.rows) for s in kinds]
+        if jit_workers:
+            self._compile_ahead(engine, runs, jit_workers)
+        engine.run_once(runs)
         return True
+
+    def _compile_ahead(self, engine, runs, workers: int) -> None:
+        """The steps' Triton kernels compiled on `workers` threads from a dry run of them (device
+        graphs off: a dry run's launches are skipped), before their real first run."""
+        self._graphs_off = True
+        try:
+            ahead = compile_ahead(lambda: engine.run_once(runs), workers, _say)
+        finally:
+            self._graphs_off = False
+        torch.cuda.synchronize(engine.device)
+        stopped = f"; the dry run stopped early ({ahead.stopped})" if ahead.stopped else ""
+        failed = f"; {ahead.failed} failed, left to their first launch" if ahead.failed else ""
+        _say(f"compiled {ahead.kernels - ahead.failed} Triton kernels ahead in {ahead.seconds:.1f}s{failed}{stopped}")
 
     def _check_device(self, meta) -> None:
         t = self.target
@@ -330,46 +353,22 @@ class CompiledModel:
                              "(build(step, meta, caches)) and inspected, not run")
         step = StepKind(mode, rows)
         program = self._programs.get(step)
+        graphs = program.graphs if program is not None and program.fn is not None and not self._graphs_off else None
         if getattr(input_ids, "device", None) is not None and input_ids.device.type == "cpu":
             device = caches_device(caches)
-            graphs = program.graphs if program is not None and program.fn is not None else None
             staged = graphs is not None and graphs.bucket(meta.block_table.shape[0]) is not None
             if device.type != "cpu" and not staged:     # no device graph to stage them
                 input_ids, meta = step_to_device(input_ids, meta, device)
         if program is None or program.fn is None:
             program = self.build(step, meta, caches)
+        graphs = program.graphs if not self._graphs_off else None
         flat = flat_step_inputs(program.captured, program.placeholders, input_ids, meta, caches,
-                                host_step_inputs=program.graphs is not None)
+                                host_step_inputs=graphs is not None)
         with torch.no_grad():
-            if program.graphs is not None:
-                return program.graphs(flat, meta.block_table.shape[0])
+            if graphs is not None:
+                return graphs(flat, meta.block_table.shape[0])
             out = program.fn(*flat)
         return out[0]
-
-
-def _step_inputs(program: Program, step: StepKind) -> StepInputs:
-    """The per-step inputs of a decode program: token ids, metadata and snapshots."""
-    batch = next(sympy.Symbol(s, integer=True, positive=True) for s, label in program.captured.dims.items()
-                 if label == "B")
-    per_step, names, shapes, snaps = [], [], [], []
-    for i, (node, info) in enumerate(zip(program.placeholders, program.captured.inputs)):
-        if info.is_weight or not (info.name == "input_ids" or info.name.startswith("meta.")
-                                  or info.name.startswith("caches.kda_snapshots")):
-            continue
-        per_step.append(i)
-        names.append(info.name)
-        shape = []
-        for d in node.meta["val"].shape:
-            if isinstance(d, torch.SymInt):
-                expr = d.node.expr
-                sym = next(iter(expr.free_symbols))
-                shape.append(expr.xreplace({sym: batch}))
-            else:
-                shape.append(d)
-        shapes.append(tuple(shape))
-        if info.name.startswith("caches.kda_snapshots"):
-            snaps.append(i)
-    return StepInputs(per_step, names, shapes, snaps, batch, step.rows)
 
 
 def compile(model, target: str = "cpu", passes=None, options: Optional[dict] = None,

@@ -166,6 +166,8 @@ def test_cli_refusals(tmp_path, capsys):
     assert main(["prebuild", "--steps", "decode,verify1", "--cache-dir", str(tmp_path)]) == 2
     assert "verifyR with R >= 2" in capsys.readouterr().err
     assert main(["prebuild", "--target", "eager"]) == 2
+    assert main(["prebuild", "--jit-workers", "-1", "--cache-dir", str(tmp_path)]) == 2
+    assert "--jit-workers: must be 0 or more, got -1" in capsys.readouterr().err
     assert main(["prebuild", "--max-seq-len", "99999999", "--cache-dir", str(tmp_path)]) == 2
     assert "exceeds the model's maximum length" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")

@@ -5,7 +5,7 @@ import time
 
 from ..errors import RuntimeFailure, UsageError
 from .common import (add_compile_args, checkpoint_config, checkpoint_dir, compile_model, load_model, log,
-                     pool_len, positive_int)
+                     non_negative_int, pool_len, positive_int)
 
 
 def add(sub) -> None:
@@ -25,6 +25,9 @@ def add(sub) -> None:
                    help="requests the cache pool holds (default: 1, as generate)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="tokens a request holds (default: the model's maximum, at most 4096, as generate)")
+    p.add_argument("--jit-workers", type=non_negative_int, default=0,
+                   help="threads that compile the steps' Triton kernels before their first run on the "
+                        "GPU, from a dry run of the steps (default: 0, each kernel at its first launch)")
     p.set_defaults(run=run)
 
 
@@ -60,7 +63,7 @@ def run(args) -> int:
     log(f"compile cache {compiled.cache.root}")
     for s in steps:
         start = time.perf_counter()
-        ran = compiled.prebuild(engine, [s])
+        ran = compiled.prebuild(engine, [s], jit_workers=args.jit_workers)
         note = compiled.report.steps[StepKind.parse(s).name].cache
         if note.startswith("not stored"):
             raise RuntimeFailure(f"{s}: {note}")

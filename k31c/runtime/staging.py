@@ -40,6 +40,32 @@ class StepInputs:
     rows: int
 
 
+def decode_step_inputs(captured, placeholders: list, rows: int) -> StepInputs:
+    """The per-step inputs of a captured decode step (`placeholders`: its graph's, in order):
+    token ids, metadata and snapshots."""
+    batch = next(sympy.Symbol(s, integer=True, positive=True) for s, label in captured.dims.items()
+                 if label == "B")
+    per_step, names, shapes, snaps = [], [], [], []
+    for i, (node, info) in enumerate(zip(placeholders, captured.inputs)):
+        if info.is_weight or not (info.name == "input_ids" or info.name.startswith("meta.")
+                                  or info.name.startswith("caches.kda_snapshots")):
+            continue
+        per_step.append(i)
+        names.append(info.name)
+        shape = []
+        for d in node.meta["val"].shape:
+            if isinstance(d, torch.SymInt):
+                expr = d.node.expr
+                sym = next(iter(expr.free_symbols))
+                shape.append(expr.xreplace({sym: batch}))
+            else:
+                shape.append(d)
+        shapes.append(tuple(shape))
+        if info.name.startswith("caches.kda_snapshots"):
+            snaps.append(i)
+    return StepInputs(per_step, names, shapes, snaps, batch, rows)
+
+
 def _words(t: torch.Tensor) -> int:
     if t.element_size() not in (4, 8):
         raise RuntimeFailure(f"device graphs: staged inputs are 32- or 64-bit integers, got {t.dtype}")

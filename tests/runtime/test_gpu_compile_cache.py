@@ -101,19 +101,48 @@ def test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel(tmp_pa
     assert ((got - want).abs().max() / want.abs().max()).item() < TOL_F32
 
 
-# a process of the test above: argv[1] the compile cache, argv[2] "prebuild" or "run"; prints a
-# JSON line: Triton's compiles and loads, each step's cache note, and what it ran
+def test_prebuild_compiles_ahead_on_threads(tmp_path):
+    """`prebuild(..., jit_workers=4)` in a fresh process (fresh Triton, Inductor and compile
+    caches): every k31c kernel the steps launch is compiled on the pool's threads from the dry
+    run, none at its first real launch, and the steps that follow compute eager's logits."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "start.py"
+    script.write_text(_START)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), "ahead"], env=env,
+                         capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    print(out.stderr[-2000:])
+    ours = [(name, thread) for name, thread in run["builds"]["compiled_threads"] if name in run["k31c_kernels"]]
+    on_main = [name for name, thread in ours if not thread.startswith("k31c-jit")]
+    print(f"k31c kernels compiled: {len(ours)}, at their first launch: {on_main}")
+    assert run["ran"] and len(ours) >= 20
+    assert on_main == []
+    assert "Triton kernels ahead" in out.stderr
+    got, want = torch.tensor(run["logits"]), torch.tensor(run["eager"])
+    assert ((got - want).abs().max() / want.abs().max()).item() < TOL_F32
+
+
+# a process of the tests above: argv[1] the compile cache, argv[2] "prebuild", "run" or "ahead"
+# (prebuild on 4 threads, then run); prints a JSON line: Triton's compiles (with their threads)
+# and loads, each step's cache note, and what it ran
 _START = r"""
-import json, sys, torch, triton
+import json, sys, threading, torch, triton
 from k31c import api
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine
-builds = {"compiled": 0, "loaded": 0, "compiled_names": []}
+builds = {"compiled": 0, "loaded": 0, "compiled_names": [], "compiled_threads": []}
 def listen(*, cache_hit, metadata=None, **_):
     builds["loaded" if cache_hit else "compiled"] += 1
     if not cache_hit:
-        builds["compiled_names"].append(str((metadata or {}).get("name", "?")))
+        name = str((metadata or {}).get("name", "?"))
+        builds["compiled_names"].append(name)
+        builds["compiled_threads"].append((name, threading.current_thread().name))
 triton.knobs.compilation.listener = listen
 torch.manual_seed(0)
 model = K31ForCausalLM(preset("tiny"))
@@ -122,9 +151,9 @@ model = model.eval().cuda()
 compiled = api.compile(model, target="h200", options={"cache": sys.argv[1]})
 engine = Engine(compiled, max_requests=2, max_seq_len=256)
 out = {}
-if sys.argv[2] == "prebuild":
-    out["ran"] = compiled.prebuild(engine, ["prefill", "decode"])
-else:
+if sys.argv[2] != "run":
+    out["ran"] = compiled.prebuild(engine, ["prefill", "decode"], jit_workers=4 if sys.argv[2] == "ahead" else 0)
+if sys.argv[2] != "prebuild":
     def steps(eng):
         rid = eng.add_request()
         logits = [eng.prefill([rid], [list(range(3, 19))])]
@@ -134,5 +163,7 @@ else:
     out["logits"] = steps(engine)
     out["eager"] = steps(Engine(model, max_requests=2, max_seq_len=256))
 torch.cuda.synchronize()
+from k31c.runtime.jit_ahead import _jit_functions
+out["k31c_kernels"] = sorted({fn.__name__ for fn in _jit_functions()})
 print(json.dumps({"builds": builds, "cache": {s: r.cache for s, r in compiled.report.steps.items()}, **out}))
 """

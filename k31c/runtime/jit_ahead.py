@@ -1,0 +1,136 @@
+"""The Triton kernels a step launches, compiled in parallel before the step first runs.
+
+Triton compiles each specialisation of a k31c kernel at its first launch, one after another:
+about 0.6 s each, 84 of them for the tiny model's steps on an H100. `compile_ahead(run, workers)`
+calls `run` "dry": each Triton launch of a k31c kernel is skipped (through Triton's
+`jit_cache_hook`), and the first launch of each specialisation hands its compile to a pool of
+threads (Triton's compiler leaves the GIL in its MLIR passes, and ptxas is a subprocess). When
+it returns, every compile has finished and sits in the kernel's in-memory cache (and in the
+compile cache's kernel store where `run` keeps kernels there: each compile runs in a copy of its
+launch's context), so the real run that follows launches without compiling. A compile that
+failed is left to that run, which compiles it again and raises its error where it always did.
+
+During the dry run every k31c kernel looks uncompiled (its JIT caches are swapped for empty
+ones, and what the pool compiles is merged back after), so no launch of one runs, not even of a
+kernel compiled before: the outputs of the skipped launches are never written, and a kernel
+launched on them could read out of bounds. The dense pieces (Inductor's kernels, launched
+outside the JIT) do run on them: floats only, no index comes from a k31c kernel into a dense piece.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+from ..errors import RuntimeFailure
+
+KERNEL_MODULES = "k31c.lowering.triton."
+
+
+@dataclass
+class AheadReport:
+    kernels: int = 0             # distinct specialisations the dry run met
+    failed: int = 0              # compiles that raised (left to the real run)
+    seconds: float = 0.0         # the dry run and the compiles
+    stopped: Optional[str] = None    # why the dry run stopped early (its error), if it did
+
+
+def _ours(module) -> bool:
+    return str(getattr(module, "__name__", module)).startswith(KERNEL_MODULES)
+
+
+def _jit_functions() -> list:
+    """Every @triton.jit function of the k31c kernel modules imported so far."""
+    from triton.runtime.jit import JITFunction
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if _ours(name) and module is not None:
+            for value in vars(module).values():
+                if isinstance(value, JITFunction):
+                    found[id(value)] = value
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _looking_uncompiled() -> Iterator[None]:
+    """The k31c kernels' JIT caches swapped for empty ones; on exit what was compiled into the
+    empty ones is added to the kernels' own."""
+    saved = []
+    for fn in _jit_functions():
+        if not (isinstance(getattr(fn, "device_caches", None), defaultdict) and hasattr(fn, "create_binder")):
+            raise RuntimeFailure(f"jit_workers: this Triton's JIT function {fn.__name__} keeps no "
+                                 "device_caches to compile ahead into (use jit_workers=0)")
+        saved.append((fn, fn.device_caches))
+        fn.device_caches = defaultdict(fn.create_binder)
+    try:
+        yield
+    finally:
+        for fn, caches in saved:
+            for device, entry in fn.device_caches.items():
+                if entry[0]:
+                    caches[device][0].update(entry[0])
+            fn.device_caches = caches
+
+
+class _Ahead:
+    """The jit_cache_hook of a dry run: a k31c launch is skipped, the first of each
+    specialisation submitting its compile to the pool; the compile the pool runs (`preload`, a
+    warm-up) goes on, as does anything not k31c's."""
+
+    def __init__(self, pool: ThreadPoolExecutor, before):
+        self.pool = pool
+        self.before = before        # a hook the process had set: asked first
+        self.futures = {}
+
+    def __call__(self, *, key, fn, compile, is_manual_warmup, **kwargs):
+        if self.before is not None and self.before(key=key, fn=fn, compile=compile,
+                                                   is_manual_warmup=is_manual_warmup, **kwargs):
+            return True
+        if is_manual_warmup or not _ours(fn.module):
+            return None
+        jit = fn.jit_function
+        slot = (id(jit), key)
+        if slot not in self.futures:
+            context = contextvars.copy_context()      # the kernel store the launch keeps to
+            self.futures[slot] = self.pool.submit(context.run, _preload, jit, compile["specialization_data"],
+                                                  compile.get("device"))
+        return True
+
+
+def _preload(jit, data: str, device) -> None:
+    """`preload` compiles for the thread's current device: the launch's."""
+    if isinstance(device, int):
+        import torch
+        with torch.cuda.device(device):
+            jit.preload(data)
+    else:
+        jit.preload(data)
+
+
+def compile_ahead(run: Callable[[], None], workers: int,
+                  say: Callable[[str], None] = lambda _: None) -> AheadReport:
+    """Call `run` dry with the k31c kernels' compiles on `workers` threads; return when they
+    have finished. `run` must not capture a device graph (its launches are skipped)."""
+    from triton import knobs
+    start = time.perf_counter()
+    report = AheadReport()
+    with _looking_uncompiled(), ThreadPoolExecutor(workers, thread_name_prefix="k31c-jit") as pool:
+        hook = _Ahead(pool, knobs.runtime.jit_cache_hook)
+        knobs.runtime.jit_cache_hook = hook
+        try:
+            run()
+        except Exception as e:      # the real run that follows meets it again, where it is
+            report.stopped = f"{type(e).__name__}: {e}".splitlines()[0]
+        finally:
+            knobs.runtime.jit_cache_hook = hook.before
+        report.kernels = len(hook.futures)
+        say(f"compiling {report.kernels} Triton kernels on {workers} threads")
+        wait(list(hook.futures.values()))
+    report.failed = sum(1 for f in hook.futures.values() if f.exception() is not None)
+    report.seconds = time.perf_counter() - start
+    return report

@@ -1,0 +1,133 @@
+"""prebuild's compile ahead (runtime/jit_ahead.py) without a GPU: the dry run's hook (launches
+skipped, one compile per specialisation on the pool, in the launch's context, other modules'
+kernels and the pool's own warm-ups let through), its report, and the JIT caches swapped for the
+dry run and merged back (in a subprocess: Triton's JIT, not the interpreter). The whole path on
+a GPU is tests/runtime/test_gpu_compile_cache.py::test_prebuild_compiles_ahead_on_threads."""
+import contextvars
+import os
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from k31c.errors import UsageError
+from k31c.runtime.jit_ahead import compile_ahead
+
+MARK = contextvars.ContextVar("mark", default=None)
+
+
+class FakeJit:
+    """Records what `preload` was given, on which thread, and the context it ran in."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def preload(self, data):
+        self.calls.append((data, threading.current_thread().name, MARK.get()))
+        if data in self.fail:
+            raise RuntimeError(f"cannot compile {data}")
+
+
+def launch(jit, key, module="k31c.lowering.triton.topk", warmup=False):
+    """What Triton's JIT does at a launch that misses its cache: ask the hook (True: skip)."""
+    from triton import knobs
+    return knobs.runtime.jit_cache_hook(key=key, repr="k", fn=SimpleNamespace(module=module, name="k", jit_function=jit),
+                                        compile={"key": key, "specialization_data": f"data-{key}"},
+                                        is_manual_warmup=warmup, already_compiled=False)
+
+
+def test_the_dry_run_skips_launches_and_compiles_each_specialisation_once_on_the_pool():
+    jit, other = FakeJit(), FakeJit()
+    answers = []
+
+    def run():
+        MARK.set("store-a")                 # as the executor's kernel store is set around a launch
+        answers.extend([launch(jit, "s1"), launch(jit, "s1"), launch(jit, "s2"),
+                        launch(other, "s1", module="fla.ops.kda"), launch(jit, "s3", warmup=True)])
+    said = []
+    report = compile_ahead(run, 2, said.append)
+    assert answers == [True, True, True, None, None]
+    assert sorted(d for d, _, _ in jit.calls) == ["data-s1", "data-s2"] and other.calls == []
+    assert all(t.startswith("k31c-jit") and mark == "store-a" for _, t, mark in jit.calls)
+    assert (report.kernels, report.failed, report.stopped) == (2, 0, None)
+    assert said == ["compiling 2 Triton kernels on 2 threads"]
+    from triton import knobs
+    assert knobs.runtime.jit_cache_hook is None          # the process's hook is back
+
+
+def test_a_failed_compile_and_a_failed_dry_run_are_reported():
+    jit = FakeJit(fail={"data-bad"})
+
+    def run():
+        launch(jit, "good")
+        launch(jit, "bad")
+        raise ValueError("a launcher rejected its input\nsecond line")
+    report = compile_ahead(run, 3)
+    assert (report.kernels, report.failed) == (2, 1)
+    assert report.stopped == "ValueError: a launcher rejected its input"
+
+
+def test_a_hook_the_process_had_is_asked_first_and_restored():
+    from triton import knobs
+    seen = []
+
+    def theirs(*, key, **_):
+        seen.append(key)
+        return key == "theirs"
+    jit = FakeJit()
+    knobs.runtime.jit_cache_hook = theirs
+    try:
+        report = compile_ahead(lambda: (launch(jit, "theirs"), launch(jit, "mine")), 1)
+        assert knobs.runtime.jit_cache_hook is theirs
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert seen[:2] == ["theirs", "mine"] and report.kernels == 1
+    assert [d for d, _, _ in jit.calls] == ["data-mine"]
+
+
+def test_prebuild_rejects_a_bad_jit_workers():
+    import torch
+    from k31c import api
+    from k31c.runtime.engine import Engine
+    from tiny_model import make_model
+    model = make_model()
+    compiled = api.compile(model, target="cpu", options={"executor": "fx"})
+    engine = Engine(compiled, max_requests=1, max_seq_len=32)
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(UsageError, match="jit_workers"):
+            compiled.prebuild(engine, ["decode"], jit_workers=bad)
+    assert torch.is_tensor(next(model.parameters()))
+
+
+_SWAP = r"""
+import sys
+from collections import defaultdict
+import k31c.lowering.triton.topk as topk
+from k31c.runtime.jit_ahead import _jit_functions, _looking_uncompiled
+fns = _jit_functions()
+assert len(fns) >= 3, fns
+fn = next(f for f in fns if f.__name__ == "_filter_kernel")
+mine = fn.device_caches
+mine[0] = ({"before": "k0"}, {}, None, None, None)
+with _looking_uncompiled():
+    assert fn.device_caches is not mine and len(fn.device_caches) == 0
+    fn.device_caches[0] = ({"ahead": "k1"}, {}, None, None, None)
+assert fn.device_caches is mine and mine[0][0] == {"before": "k0", "ahead": "k1"}, mine[0][0]
+try:
+    with _looking_uncompiled():
+        raise KeyError("dry run failed")
+except KeyError:
+    pass
+assert fn.device_caches is mine
+print("ok")
+"""
+
+
+def test_the_jit_caches_are_swapped_for_the_dry_run_and_merged_back():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _SWAP], env={**env, "PYTHONPATH": root},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
