@@ -7,7 +7,8 @@ calls `run` "dry": each Triton launch of a k31c kernel is skipped (through Trito
 threads (Triton's compiler leaves the GIL in its MLIR passes, and ptxas is a subprocess). When
 it returns, every compile has finished and sits in the kernel's in-memory cache (and in the
 compile cache's kernel store where `run` keeps kernels there: each compile runs in a copy of its
-launch's context), so the real run that follows launches without compiling. A compile that
+launch's context), so the real run that follows launches without compiling (the decode graph's staging kernel excepted:
+only the graph's capture, which a dry run leaves out, launches it). A compile that
 failed is left to that run, which compiles it again and raises its error where it always did.
 
 During the dry run every k31c kernel looks uncompiled (its JIT caches are swapped for empty
