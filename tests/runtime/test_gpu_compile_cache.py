@@ -78,20 +78,7 @@ def test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel(tmp_pa
     machine it was copied to), prefills and decodes: it loads its steps and compiles no Triton
     kernel (k31c's from the cache's kernel store, Inductor's from its artifacts), and its logits
     are eager's."""
-    import json
-    import subprocess
-    import sys
-    script = tmp_path / "start.py"
-    script.write_text(_START)
-    runs = []
-    for i, what in ((1, "prebuild"), (2, "run")):
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{i}"),
-               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")}
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), what], env=env,
-                             capture_output=True, text=True, timeout=500)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    prebuilt, warm = runs
+    (prebuilt, _), (warm, _) = _start_processes(tmp_path, ("prebuild", "run"))
     print(f"Triton kernels compiled / loaded: prebuild {prebuilt['builds']}, then {warm['builds']}")
     assert prebuilt["ran"] and prebuilt["builds"]["compiled"] > 0
     assert all(c.startswith("miss") for c in prebuilt["cache"].values()), prebuilt["cache"]
@@ -107,22 +94,8 @@ def test_prebuild_compiles_ahead_on_threads(tmp_path):
     run, none at its first real launch, and the steps that follow compute eager's logits; a
     second process from that compile cache alone (fresh Triton and Inductor caches) compiles no
     Triton kernel: the pool's compiles went into the kernel store under the keys the JIT uses."""
-    import json
-    import subprocess
-    import sys
-    script = tmp_path / "start.py"
-    script.write_text(_START)
-    runs, said = [], []
-    for i, what in ((1, "ahead"), (2, "run")):
-        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{i}"),
-               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")}
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), what], env=env,
-                             capture_output=True, text=True, timeout=500)
-        assert out.returncode == 0, out.stderr[-3000:]
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        said.append(out.stderr)
-        print(out.stderr[-2000:])
-    run, warm = runs
+    (run, said), (warm, _) = _start_processes(tmp_path, ("ahead", "run"))
+    print(said[-2000:])
     assert warm["builds"]["compiled"] == 0, warm["builds"]
     ours = [(name, thread) for name, thread in run["builds"]["compiled_threads"] if name in run["k31c_kernels"]]
     # the device graph's staging kernel is launched by its capture, which a dry run does not do
@@ -130,9 +103,28 @@ def test_prebuild_compiles_ahead_on_threads(tmp_path):
     print(f"k31c kernels compiled: {len(ours)}, at their first launch: {on_main}")
     assert run["ran"] and len(ours) >= 20
     assert on_main == []
-    assert "Triton kernels ahead" in said[0]
+    assert "Triton kernels ahead" in said
     got, want = torch.tensor(run["logits"]), torch.tensor(run["eager"])
     assert ((got - want).abs().max() / want.abs().max()).item() < TOL_F32
+
+
+def _start_processes(tmp_path, whats) -> list:
+    """`_START` run once per item of `whats`, in order, on one compile cache, each process with
+    fresh Triton and Inductor caches; [(its JSON line, its stderr)]."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "start.py"
+    script.write_text(_START)
+    runs = []
+    for i, what in enumerate(whats):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"triton-{i}"),
+               "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{i}")}
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "cache"), what], env=env,
+                             capture_output=True, text=True, timeout=500)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append((json.loads(out.stdout.strip().splitlines()[-1]), out.stderr))
+    return runs
 
 
 # a process of the tests above: argv[1] the compile cache, argv[2] "prebuild", "run" or "ahead"
