@@ -7,9 +7,10 @@ calls `run` "dry": each Triton launch of a k31c kernel is skipped (through Trito
 threads (Triton's compiler leaves the GIL in its MLIR passes, and ptxas is a subprocess). When
 it returns, every compile has finished and sits in the kernel's in-memory cache (and in the
 compile cache's kernel store where `run` keeps kernels there: each compile runs in a copy of its
-launch's context), so the real run that follows launches without compiling (the decode graph's staging kernel excepted:
-only the graph's capture, which a dry run leaves out, launches it). A compile that
-failed is left to that run, which compiles it again and raises its error where it always did.
+launch's context), so the real run that follows launches without compiling; the decode graph's
+staging kernel is the exception, as only the graph's capture launches it and a dry run captures
+nothing. A compile that failed is left to that run, which compiles it again and raises its error
+where it always did.
 
 During the dry run every k31c kernel looks uncompiled (its JIT caches are swapped for empty
 ones, and what the pool compiles is merged back after), so no launch of one runs, not even of a
@@ -61,12 +62,13 @@ def _jit_functions() -> list:
 def _looking_uncompiled() -> Iterator[None]:
     """The k31c kernels' JIT caches swapped for empty ones; on exit what was compiled into the
     empty ones is added to the kernels' own."""
-    saved = []
-    for fn in _jit_functions():
+    fns = _jit_functions()
+    for fn in fns:
         if not (isinstance(getattr(fn, "device_caches", None), defaultdict) and hasattr(fn, "create_binder")):
             raise RuntimeFailure(f"jit_workers: this Triton's JIT function {fn.__name__} keeps no "
                                  "device_caches to compile ahead into (use jit_workers=0)")
-        saved.append((fn, fn.device_caches))
+    saved = [(fn, fn.device_caches) for fn in fns]
+    for fn in fns:
         fn.device_caches = defaultdict(fn.create_binder)
     try:
         yield
