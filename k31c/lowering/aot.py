@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from ..errors import UsageError
 from .aot_dir import BINARY, check_out_dir, write_outputs
 from .aot_spec import AotShapes, AotSpec
 from .registry import kernels_for
@@ -200,34 +199,77 @@ def build_spec(spec: AotSpec, target_name: str) -> BuiltKernel:
 
 def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] = None,
                   shapes: Optional[AotShapes] = None,
-                  families: Optional[Iterable[str]] = None) -> list[BuiltKernel]:
+                  families: Optional[Iterable[str]] = None, jobs: int = 1) -> list[BuiltKernel]:
     """Compile every registered Triton kernel of the target (optionally of some families only)
-    at the launchers' real-shape specialisations; `progress` gets one line per kernel. Raises
-    AotBuildError (after trying all) if any fails; with out_dir, writes <name>.<hsaco|cubin> per
-    kernel and manifest.json (only when all compiled; see write_outputs)."""
+    at the launchers' real-shape specialisations, on `jobs` processes (1: in this one);
+    `progress` gets one line per kernel as it finishes. Raises AotBuildError (after trying all)
+    if any fails; with out_dir, writes <name>.<hsaco|cubin> per kernel and manifest.json (only
+    when all compiled; see write_outputs)."""
     target = get_target(target_name)
     if out_dir is not None:
         check_out_dir(out_dir, target_name)     # before minutes of compiling, not after
     specs = collect_specs(target_name, shapes, families)
-    built, failures = [], []
-    for spec in specs:
-        name = spec_name(spec)
-        try:
-            b = build_spec(spec, target_name)
-        except KernelCompileError as e:   # report every kernel, then fail once
-            failures.append(f"{name}: {e}")
-            if progress:
-                progress(f"{name:<58} FAILED: {e}")
-            continue
-        built.append(b)
+    outcomes: dict[int, object] = {}            # spec index -> BuiltKernel, or why it failed
+
+    def done(i: int, outcome) -> None:
+        outcomes[i] = outcome
         if progress:
-            progress(b.line())
+            progress(outcome.line() if isinstance(outcome, BuiltKernel)
+                     else f"{spec_name(specs[i]):<58} FAILED: {outcome}")
+    if jobs > 1 and len(specs) > 1:
+        _build_in_processes(specs, target_name, shapes, families, jobs, done)
+    else:
+        for i, spec in enumerate(specs):
+            done(i, _build_or_why(spec, target_name))
+    built = [outcomes[i] for i in range(len(specs)) if isinstance(outcomes[i], BuiltKernel)]
+    failures = [f"{spec_name(specs[i])}: {outcomes[i]}" for i in range(len(specs))
+                if not isinstance(outcomes[i], BuiltKernel)]   # every kernel reported, then one failure
     if failures:
         raise AotBuildError(f"{len(failures)} of {len(specs)} kernels failed to compile for "
                             f"{target_name} ({target.arch}):\n" + "\n".join(failures))
     if out_dir is not None:
         write_outputs(built, Path(out_dir), target_name, families)
     return built
+
+
+def _build_or_why(spec: AotSpec, target_name: str):
+    """The BuiltKernel, or the root cause of its failure (a string)."""
+    try:
+        return build_spec(spec, target_name)
+    except KernelCompileError as e:
+        return str(e)
+
+
+def _build_in_processes(specs, target_name, shapes, families, jobs: int, done: Callable) -> None:
+    """`done(i, outcome)` for every spec, built on `jobs` spawned processes (each collects the
+    specs itself: a @triton.jit function does not pickle; the names are checked to agree). Each
+    process has its own fd 2, where `compile_spec` catches the compiler's diagnostics."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    names = [spec_name(s) for s in specs]
+    with ProcessPoolExecutor(min(jobs, len(specs)), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_worker_start, initargs=(target_name, shapes, families, names)) as pool:
+        futures = {pool.submit(_worker_build, i, target_name): i for i in range(len(specs))}
+        try:
+            for future in as_completed(futures):
+                done(futures[future], future.result())
+        except BrokenProcessPool as e:
+            raise AotBuildError(f"a build process for {target_name} failed to start or died: {e}") from None
+
+
+_WORKER_SPECS: list = []       # a build process's own collect_specs
+
+
+def _worker_start(target_name, shapes, families, names) -> None:
+    global _WORKER_SPECS
+    _WORKER_SPECS = collect_specs(target_name, shapes, families)
+    if [spec_name(s) for s in _WORKER_SPECS] != names:
+        raise RuntimeError("a build process collected other kernels than its parent")
+
+
+def _worker_build(i: int, target_name: str):
+    return _build_or_why(_WORKER_SPECS[i], target_name)
 
 
 # ---- metadata -------------------------------------------------------------------------------
@@ -321,39 +363,3 @@ def _error_summary(e: BaseException, printed: str) -> str:
     errors = [ln.strip() for ln in printed.splitlines() if "error:" in ln]
     errors = list(dict.fromkeys(errors))     # the same diagnostic may be printed more than once
     return msg + "".join(f"\n    {ln}" for ln in errors[:4])
-
-
-# ---- command line -----------------------------------------------------------------------------
-
-def add_build_parser(sub) -> None:
-    """`k31c build-kernels --target mi350x [--out DIR]`."""
-    p = sub.add_parser("build-kernels", help="compile the Triton kernels of a GPU target ahead of "
-                                              "time (no GPU needed)")
-    p.add_argument("--target", required=True, help="h200 or mi350x")
-    p.add_argument("--out", default=None, help="directory for the binaries and manifest.json")
-    p.add_argument("--only", default=None, metavar="FAMILIES",
-                   help="comma-separated kernel families (cache_write, indexer, topk, mla, ...)")
-    p.set_defaults(run=_run_build)
-
-
-def _run_build(args) -> int:
-    try:
-        get_target(args.target)
-        families = None
-        if args.only is not None:
-            families = [f.strip() for f in args.only.split(",") if f.strip()]
-            if not families:    # not "every family": that is leaving --only out
-                raise UsageError(f"--only {args.only!r} names no kernel family: give comma-separated "
-                                 "families, or leave --only out to build them all")
-        built = build_kernels(args.target, args.out, progress=lambda s: print(s, flush=True),
-                              families=families)
-    except ValueError as e:
-        print(f"k31c: error: {e}", file=sys.stderr)
-        return 2
-    except AotBuildError as e:
-        print(f"k31c: error: {e}", file=sys.stderr)
-        return 1
-    total = sum(b.size for b in built)
-    where = f", written to {args.out}" if args.out else ""
-    print(f"{len(built)} kernels for {args.target}, {total} bytes{where}", flush=True)
-    return 0

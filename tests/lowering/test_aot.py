@@ -139,9 +139,10 @@ def test_build_h200_slow_families(tmp_path):
 
 
 def test_cli_hook_and_errors(capsys):
-    from k31c.lowering.aot import add_build_parser, collect_specs
+    from k31c.cli.build_kernels import add
+    from k31c.lowering.aot import collect_specs
     parser = argparse.ArgumentParser()
-    add_build_parser(parser.add_subparsers())
+    add(parser.add_subparsers())
     args = parser.parse_args(["build-kernels", "--target", "nope", "--out", "d", "--only", "topk"])
     assert (args.target, args.out, args.only) == ("nope", "d", "topk")
     assert args.run(args) == 2 and "unknown target 'nope'" in capsys.readouterr().err
@@ -323,3 +324,26 @@ def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["False False False False False", "True True True True True",
                                           "False False True False True True True True True"]
+
+
+_JOBS_PROBE = """
+from k31c.lowering import aot
+lines = {1: [], 2: []}
+built = {j: aot.build_kernels("h200", families=["cache_write", "moe_route"], jobs=j, progress=lines[j].append)
+         for j in (2, 1)}
+names = [aot.spec_name(s) for s in aot.collect_specs("h200", families=["cache_write", "moe_route"])]
+assert [b.name for b in built[2]] == names == [b.name for b in built[1]]     # the specs' order
+assert [b.sha256 for b in built[2]] == [b.sha256 for b in built[1]]
+assert sorted(lines[2]) == sorted(b.line() for b in built[2]) and len(lines[2]) == len(names) > 4
+print("checked", len(names))
+"""
+
+
+def test_a_build_on_several_processes_is_the_build_in_one():
+    """`build_kernels(jobs=2)` (the CLI's default: the usable CPUs) compiles each spec in a
+    spawned process that collects the specs itself: the same binaries, in the specs' order, one
+    progress line a kernel."""
+    out = subprocess.run([sys.executable, "-c", _JOBS_PROBE], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("checked"), out.stdout
