@@ -251,9 +251,10 @@ def test_padding_requests_read_and_write_nothing(model):
     want = a.decode([0, 1], [3, 9])
     step = StepKind("decode")
     program = compiled._programs[step]
-    from k31c.api import _step_inputs
     from k31c.graph.input_checks import flat_step_inputs
-    graphs = DecodeGraphs(program.executor, _step_inputs(program, step), (4,), None, b.pool.max_blocks_per_req)
+    from k31c.runtime.staging import decode_step_inputs
+    inputs = decode_step_inputs(program.captured, program.placeholders, step.rows)
+    graphs = DecodeGraphs(program.executor, inputs, (4,), None, b.pool.max_blocks_per_req)
     _, meta = b._inputs([0, 1], [b.length(0), b.length(1)], [1, 1], [3, 9])
     flat = flat_step_inputs(program.captured, program.placeholders, torch.tensor([3, 9]), meta, b.pool.caches())
     statics = graphs.static_inputs(4, flat)
