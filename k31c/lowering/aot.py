@@ -202,7 +202,8 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
                   families: Optional[Iterable[str]] = None, jobs: int = 1) -> list[BuiltKernel]:
     """Compile every registered Triton kernel of the target (optionally of some families only)
     at the launchers' real-shape specialisations, on `jobs` processes (1: in this one);
-    `progress` gets one line per kernel as it finishes. Raises AotBuildError (after trying all)
+    `progress` gets one line per kernel, in the specs' order, as soon as it and every kernel
+    before it have finished. Raises AotBuildError (after trying all)
     if any fails; with out_dir, writes <name>.<hsaco|cubin> per kernel and manifest.json (only
     when all compiled; see write_outputs)."""
     target = get_target(target_name)
@@ -213,9 +214,12 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
 
     def done(i: int, outcome) -> None:
         outcomes[i] = outcome
-        if progress:
-            progress(outcome.line() if isinstance(outcome, BuiltKernel)
-                     else f"{spec_name(specs[i]):<58} FAILED: {outcome}")
+        while progress and len(said) in outcomes:
+            j = len(said)
+            said.append(outcomes[j].line() if isinstance(outcomes[j], BuiltKernel)
+                        else f"{spec_name(specs[j]):<58} FAILED: {outcomes[j]}")
+            progress(said[-1])
+    said: list[str] = []
     if jobs > 1 and len(specs) > 1:
         _build_in_processes(specs, target_name, shapes, families, jobs, done)
     else:
