@@ -31,7 +31,7 @@ layer structure (93 layers: 69 KDA, 24 MLA with the indexer; Block AttnRes every
 attention, KDA and indexer widths the kernels see) at a hidden size of 1024 with 8 small experts
 (7.1 B parameters, 14 GB in bf16): its `k31c cold` start with `--steps decode` is spec §8's G12
 (the cold compile of the 93-layer decode graph) with the projections narrowed to fit one GPU;
-`--runs "k31c cold"` times it alone (a child makes 7.1 B random weights first, 1-2 minutes).
+`--runs "k31c cold"` times it alone (a child makes its 7.1 B random weights on the GPU first).
 """
 from __future__ import annotations
 
@@ -77,9 +77,10 @@ def child(args) -> None:
             sys.exit(f"Triton {triton.__version__} has no compilation listener to count its builds by")
         triton.knobs.compilation.listener = listen
     torch.manual_seed(0)
-    model = K31ForCausalLM(config_from_name_or_path(args.config))
-    model.reset_parameters(torch.Generator().manual_seed(0))
     device = "cuda" if args.target != "cpu" else "cpu"
+    with torch.device(device):               # made and initialised on the device: seconds, not
+        model = K31ForCausalLM(config_from_name_or_path(args.config))   # minutes at 7.1 B
+    model.reset_parameters(torch.Generator(device).manual_seed(0))
     model = model.eval().to(device)
     t0 = time.perf_counter()
     compiled = k31c.compile(model, target=args.target)

@@ -131,9 +131,12 @@ class K31ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator) -> None:
-        """The random init of spec §9.5 (deterministic for a seeded generator)."""
+        """The random init of spec §9.5 (deterministic for a seeded generator). The values are
+        drawn on the generator's device: a CUDA generator initialises a model already on the GPU
+        in seconds (other values than a CPU generator's, which checkpoints use)."""
         m = self.model
-        m.embed_tokens.weight.copy_(torch.empty(m.embed_tokens.weight.shape).normal_(0, 0.02, generator=gen))
+        embed = torch.empty(m.embed_tokens.weight.shape, device=gen.device).normal_(0, 0.02, generator=gen)
+        m.embed_tokens.weight.copy_(embed)
         init_linear(self.lm_head, gen)
         m.norm.reset_parameters(gen)
         for layer in m.layers:

@@ -96,10 +96,10 @@ class KimiDeltaAttention(nn.Module):
                 init_linear(m, gen)
         bound = 1.0 / math.sqrt(self.kernel_size)
         for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
-            w = torch.empty(c.weight.shape).uniform_(-bound, bound, generator=gen)
+            w = torch.empty(c.weight.shape, device=gen.device).uniform_(-bound, bound, generator=gen)
             c.weight.copy_(w)
-        self.A_log.copy_(torch.empty(self.A_log.shape).uniform_(1.0, 16.0, generator=gen).log())
-        u = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
+        self.A_log.copy_(torch.empty(self.A_log.shape, device=gen.device).uniform_(1.0, 16.0, generator=gen).log())
+        u = torch.empty(self.dt_bias.shape, device=gen.device).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
         dt = u.exp().clamp(min=1e-4)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))   # softplus^-1(dt)
         nn.init.ones_(self.o_norm.weight)

@@ -63,7 +63,7 @@ class StackedExperts(nn.Module):
         # expert by expert, w1, w3, w2: the draws of one nn.Linear per weight (spec §9.5)
         with torch.no_grad():
             for name, view in self.per_expert({"w13": self.w13, "w2": self.w2}).items():
-                w = torch.empty(view.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+                w = torch.empty(view.shape, dtype=torch.float32, device=gen.device).normal_(0.0, 0.02, generator=gen)
                 view.copy_(w.to(view.dtype))
 
 

@@ -55,5 +55,5 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, act: str, beta: float,
 def init_linear(layer: nn.Linear, gen: torch.Generator, std: float = 0.02) -> None:
     """Random init used for checkpoints made by `k31c init` (spec §9.5: N(0, 0.02))."""
     with torch.no_grad():
-        w = torch.empty(layer.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        w = torch.empty(layer.weight.shape, dtype=torch.float32, device=gen.device).normal_(0.0, std, generator=gen)
         layer.weight.copy_(w.to(layer.weight.dtype))
