@@ -122,18 +122,22 @@ def compile_ahead(run: Callable[[], None], workers: int,
     from triton import knobs
     start = time.perf_counter()
     report = AheadReport()
-    with _looking_uncompiled(), ThreadPoolExecutor(workers, thread_name_prefix="k31c-jit") as pool:
-        hook = _Ahead(pool, knobs.runtime.jit_cache_hook)
-        knobs.runtime.jit_cache_hook = hook
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="k31c-jit")
+    with _looking_uncompiled():
         try:
-            run()
-        except Exception as e:      # the real run that follows meets it again, where it is
-            report.stopped = f"{type(e).__name__}: {e}".splitlines()[0]
-        finally:
-            knobs.runtime.jit_cache_hook = hook.before
-        report.kernels = len(hook.futures)
-        say(f"compiling {report.kernels} Triton kernels on {workers} threads")
-        wait(list(hook.futures.values()))
+            hook = _Ahead(pool, knobs.runtime.jit_cache_hook)
+            knobs.runtime.jit_cache_hook = hook
+            try:
+                run()
+            except Exception as e:      # the real run that follows meets it again, where it is
+                report.stopped = f"{type(e).__name__}: {e}".splitlines()[0]
+            finally:
+                knobs.runtime.jit_cache_hook = hook.before
+            report.kernels = len(hook.futures)
+            say(f"compiling {report.kernels} Triton kernels on {workers} threads")
+            wait(list(hook.futures.values()))
+        finally:            # interrupted: the compiles not started are dropped, not waited for
+            pool.shutdown(wait=True, cancel_futures=True)
     report.failed = sum(1 for f in hook.futures.values() if f.exception() is not None)
     report.seconds = time.perf_counter() - start
     return report

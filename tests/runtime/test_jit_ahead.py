@@ -131,3 +131,23 @@ def test_the_jit_caches_are_swapped_for_the_dry_run_and_merged_back():
     out = subprocess.run([sys.executable, "-c", _SWAP], env={**env, "PYTHONPATH": root},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_an_interrupted_dry_run_drops_the_compiles_not_started():
+    import time
+    started = []
+
+    class Slow(FakeJit):
+        def preload(self, data):
+            started.append(data)
+            time.sleep(0.2)
+    jit = Slow()
+
+    def run():
+        for i in range(6):
+            launch(jit, f"s{i}")
+        raise KeyboardInterrupt
+    from triton import knobs
+    with pytest.raises(KeyboardInterrupt):
+        compile_ahead(run, 1)
+    assert len(started) < 6 and knobs.runtime.jit_cache_hook is None
