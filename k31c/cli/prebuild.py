@@ -61,6 +61,9 @@ def run(args) -> int:
     except Unwritable as e:
         raise UsageError(f"the compile cache cannot take entries: {e}") from None
     log(f"compile cache {compiled.cache.root}")
+    if args.jit_workers and compiled.target.device != "cuda":
+        log(f"--jit-workers: target {args.target} launches no Triton kernel (its kernels are built with "
+            "its programs): nothing to compile ahead")
     for s in steps:
         start = time.perf_counter()
         ran = compiled.prebuild(engine, [s], jit_workers=args.jit_workers)
