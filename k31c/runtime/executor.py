@@ -23,6 +23,7 @@ from ..errors import RuntimeFailure
 from ..lowering.program import Dense, Kernel, Program, Record, Ref, Refs, Wait
 from ..lowering.targets import Target
 from ..lowering.triton.device import using_target
+from .jit_ahead import DRY_RUN
 from .kernel_store import keeping
 
 _SIDE_STREAMS: dict[tuple[str, int], list] = {}
@@ -146,6 +147,7 @@ class Executor:
         if self.multi:
             main = torch.cuda.current_stream(self.device)
             streams = [main] + self._side
+        dry = DRY_RUN.get()         # prebuild's dry run: the kernels' launches were skipped
         for index, step in enumerate(self.steps):
             kind, stream = step[0], step[1]
             if kind >= 2:
@@ -172,6 +174,8 @@ class Executor:
                 except Exception as e:          # say which step, and what it was given
                     e.add_note(_describe_call(prog.name, index, fn, call))
                     raise
+                if dry and kind == 1:           # unwritten: zeros, never stray indices
+                    _zero(result)
             if len(outs) == 1:     # a piece returns a tuple; a kernel a tensor, or a list (Tensor[])
                 env[outs[0]] = result[0] if kind == 0 or isinstance(result, (list, tuple)) else result
             elif outs:
@@ -183,6 +187,15 @@ class Executor:
         self.runs += 1
         self.reference_calls += self._reference_steps
         return tuple(env[s] for s in prog.outputs)
+
+
+def _zero(result) -> None:
+    """Zero every tensor of a kernel's result (a tensor, or tuples and Tensor[] lists of them)."""
+    if isinstance(result, torch.Tensor):
+        result.zero_()
+    elif isinstance(result, (list, tuple)):
+        for t in result:
+            _zero(t)
 
 
 def _describe_call(program: str, index: int, fn, call: list) -> str:

@@ -16,7 +16,10 @@ During the dry run every k31c kernel looks uncompiled (its JIT caches are swappe
 ones, and what the pool compiles is merged back after), so no launch of one runs, not even of a
 kernel compiled before: the outputs of the skipped launches are never written, and a kernel
 launched on them could read out of bounds. The dense pieces (Inductor's kernels, launched
-outside the JIT) do run on them: floats only, no index comes from a k31c kernel into a dense piece.
+outside the JIT) do run, so the executor zeroes what each kernel step returns while `DRY_RUN`
+is set (runtime/executor.py): a dense piece that indexes by a kernel's output (a top-k's
+positions, a router's experts) reads position 0, not whatever the allocator's memory held
+(an H100 run of the dry run on recycled memory hit an illegal address before this).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from typing import Callable, Iterator, Optional
 from ..errors import RuntimeFailure
 
 KERNEL_MODULES = "k31c.lowering.triton."
+DRY_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("k31c_dry_run", default=False)
 
 
 @dataclass
@@ -127,11 +131,13 @@ def compile_ahead(run: Callable[[], None], workers: int,
         try:
             hook = _Ahead(pool, knobs.runtime.jit_cache_hook)
             knobs.runtime.jit_cache_hook = hook
+            dry = DRY_RUN.set(True)
             try:
                 run()
             except Exception as e:      # the real run that follows meets it again, where it is
                 report.stopped = f"{type(e).__name__}: {e}".splitlines()[0]
             finally:
+                DRY_RUN.reset(dry)
                 knobs.runtime.jit_cache_hook = hook.before
             report.kernels = len(hook.futures)
             say(f"compiling {report.kernels} Triton kernels on {workers} threads")

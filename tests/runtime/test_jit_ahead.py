@@ -151,3 +151,32 @@ def test_an_interrupted_dry_run_drops_the_compiles_not_started():
     with pytest.raises(KeyboardInterrupt):
         compile_ahead(run, 1)
     assert len(started) < 6 and knobs.runtime.jit_cache_hook is None
+
+
+def test_a_dry_run_zeroes_what_the_kernels_return():
+    """The executor in a dry run: each kernel step's outputs are zeroed (its launch was skipped:
+    an unwritten buffer read as indices by a dense piece would be out of bounds), the dense
+    pieces' are what they compute; outside a dry run nothing is touched."""
+    import torch
+    from k31c.lowering.program import Dense, Kernel, Program, Ref
+    from k31c.lowering.targets import get_target
+    from k31c.runtime.executor import Executor
+    from k31c.runtime.jit_ahead import DRY_RUN
+
+    def topk_like(x):           # what a skipped launch leaves: an allocation nobody wrote
+        return torch.full((4,), 12345, dtype=torch.int64), [x + 1.0, x * 0 + 7.0]
+    steps = [Kernel("k31c::x", "triton:test", topk_like, 0, (Ref(0),), (1, 2)),
+             Dense(0, 0, (0,), (3,))]
+    program = Program("decode", "h200", steps, [lambda x: (x * 2.0,)], ["p0"], n_inputs=1, n_slots=4,
+                      outputs=(1, 2, 3), dense_codegen="fx")
+    run = Executor(program, torch.device("cpu"), get_target("h200"))
+    x = torch.randn(4)
+    idx, pair, dense = run([x])
+    assert idx.tolist() == [12345] * 4 and torch.equal(pair[0], x + 1.0) and torch.equal(dense, x * 2.0)
+    token = DRY_RUN.set(True)
+    try:
+        idx, pair, dense = run([x])
+    finally:
+        DRY_RUN.reset(token)
+    assert idx.tolist() == [0] * 4 and all(torch.count_nonzero(t) == 0 for t in pair)
+    assert torch.equal(dense, x * 2.0)
