@@ -12,20 +12,23 @@ staging kernel is the exception, as only the graph's capture launches it and a d
 nothing. A compile that failed is left to that run, which compiles it again and raises its error
 where it always did.
 
-During the dry run every k31c kernel looks uncompiled (its JIT caches are swapped for empty
-ones, and what the pool compiles is merged back after), so no launch of one runs, not even of a
-kernel compiled before: the outputs of the skipped launches are never written, and a kernel
-launched on them could read out of bounds. The dense pieces (Inductor's kernels, launched
-outside the JIT) do run, so the executor zeroes what each kernel step returns while `DRY_RUN`
-is set (runtime/executor.py): a dense piece that indexes by a kernel's output (a top-k's
-positions, a router's experts) reads position 0, not whatever the allocator's memory held
-(an H100 run of the dry run on recycled memory hit an illegal address before this).
+During the dry run no k31c kernel launches, not even one compiled before or by the pool in
+the meantime: a launch on the unwritten outputs of a skipped one could read out of bounds (an
+H100 run of the first form, where the pool's compiles were visible to the dry run, hit an
+illegal address). Each k31c kernel's JIT caches are split for the dry run (`_SplitCaches`): the dry
+run's thread sees caches of its own that stay empty, so every launch misses and the hook skips
+it; the pool's threads see others, which their compiles fill, and which are merged into the
+kernel's own afterwards. The dense pieces (Inductor's kernels, launched outside the JIT) do
+run, on zeros: the executor zeroes what each kernel step returns while `DRY_RUN` is set
+(runtime/executor.py), so a dense piece that indexes by a kernel's output reads position 0,
+not whatever the allocator's memory held.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import sys
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -62,26 +65,64 @@ def _jit_functions() -> list:
     return list(found.values())
 
 
-@contextlib.contextmanager
-def _looking_uncompiled() -> Iterator[None]:
-    """The k31c kernels' JIT caches swapped for empty ones; on exit what was compiled into the
-    empty ones is added to the kernels' own."""
-    fns = _jit_functions()
-    for fn in fns:
+class _SplitCaches:
+    """A JIT function's device caches during a dry run (Triton reads them only by
+    `device_caches[device]`): the dry run's thread gets binder tuples of its own, whose kernel
+    caches stay empty; the pool's threads share others, which their compiles fill."""
+
+    def __init__(self, create_binder: Callable, dry_thread: int):
+        self.create, self.dry_thread = create_binder, dry_thread
+        self.dry: dict = {}
+        self.compiled: dict = {}
+        self.lock = threading.Lock()
+
+    def __getitem__(self, device):
+        side = self.dry if threading.get_ident() == self.dry_thread else self.compiled
+        with self.lock:
+            if device not in side:
+                side[device] = self.create()
+            return side[device]
+
+
+class _Split:
+    """The k31c kernels whose caches are split, with their own to restore."""
+
+    def __init__(self):
+        self.saved: dict = {}               # id -> (JIT function, its own device caches)
+        self.thread = threading.get_ident()
+
+    def split(self, fn) -> None:
+        if id(fn) in self.saved:
+            return
         if not (isinstance(getattr(fn, "device_caches", None), defaultdict) and hasattr(fn, "create_binder")):
             raise RuntimeFailure(f"jit_workers: this Triton's JIT function {fn.__name__} keeps no "
                                  "device_caches to compile ahead into (use jit_workers=0)")
-    saved = [(fn, fn.device_caches) for fn in fns]
-    for fn in fns:
-        fn.device_caches = defaultdict(fn.create_binder)
-    try:
-        yield
-    finally:
-        for fn, caches in saved:
-            for device, entry in fn.device_caches.items():
+        self.saved[id(fn)] = (fn, fn.device_caches)
+        fn.device_caches = _SplitCaches(fn.create_binder, self.thread)
+
+    def restore(self) -> None:
+        """Each kernel's own caches back, with what the pool compiled added."""
+        for fn, caches in self.saved.values():
+            for device, entry in fn.device_caches.compiled.items():
                 if entry[0]:
                     caches[device][0].update(entry[0])
             fn.device_caches = caches
+        self.saved.clear()
+
+
+@contextlib.contextmanager
+def _looking_uncompiled() -> Iterator[_Split]:
+    """Every k31c kernel imported so far split (`_SplitCaches`); one imported later is split by
+    the hook at its first launch. On exit each has its own caches back, with what the pool
+    compiled."""
+    fns = _jit_functions()
+    split = _Split()
+    try:
+        for fn in fns:
+            split.split(fn)
+        yield split
+    finally:
+        split.restore()
 
 
 class _Ahead:
@@ -89,9 +130,10 @@ class _Ahead:
     specialisation submitting its compile to the pool; the compile the pool runs (`preload`, a
     warm-up) goes on, as does anything not k31c's."""
 
-    def __init__(self, pool: ThreadPoolExecutor, before):
+    def __init__(self, pool: ThreadPoolExecutor, before, split: _Split):
         self.pool = pool
         self.before = before        # a hook the process had set: asked first
+        self.split = split
         self.futures = {}
 
     def __call__(self, *, key, fn, compile, is_manual_warmup, **kwargs):
@@ -101,6 +143,7 @@ class _Ahead:
         if is_manual_warmup or not _ours(fn.module):
             return None
         jit = fn.jit_function
+        self.split.split(jit)       # a kernel imported during the dry run: before its compile lands
         slot = (id(jit), key)
         if slot not in self.futures:
             context = contextvars.copy_context()      # the kernel store the launch keeps to
@@ -127,9 +170,9 @@ def compile_ahead(run: Callable[[], None], workers: int,
     start = time.perf_counter()
     report = AheadReport()
     pool = ThreadPoolExecutor(workers, thread_name_prefix="k31c-jit")
-    with _looking_uncompiled():
+    with _looking_uncompiled() as split:
         try:
-            hook = _Ahead(pool, knobs.runtime.jit_cache_hook)
+            hook = _Ahead(pool, knobs.runtime.jit_cache_hook, split)
             knobs.runtime.jit_cache_hook = hook
             dry = DRY_RUN.set(True)
             try:

@@ -8,21 +8,29 @@ import os
 import subprocess
 import sys
 import threading
+from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 
 from k31c.errors import UsageError
-from k31c.runtime.jit_ahead import compile_ahead
+from k31c.runtime.jit_ahead import _SplitCaches, compile_ahead
 
 MARK = contextvars.ContextVar("mark", default=None)
 
 
 class FakeJit:
-    """Records what `preload` was given, on which thread, and the context it ran in."""
+    """Records what `preload` was given, on which thread, and the context it ran in; its device
+    caches are a JIT function's (a defaultdict of binder tuples)."""
+    __name__ = "fake_kernel"
 
     def __init__(self, fail=()):
         self.calls, self.fail = [], set(fail)
+        self.device_caches = defaultdict(self.create_binder)
+
+    @staticmethod
+    def create_binder():
+        return {}, {}, None, None, None
 
     def preload(self, data):
         self.calls.append((data, threading.current_thread().name, MARK.get()))
@@ -42,12 +50,16 @@ def test_the_dry_run_skips_launches_and_compiles_each_specialisation_once_on_the
     jit, other = FakeJit(), FakeJit()
     answers = []
 
+    own = jit.device_caches
+
     def run():
         MARK.set("store-a")                 # as the executor's kernel store is set around a launch
         answers.extend([launch(jit, "s1"), launch(jit, "s1"), launch(jit, "s2"),
                         launch(other, "s1", module="fla.ops.kda"), launch(jit, "s3", warmup=True)])
+        answers.append(isinstance(jit.device_caches, _SplitCaches))   # split at its first launch
     said = []
     report = compile_ahead(run, 2, said.append)
+    assert answers.pop() is True and jit.device_caches is own
     assert answers == [True, True, True, None, None]
     assert sorted(d for d, _, _ in jit.calls) == ["data-s1", "data-s2"] and other.calls == []
     assert all(t.startswith("k31c-jit") and mark == "store-a" for _, t, mark in jit.calls)
@@ -102,27 +114,49 @@ def test_prebuild_rejects_a_bad_jit_workers():
 
 
 _SWAP = r"""
-import sys
-from collections import defaultdict
 import k31c.lowering.triton.topk as topk
-from k31c.runtime.jit_ahead import _jit_functions, _looking_uncompiled
+from k31c.runtime.jit_ahead import _SplitCaches, _jit_functions, _looking_uncompiled
 fns = _jit_functions()
 assert len(fns) >= 3, fns
 fn = next(f for f in fns if f.__name__ == "_filter_kernel")
 mine = fn.device_caches
 mine[0] = ({"before": "k0"}, {}, None, None, None)
 with _looking_uncompiled():
-    assert fn.device_caches is not mine and len(fn.device_caches) == 0
-    fn.device_caches[0] = ({"ahead": "k1"}, {}, None, None, None)
+    split = fn.device_caches
+    assert isinstance(split, _SplitCaches) and split.dry == {} and split.compiled == {}
+    split.compiled[0] = ({"ahead": "k1"}, {}, None, None, None)     # what the pool compiled
 assert fn.device_caches is mine and mine[0][0] == {"before": "k0", "ahead": "k1"}, mine[0][0]
 try:
     with _looking_uncompiled():
         raise KeyError("dry run failed")
 except KeyError:
     pass
-assert fn.device_caches is mine
+assert fn.device_caches is mine and all(f.device_caches.__class__.__name__ == "defaultdict" for f in fns)
 print("ok")
 """
+
+
+def test_split_caches_keep_the_dry_runs_thread_apart_from_the_pools():
+    """The dry run's thread never sees a kernel the pool compiled: its binder tuples are its own
+    (so its launches keep missing and are skipped); the pool's threads share theirs."""
+    made = []
+
+    def create():
+        made.append(({}, {}, None, None, None))
+        return made[-1]
+    caches = _SplitCaches(create, threading.get_ident())
+    seen = {}
+
+    def pool_thread(name):
+        seen[name] = caches[0]
+        seen[name][0]["k"] = "compiled"
+    threads = [threading.Thread(target=pool_thread, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["a"] is seen["b"] and caches.compiled[0][0] == {"k": "compiled"}
+    assert caches[0] is caches[0] and caches[0][0] == {} and len(made) == 2
 
 
 def test_the_jit_caches_are_swapped_for_the_dry_run_and_merged_back():
