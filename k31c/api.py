@@ -353,9 +353,9 @@ class CompiledModel:
                              "(build(step, meta, caches)) and inspected, not run")
         step = StepKind(mode, rows)
         program = self._programs.get(step)
-        graphs = program.graphs if program is not None and program.fn is not None and not self._graphs_off else None
         if getattr(input_ids, "device", None) is not None and input_ids.device.type == "cpu":
             device = caches_device(caches)
+            graphs = program.graphs if program is not None and program.fn is not None and not self._graphs_off else None
             staged = graphs is not None and graphs.bucket(meta.block_table.shape[0]) is not None
             if device.type != "cpu" and not staged:     # no device graph to stage them
                 input_ids, meta = step_to_device(input_ids, meta, device)

@@ -16,7 +16,6 @@ step inputs `(input_ids, meta, caches)`; it returns `(logits,)` and writes the c
 from __future__ import annotations
 
 import contextlib
-
 import re
 import time
 import weakref

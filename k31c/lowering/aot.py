@@ -203,23 +203,23 @@ def build_kernels(target_name: str, out_dir=None, progress: Optional[Callable] =
     """Compile every registered Triton kernel of the target (optionally of some families only)
     at the launchers' real-shape specialisations, on `jobs` processes (1: in this one);
     `progress` gets one line per kernel, in the specs' order, as soon as it and every kernel
-    before it have finished. Raises AotBuildError (after trying all)
-    if any fails; with out_dir, writes <name>.<hsaco|cubin> per kernel and manifest.json (only
-    when all compiled; see write_outputs)."""
+    before it have finished. Raises AotBuildError (after trying all) if any fails; with out_dir,
+    writes <name>.<hsaco|cubin> per kernel and manifest.json (only when all compiled; see
+    write_outputs)."""
     target = get_target(target_name)
     if out_dir is not None:
         check_out_dir(out_dir, target_name)     # before minutes of compiling, not after
     specs = collect_specs(target_name, shapes, families)
     outcomes: dict[int, object] = {}            # spec index -> BuiltKernel, or why it failed
+    shown = 0                                   # kernels whose progress line is out
 
     def done(i: int, outcome) -> None:
+        nonlocal shown
         outcomes[i] = outcome
-        while progress and len(said) in outcomes:
-            j = len(said)
-            said.append(outcomes[j].line() if isinstance(outcomes[j], BuiltKernel)
-                        else f"{spec_name(specs[j]):<58} FAILED: {outcomes[j]}")
-            progress(said[-1])
-    said: list[str] = []
+        while progress and shown in outcomes:
+            o = outcomes[shown]
+            progress(o.line() if isinstance(o, BuiltKernel) else f"{spec_name(specs[shown]):<58} FAILED: {o}")
+            shown += 1
     if jobs > 1 and len(specs) > 1:
         _build_in_processes(specs, target_name, shapes, families, jobs, done)
     else:

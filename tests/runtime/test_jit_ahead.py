@@ -100,7 +100,6 @@ def test_a_hook_the_process_had_is_asked_first_and_restored():
 
 
 def test_prebuild_rejects_a_bad_jit_workers():
-    import torch
     from k31c import api
     from k31c.runtime.engine import Engine
     from tiny_model import make_model
@@ -110,7 +109,6 @@ def test_prebuild_rejects_a_bad_jit_workers():
     for bad in (-1, 1.5, True, "4"):
         with pytest.raises(UsageError, match="jit_workers"):
             compiled.prebuild(engine, ["decode"], jit_workers=bad)
-    assert torch.is_tensor(next(model.parameters()))
 
 
 _SWAP = r"""
