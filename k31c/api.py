@@ -294,9 +294,10 @@ class CompiledModel:
         Engine of the same geometry loads them. On a GPU this target runs on, each step then runs
         once on a throwaway request (`Engine.run_once`), so the Triton kernels its program
         launches are compiled now, into the compile cache's kernel store, not at the later
-        process's first step. Those kernels are compiled first on `jit_workers` threads, from a
-        dry run of the steps (runtime/jit_ahead.py; None: `default_workers()`, 0: each at its
-        first launch, one after another). Returns whether the steps ran."""
+        process's first step. Where a step was built here (not loaded from the cache), those
+        kernels are compiled first on `jit_workers` threads, from a dry run of the steps
+        (runtime/jit_ahead.py; None: `default_workers()`, 0: each at its first launch, one after
+        another). Returns whether the steps ran."""
         if jit_workers is None:
             jit_workers = default_workers()
         if isinstance(jit_workers, bool) or not isinstance(jit_workers, int) or jit_workers < 0:
@@ -320,7 +321,10 @@ class CompiledModel:
         if not (self.target.runnable_here and engine.device.type == "cuda" and engine.step_fn is self):
             return False
         runs = [(s.mode, s.rows) for s in kinds]
-        if jit_workers:
+        # a program loaded from the cache finds its kernels in the cache's kernel store (each
+        # loaded at its first launch, not compiled), so only steps built here compile ahead
+        built = [s for s in kinds if not self.report.steps[s.name].cache.startswith("hit")]
+        if jit_workers and built:
             self._compile_ahead(engine, runs, jit_workers)
         engine.run_once(runs)
         return True
