@@ -24,7 +24,8 @@ time, and the start as a share of its cold run's.
 
 --runs: some of the runs above by name (default all); a warm run needs its cold run.
 --jit-workers: prebuild's `jit_workers` (GPU targets: the steps' Triton kernels compiled on N
-threads from a dry run before their first run; default 0, each at its first launch).
+threads from a dry run before their first run; default prebuild's, one per usable CPU; 0: each
+at its first launch).
 
 --config takes a preset or a config.json. `benchmarks/configs/k3.1-pro-layers.json` is K3.1 Pro's
 layer structure (93 layers: 69 KDA, 24 MLA with the indexer; Block AttnRes every 12; the K3.1 Pro
@@ -106,7 +107,7 @@ def child(args) -> None:
 
 def run_child(args, env: dict) -> dict:
     cmd = [sys.executable, __file__, "--child", "--target", args.target, "--config", args.config,
-           "--steps", args.steps, "--jit-workers", str(args.jit_workers)]
+           "--steps", args.steps] + ([] if args.jit_workers is None else ["--jit-workers", str(args.jit_workers)])
     out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"child failed ({env}):\n{out.stderr[-3000:]}")
@@ -135,8 +136,9 @@ def main() -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--steps", default="prefill,decode")
     p.add_argument("--runs", help="comma-separated run names (default: all)")
-    p.add_argument("--jit-workers", type=int, default=0,
-                   help="prebuild's jit_workers: threads compiling the steps' Triton kernels ahead (GPU)")
+    p.add_argument("--jit-workers", type=int, default=None,
+                   help="prebuild's jit_workers: threads compiling the steps' Triton kernels ahead (GPU; "
+                        "default prebuild's)")
     p.add_argument("--out")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -172,7 +174,7 @@ def main() -> None:
              f"steps {args.steps})", "",
              f"`python benchmarks/compile_cache.py --target {args.target} --config {args.config} --steps {args.steps}"
              + (f' --runs "{args.runs}"' if args.runs else "")
-             + (f" --jit-workers {args.jit_workers}" if args.jit_workers else "") + "`",
+             + (f" --jit-workers {args.jit_workers}" if args.jit_workers is not None else "") + "`",
              "", "| run | imports s | start s (compile + prebuild) | first tokens s | process wall s | start / its cold start |"
              " Triton kernels compiled / loaded from its cache |",
              "|---|---|---|---|---|---|---|"]

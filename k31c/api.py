@@ -67,7 +67,7 @@ from .passes.manager import PassContext, Pipeline, resolve, run_pipeline
 from .passes.partition import partition
 from .runtime.executor import Executor
 from .runtime.graphs import DecodeGraphs
-from .runtime.jit_ahead import compile_ahead
+from .runtime.jit_ahead import compile_ahead, default_workers
 from .runtime.staging import StepInputs, decode_step_inputs
 
 @dataclass
@@ -288,15 +288,18 @@ class CompiledModel:
             program.graphs = DecodeGraphs(program.executor, inputs, self.options["buckets"],
                                           self._graph_pool, meta.block_table.shape[1])
 
-    def prebuild(self, engine, steps: Sequence[str], jit_workers: int = 0) -> bool:
+    def prebuild(self, engine, steps: Sequence[str], jit_workers: Optional[int] = None) -> bool:
         """Build the programs of `steps` (names: "prefill", "decode", "verify4") for `engine`'s
         cache pool: with the compile cache on, a later process that compiles the same model for an
         Engine of the same geometry loads them. On a GPU this target runs on, each step then runs
         once on a throwaway request (`Engine.run_once`), so the Triton kernels its program
         launches are compiled now, into the compile cache's kernel store, not at the later
-        process's first step. With `jit_workers` > 0 those kernels are compiled on that many
-        threads first, from a dry run of the steps (runtime/jit_ahead.py). Returns whether the
-        steps ran."""
+        process's first step. Where a step was built here (not loaded from the cache), those
+        kernels are compiled first on `jit_workers` threads, from a dry run of the steps
+        (runtime/jit_ahead.py; None: `default_workers()`, 0: each at its first launch, one after
+        another). Returns whether the steps ran."""
+        if jit_workers is None:
+            jit_workers = default_workers()
         if isinstance(jit_workers, bool) or not isinstance(jit_workers, int) or jit_workers < 0:
             raise UsageError(f"jit_workers must be a non-negative integer (0: compile at first launch), "
                              f"got {jit_workers!r}")
@@ -318,7 +321,10 @@ class CompiledModel:
         if not (self.target.runnable_here and engine.device.type == "cuda" and engine.step_fn is self):
             return False
         runs = [(s.mode, s.rows) for s in kinds]
-        if jit_workers:
+        # a program loaded from the cache finds its kernels in the cache's kernel store (each
+        # loaded at its first launch, not compiled), so only steps built here compile ahead
+        built = [s for s in kinds if not self.report.steps[s.name].cache.startswith("hit")]
+        if jit_workers and built:
             self._compile_ahead(engine, runs, jit_workers)
         engine.run_once(runs)
         return True

@@ -2,7 +2,7 @@
 count too: a lazy import is still a dependency).
 
 Rooms, bottom up; a module may import its own room and the rooms its room lists:
-    base      config (+ config_values, presets), errors, paths, fsutil, tokenizer,
+    base      config (+ config_values, presets), errors, paths, fsutil, host, tokenizer,
               checkpoint_files, dynamo_registry, compile_cache
     (graph)   checkpoint.py sits with graph/: loading a checkpoint builds the model
     graph     k31c/graph/            base
@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "k31c"
 BASE = {"k31c.config", "k31c.config_values", "k31c.presets", "k31c.errors", "k31c.paths", "k31c.fsutil",
-        "k31c.tokenizer", "k31c.checkpoint_files", "k31c.dynamo_registry", "k31c.compile_cache"}
+        "k31c.tokenizer", "k31c.host", "k31c.checkpoint_files", "k31c.dynamo_registry", "k31c.compile_cache"}
 GRAPH_LEVEL = {"k31c.checkpoint"}      # loading a checkpoint builds the model (graph/model.py)
 TOP = {"k31c", "k31c.__main__"}
 ORDER = ("base", "graph", "lowering", "passes", "runtime", "api", "cli")

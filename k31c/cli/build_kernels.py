@@ -2,10 +2,10 @@
 the build itself is k31c.lowering.aot's."""
 from __future__ import annotations
 
-import os
 import sys
 
 from ..errors import UsageError
+from ..host import usable_cpus
 from .common import positive_int
 
 
@@ -21,13 +21,6 @@ def add(sub) -> None:
                    help="kernels compiled at once, each in a process of its own (default: the CPUs "
                         "this process may use)")
     p.set_defaults(run=run)
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:          # not on Linux
-        return os.cpu_count() or 1
 
 
 def run(args) -> int:

@@ -68,6 +68,8 @@ def run(args) -> int:
     else:   # the compile cache's programs are specialised to the pool: one length for all prompts
         compiled = compile_model(model, args.target, args.cache_dir, args.dense_codegen)
         engine = Engine(compiled, max_requests=1, max_seq_len=pool_len(cfg, needed))
+        if compiled.target.device == "cuda":    # its kernels compiled on threads, not one by one at first launch
+            compiled.prebuild(engine, ["prefill", "decode"])
     stream = tok.stream_decoder()
     times: list[float] = []
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"

@@ -25,9 +25,10 @@ def add(sub) -> None:
                    help="requests the cache pool holds (default: 1, as generate)")
     p.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="tokens a request holds (default: the model's maximum, at most 4096, as generate)")
-    p.add_argument("--jit-workers", type=non_negative_int, default=0,
+    p.add_argument("--jit-workers", type=non_negative_int, default=None, metavar="N",
                    help="threads that compile the steps' Triton kernels before their first run on the "
-                        "GPU, from a dry run of the steps (default: 0, each kernel at its first launch)")
+                        "GPU, from a dry run of the steps (default: one per usable CPU; 0: each kernel "
+                        "at its first launch, one after another)")
     p.set_defaults(run=run)
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ..errors import RuntimeFailure
+from ..host import usable_cpus
 
 KERNEL_MODULES = "k31c.lowering.triton."
 DRY_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("k31c_dry_run", default=False)
@@ -47,6 +48,11 @@ class AheadReport:
     failed: int = 0              # compiles that raised (left to the real run)
     seconds: float = 0.0         # the dry run and the compiles
     stopped: Optional[str] = None    # why the dry run stopped early (its error), if it did
+
+
+def default_workers() -> int:
+    """Threads for the compiles: one per CPU this process may use."""
+    return usable_cpus()
 
 
 def _ours(module) -> bool:

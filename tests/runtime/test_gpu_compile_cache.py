@@ -72,8 +72,8 @@ def test_generate_on_h200_builds_then_loads(tmp_path):
 
 
 def test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel(tmp_path):
-    """Two processes: the first only prebuilds (`compiled.prebuild(engine, steps)`: on the GPU
-    each step runs once) into an empty compile cache with fresh Triton and Inductor caches; the
+    """Two processes: the first only prebuilds (`compiled.prebuild(engine, steps, jit_workers=0)`:
+    on the GPU each step runs once, its kernels compiled at their first launch) into an empty compile cache with fresh Triton and Inductor caches; the
     second starts from that compile cache alone (fresh Triton and Inductor caches again, as on a
     machine it was copied to), prefills and decodes: it loads its steps and compiles no Triton
     kernel (k31c's from the cache's kernel store, Inductor's from its artifacts), and its logits
@@ -90,8 +90,8 @@ def test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel(tmp_pa
 
 def test_prebuild_compiles_ahead_on_threads(tmp_path):
     """`prebuild(..., jit_workers=4)` in a fresh process (fresh Triton, Inductor and compile
-    caches; the CUDA allocator's free memory filled with junk first): every k31c kernel the steps launch is compiled on the pool's threads from the dry
-    run, none at its first real launch, and the steps that follow compute eager's logits; a
+    caches; the CUDA allocator's free memory filled with junk first): every k31c kernel the
+    steps launch is compiled on the pool's threads from the dry run, none at its first real launch, and the steps that follow compute eager's logits; a
     second process from that compile cache alone (fresh Triton and Inductor caches) compiles no
     Triton kernel: the pool's compiles went into the kernel store under the keys the JIT uses."""
     (run, said), (warm, _) = _start_processes(tmp_path, ("ahead", "run"))
