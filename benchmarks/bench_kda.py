@@ -159,10 +159,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         paired = graph_ms(lambda: run(state_first=True))
         plain = graph_ms(lambda: run(state_first=False))
         notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
-        if R > 1:     # the state pass's rows in chunk form (a launch knob, off by default)
-            chunked = {cfg: graph_ms(lambda cfg=cfg: run(cfg, chunk_rows=True)) for cfg in ((32, 2), (32, 4))}
-            notes.append("chunked rows (BV,warps) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
-                                                            for cfg, t in chunked.items()))
         # the launches alone (outputs unfinished) and the prep's warps, at the default tile
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False)) for st in ("p", "s")}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}

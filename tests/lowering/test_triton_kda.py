@@ -380,19 +380,3 @@ def test_decode_rejects_strided_slots():
     slots = torch.arange(6, device=DEV)[::2]                    # 3 requests, stride 2
     with pytest.raises(ValueError, match="slots"):
         run_decode(kda_decode, tok, params, conv, state, slots, 1, -5.0, False)
-
-
-# the state pass's rows in chunk form (a launch knob; snapshots keep the row loop)
-@pytest.mark.parametrize("rows,block_v,lb", [(2, 8, -5.0), (3, 32, None), (4, 8, -5.0), (4, 32, -5.0)])
-def test_decode_chunked_rows(rows, block_v, lb):
-    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=False, dtype=torch.float32, device=DEV,
-                 seed=50 + rows + block_v, num_slots=5,
-                 fn=partial(launch_kda_decode, block_v=block_v, chunk_rows=True))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("block_v,num_warps", [(32, 2), (32, 4)])
-def test_decode_k3_shapes_chunked_rows_cuda(block_v, num_warps):
-    check_decode(H=96, K=128, B=16, rows=4, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
-                 seed=5, num_slots=20,
-                 fn=partial(launch_kda_decode, block_v=block_v, num_warps=num_warps, chunk_rows=True))

@@ -46,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    chunk_rows: bool = False    # the state pass's rows in chunk form (R > 1 without snapshots)
 
     @property
     def fuse_norm(self) -> bool:
@@ -69,11 +68,9 @@ class DecodePlan:
                     HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
 
     def state_constexprs(self, has_snap: bool) -> dict:
-        chunk = self.chunk_rows and self.rows > 1 and not has_snap
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
                     FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows),
-                    **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}),
-                    **({"CHUNK": True, "RB": triton.next_power_of_2(self.rows)} if chunk else {}))
+                    **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}))
 
     def norm_constexprs(self) -> dict:
         return dict(ROWS=self.rows, K=self.K, BR=self.norm_rows)
@@ -95,12 +92,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, chunk_rows: bool = False) -> DecodePlan:
+         unroll_rows: bool = True) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
     as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, chunk_rows=chunk_rows)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -135,21 +132,20 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, chunk_rows: bool = False) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). chunk_rows: the state pass's rows in chunk
-    form where there are several and no snapshots (`kda_decode_kernels._state_rows_chunked`)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, chunk_rows)
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))

@@ -20,8 +20,6 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      fused_recurrent_kda): slot -> [K, BV] state slice, R delta-rule steps on it with the rows'
      vectors loaded up front (independent of the state), raw o per row, per-row state snapshots,
      final state. With BV = K a program owns the whole head and applies the gated norm itself.
-     A launch knob (`chunk_rows`, off by default) runs several rows without snapshots in chunk
-     form instead (`_state_rows_chunked`: the products with the starting state all at once).
      On sm_90, when its grid fits the SMs (one request at R = 1: `DecodePlan.pairs`), it is
      launched as the prep's PDL dependent (device.pair_launch): its programs load their state
      slice while the prep runs and wait for the prep's scratch after.
@@ -144,65 +142,6 @@ def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_p
 
 
 @triton.jit
-def _row_of(x, rr, r):
-    """Row r of a [RB, N] tensor whose rows are indexed by rr."""
-    return tl.sum(tl.where(rr[:, None] == r, x, 0.0), axis=0)
-
-
-@triton.jit
-def _entry_of(x, rr, r):
-    """Entry r of an [RB] vector indexed by rr."""
-    return tl.sum(tl.where(rr == r, x, 0.0), axis=0)
-
-
-@triton.jit
-def _state_rows_chunked(S, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr, ds_ptr,
-                        bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-                        ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
-                        FUSE_NORM: tl.constexpr):
-    """A request's R rows on one [K, BV] state slice in chunk form: every product with the
-    starting state S0 is issued at once, and the rows meet only through [R, R] coefficients.
-    With G_r the decays' running product and r_ri = prod_{i<j<=r} d_j (G_r / G_i without the
-    division): u_r = beta_r (v_r - S0^T (G_r k_r) - sum_{i<r} a_ri u_i), a_ri = k_r . (r_ri k_i);
-    o_r = S0^T (G_r q_r) + sum_{i<=r} b_ri u_i, b_ri = q_r . (r_ri k_i) (r_rr = 1); and
-    S_R = G_R S0 + sum_i (r_Ri k_i) u_i^T. The same rows as `_state_row` R times, the sums in
-    another order. The rows' vectors are loaded stacked [RB, K] once (loaded row by row, the
-    build holds every row's broadcast copies and spills)."""
-    rr = tl.arange(0, RB)
-    rows = rr < ROWS
-    vec = (row0_64 + rr)[:, None] * (H * K) + h * K
-    Q = tl.load(qs_ptr + vec + offs[None, :], mask=rows[:, None], other=0.0)
-    Kr = tl.load(ks_ptr + vec + offs[None, :], mask=rows[:, None], other=0.0)
-    D = tl.load(ds_ptr + vec + offs[None, :], mask=rows[:, None], other=1.0)
-    V = tl.load(vs_ptr + vec + offs_v[None, :], mask=rows[:, None], other=0.0)
-    beta = tl.load(bs_ptr + (row0_64 + rr) * H + h, mask=rows, other=0.0)
-    G = tl.full((K,), 1.0, tl.float32)
-    ratio = tl.full((RB, K), 1.0, tl.float32)          # row i: r_ri (rows i < r are used)
-    U = tl.zeros((RB, BV), tl.float32)
-    for r in tl.static_range(ROWS):
-        d_r = _row_of(D, rr, r)
-        k_r = _row_of(Kr, rr, r)
-        q_r = _row_of(Q, rr, r)
-        G = G * d_r
-        ratio = tl.where(rr[:, None] == r - 1, 1.0, ratio) * d_r[None, :]
-        a = tl.where(rr < r, tl.sum(ratio * Kr * k_r[None, :], axis=1), 0.0)
-        own = tl.where(rr[:, None] == r, 1.0, ratio)     # r_ri for i <= r (r_rr = 1)
-        b = tl.where(rr <= r, tl.sum(own * Kr * q_r[None, :], axis=1), 0.0)
-        w = tl.sum(S * (G * k_r)[:, None], axis=0)        # S0^T (G_r k_r)   [BV]
-        p = tl.sum(S * (G * q_r)[:, None], axis=0)        # S0^T (G_r q_r)
-        u = _entry_of(beta, rr, r) * (_row_of(V, rr, r) - w - tl.sum(a[:, None] * U, axis=0))
-        U = tl.where(rr[:, None] == r, u[None, :], U)
-        o = tl.where(live, p + tl.sum(b[:, None] * U, axis=0), 0.0)
-        _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr,
-                  snap_state_ptr, eps, K, False, FUSE_NORM)
-    khat = tl.where(rr[:, None] == ROWS - 1, 1.0, ratio) * Kr      # r_Ri k_i
-    S = S * G[:, None]
-    for i in tl.static_range(ROWS):
-        S += _row_of(khat, rr, i)[:, None] * _row_of(U, rr, i)[None, :]
-    return S
-
-
-@triton.jit
 def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
     """A state program's (request, head, V tile) from its flat id (the V tile fastest), its slot
     (a padding request's -1 read as slot 0, `live` false) and its [K, BV] fp32 state slice."""
@@ -230,23 +169,16 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                             state_ptr, slots_ptr, snap_state_ptr, H, eps,
                             ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                             HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
-                            CHUNK: tl.constexpr = False, RB: tl.constexpr = 1):
+                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False):
     """STATE_FIRST (launched as the prep's PDL dependent): the slots and the state slice, written
-    before the prep ran, are loaded before the wait for the prep's scratch. CHUNK (more than one
-    row, no snapshots): the rows in chunk form (`_state_rows_chunked`, RB: ROWS rounded up to a
-    power of two)."""
+    before the prep ran, are loaded before the wait for the prep's scratch."""
     if not STATE_FIRST:
         wait_for_producers(PDL)
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
     if STATE_FIRST:
         wait_for_producers(PDL)
     row0_64 = (b * ROWS).to(tl.int64)
-    if CHUNK:
-        S = _state_rows_chunked(S, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
-                                ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-                                ROWS, RB, K, BV, FUSE_NORM)
-    elif UNROLL:
+    if UNROLL:
         # the rows' vector loads do not depend on the state: all can issue up front (registers)
         for r in tl.static_range(ROWS):
             S = _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
