@@ -171,9 +171,10 @@ def _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS: tl.constex
 
 
 @triton.jit
-def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, cap, TILE: tl.constexpr,
+def _filter_span(src_row, lo, hi, first, st, ckey_row, cpos_row, hkey, hpos, thresh, cap, TILE: tl.constexpr,
                  SLOTS: tl.constexpr, FLOAT: tl.constexpr, PTX: tl.constexpr):
-    """Filter positions [lo, hi) of a row against `thresh`; returns (slots held, keys == T).
+    """Filter positions [lo, hi) of a row against `thresh`, starting from `first`, the tile at lo
+    (`_first_tile`); returns (slots held, keys == T).
     FLOAT: `thresh` is the fp32 t with order_key(t) == T (T <= the key of +inf, not the key of
     -0.0's bits), and the scores are compared as floats: order_key(x) > T exactly when x > t or x
     is NaN (an unordered >), and order_key(x) == T when x == t (-0.0 == +0.0), one instruction
@@ -185,7 +186,7 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
     ties = tl.zeros([TILE // RUN_KEYS], tl.int32)     # per run: a thread's adds, no carried tile
     # the scores are read once, so evict-first (a 4% faster select, BENCHMARKS.md): L2 is left
     # to what is read again (the candidate buffers the refine reads back, likely the gain)
-    nxt = tl.load(src_row + lo + offs, mask=lo + run + RUN_KEYS <= hi, other=0.0, eviction_policy="evict_first")
+    nxt = first
     for start in range(lo, hi, TILE):
         pos = start + offs
         x = nxt          # the next tile's load is in flight while this one is filtered
@@ -210,6 +211,14 @@ def _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh, ca
 
 
 @triton.jit
+def _first_tile(src_row, lo, hi, TILE: tl.constexpr):
+    """The [runs, RUN_KEYS] tile of scores at lo (whole runs below hi; the rest 0), read once."""
+    run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
+    return tl.load(src_row + lo + run + tl.arange(0, RUN_KEYS)[None, :], mask=lo + run + RUN_KEYS <= hi, other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _compare(x, thresh, FLOAT: tl.constexpr):
     """(order_key(x) > T, order_key(x) == T) for scores x (see `_filter_span`)."""
     if FLOAT:
@@ -228,25 +237,30 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
     so a run is one vector load and its scan stays in a thread); the chunk's last partial run,
     if any, comes after the loop. Thresholds up to the key of +inf (all but NaN-heavy rows)
     compare the scores as floats."""
-    wait_for_producers(PDL)
+    # The scores and row_len come from kernels before the plan, which waited for them before it
+    # let this launch start: the first tile's load goes out before the wait for the plan, and the
+    # plan's two state words after it in one round trip.
     row = tl.program_id(0)
+    n = tl.load(row_len_ptr + row)
+    lo = tl.program_id(1) * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
+    src_row = src_ptr + row.to(tl.int64) * src_stride
+    first = _first_tile(src_row, lo, hi, TILE)
+    wait_for_producers(PDL)
     st = state_ptr + row * ST_WORDS
-    if tl.load(st + ST_MODE) == 0:
-        n = tl.load(row_len_ptr + row)
-        thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
-        lo = tl.program_id(1) * chunk
-        hi = tl.maximum(tl.minimum(lo + chunk, n), lo)
-        src_row = src_ptr + row.to(tl.int64) * src_stride
+    mode = tl.load(st + ST_MODE)
+    thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
+    if mode == 0:
         ckey_row = ckey_ptr + row.to(tl.int64) * cap
         cpos_row = cpos_ptr + row.to(tl.int64) * cap
         prog = row * tl.num_programs(1) + tl.program_id(1)
         hkey = hkey_ptr + prog.to(tl.int64) * SLOTS      # the program's own candidate slots
         hpos = hpos_ptr + prog.to(tl.int64) * SLOTS
         if (thresh <= INF_KEY) & (thresh != NEG_ZERO_BITS_KEY):
-            held, n_ties = _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, key_float(thresh),
+            held, n_ties = _filter_span(src_row, lo, hi, first, st, ckey_row, cpos_row, hkey, hpos, key_float(thresh),
                                         cap, TILE, SLOTS, True, PTX)
         else:
-            held, n_ties = _filter_span(src_row, lo, hi, st, ckey_row, cpos_row, hkey, hpos, thresh,
+            held, n_ties = _filter_span(src_row, lo, hi, first, st, ckey_row, cpos_row, hkey, hpos, thresh,
                                         cap, TILE, SLOTS, False, PTX)
         _flush_held(st, ckey_row, cpos_row, hkey, hpos, held, cap, SLOTS, PTX)
         tl.store(ties_ptr + prog, n_ties)
@@ -265,19 +279,25 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
-    if tl.load(st + ST_MODE) == 0:
-        count = tl.load(st + ST_CNT)
-        thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
-        c = tl.arange(0, CP)
-        ties = tl.load(ties_ptr + row * n_chunks + c, mask=c < n_chunks, other=0)
+    # the loads the common path starts with go out at once (the state, the tie counts and the
+    # whole key buffer, its slots past the count masked after), not one round trip after another
+    mode = tl.load(st + ST_MODE)
+    count = tl.load(st + ST_CNT)
+    thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
+    c = tl.arange(0, CP)
+    ties = tl.load(ties_ptr + row * n_chunks + c, mask=c < n_chunks, other=0)
+    n = tl.load(row_len_ptr + row)
+    offs = tl.arange(0, BUF)
+    x_all = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=offs < cap, other=0)
+    if mode == 0:
         need = k - count
-        n = tl.load(row_len_ptr + row)
         out_row = out_ptr + row.to(tl.int64) * out_stride
-        use_ties = (need > 0) & (need <= tl.sum(ties, 0)) & (count <= cap)
-        if ((count >= k) & (count <= cap)) | use_ties:
-            offs = tl.arange(0, BUF)
+        go = (count >= k) & (count <= cap)
+        if need > 0:         # the tie counts' block sum only where the buffer holds fewer than k
+            go = (need <= tl.sum(ties, 0)) & (count <= cap)
+        if go:
             live = offs < count
-            x = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True)
+            x = tl.where(live, x_all, 0).to(tl.float32, bitcast=True)
             key = order_key(x)
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
