@@ -7,7 +7,8 @@ set is unique and equals the reference's: among equal scores the higher position
 
 Three launches (no host sync; grids from static shapes; CUDA-graph safe). On CUDA sm_90+ the
 filter and the refine are each the PDL dependent of the launch before (`device.pair_launch`):
-their programs launch while it runs and wait for it at their start, hiding the launch latency.
+their programs launch while it runs and wait for it at their start, hiding the launch latency
+(the filter's first tile of scores is read before its wait: the scores come from before the plan).
 1. plan, one program per row: rows with row_len <= k are written out (0..n-1, then -1). Rows
    with n <= cap take threshold T = 0 (every position is a candidate). Longer rows gather a
    strided sample (runs of 8; more keys for longer rows, so about 80 sampled keys lie above T)
@@ -279,25 +280,19 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
-    # the loads the common path starts with go out at once (the state, the tie counts and the
-    # whole key buffer, its slots past the count masked after), not one round trip after another
-    mode = tl.load(st + ST_MODE)
-    count = tl.load(st + ST_CNT)
-    thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
-    c = tl.arange(0, CP)
-    ties = tl.load(ties_ptr + row * n_chunks + c, mask=c < n_chunks, other=0)
-    n = tl.load(row_len_ptr + row)
-    offs = tl.arange(0, BUF)
-    x_all = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=offs < cap, other=0)
-    if mode == 0:
+    if tl.load(st + ST_MODE) == 0:
+        count = tl.load(st + ST_CNT)
+        thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
+        c = tl.arange(0, CP)
+        ties = tl.load(ties_ptr + row * n_chunks + c, mask=c < n_chunks, other=0)
         need = k - count
+        n = tl.load(row_len_ptr + row)
         out_row = out_ptr + row.to(tl.int64) * out_stride
-        go = (count >= k) & (count <= cap)
-        if need > 0:         # the tie counts' block sum only where the buffer holds fewer than k
-            go = (need <= tl.sum(ties, 0)) & (count <= cap)
-        if go:
+        use_ties = (need > 0) & (need <= tl.sum(ties, 0)) & (count <= cap)
+        if ((count >= k) & (count <= cap)) | use_ties:
+            offs = tl.arange(0, BUF)
             live = offs < count
-            x = tl.where(live, x_all, 0).to(tl.float32, bitcast=True)
+            x = tl.load(ckey_ptr + row.to(tl.int64) * cap + offs, mask=live, other=0).to(tl.float32, bitcast=True)
             key = order_key(x)
             cpos = cpos_ptr + row.to(tl.int64) * cap + offs
             key_t = tl.zeros((), tl.uint32)
