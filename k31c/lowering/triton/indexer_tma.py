@@ -17,10 +17,11 @@ one paged-cache block (BLOCK_SIZE keys, 64 on K3.1 Pro) instead of a gather of K
   ~6000 SASS instructions a thread (this one: ~2600), paid by every program.
 
 MXFP8 cache (MX_CACHE; `indexer.mx_plan`, that cache's default, measured faster): the same
-boxes of e4m3 values, then each key's 4 group-exponent bytes read by pointer, the keys scaled by them into bf16
-(exact: 3 mantissa bits times a power of two) and q quantised and dequantised the same way in the
-prologue (indexer_mxfp8.mx_query_tile), so one 16-bit dot per block sums the products that the
-MX kernel's four partial FP8 dots sum, in another order; no per-key scale in the epilogue.
+boxes of e4m3 values, then each key's 4 group-exponent bytes read by pointer, the keys scaled by
+them into bf16 (exact: 3 mantissa bits times a power of two) and q quantised and dequantised the
+same way in the prologue (indexer_mxfp8.mx_query_tile), so one 16-bit dot per block sums the
+products that the MX kernel's four partial FP8 dots sum, in another order; no per-key scale in
+the epilogue.
 
 Epilogue as in the gather kernel: ReLU, × w (q's scale folded in), sum over heads (or a second
 tl.dot, HEAD_DOT), × the key's fp32 scale (after the head sum: ReLU(s·x) = s·ReLU(x), s > 0),
