@@ -150,7 +150,7 @@ def test_init_force_in_the_checkpoint_directory_itself(tmp_path, reference):
 
 
 def test_outputs_get_the_umask_mode(tmp_path, capsys):
-    """(tests/test_checkpoint.py covers other masks; inspect -o writes through the same helper.)"""
+    """(tests/test_checkpoint_writes.py covers other masks; inspect -o writes through the same helper.)"""
     ckpt, mask = tmp_path / "ckpt", 0o027
     previous = os.umask(mask)
     try:
