@@ -227,17 +227,33 @@ class _Step(torch.nn.Module):
 def _without_stack_traces():
     """No Python stack trace recorded on each node (`node.meta["stack_trace"]`): k31c names nodes
     by module path, and recording them took 2.1 of the 11.7 s that K3.1 Pro's 93-layer decode
-    step took to trace (torch 2.13). torch 2.11 has no switch for it and records them."""
+    step took to trace (torch 2.13). torch >= 2.13 has a switch for it; before that, export's
+    non-strict tracer (`_ModuleStackTracer`) turns recording on in its constructor, so its
+    instances made inside this block have it turned off again."""
     config = torch.fx.config
     before = getattr(config, "do_not_emit_stack_traces", None)
-    if before is None:
+    if before is not None:
+        config.do_not_emit_stack_traces = True
+        try:
+            yield
+        finally:
+            config.do_not_emit_stack_traces = before
+        return
+    from torch.fx.experimental import proxy_tensor
+    tracer = getattr(proxy_tensor, "_ModuleStackTracer", None)
+    if tracer is None:
         yield
         return
-    config.do_not_emit_stack_traces = True
+    init = tracer.__init__
+
+    def init_without_traces(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.record_stack_traces = False
+    tracer.__init__ = init_without_traces
     try:
         yield
     finally:
-        config.do_not_emit_stack_traces = before
+        tracer.__init__ = init
 
 
 def trace(module: torch.nn.Module, args: tuple, dynamic_shapes, arg_names: Sequence[str],
