@@ -185,12 +185,12 @@ def _filter_span(src_row, lo, hi, first, st, ckey_row, cpos_row, hkey, hpos, thr
     offs = run + tl.arange(0, RUN_KEYS)[None, :]
     held = tl.zeros((), tl.int32)
     ties = tl.zeros([TILE // RUN_KEYS], tl.int32)     # per run: a thread's adds, no carried tile
-    # the scores are read once, so evict-first (a 4% faster select, BENCHMARKS.md): L2 is left
-    # to what is read again (the candidate buffers the refine reads back, likely the gain)
     nxt = first
     for start in range(lo, hi, TILE):
         pos = start + offs
         x = nxt          # the next tile's load is in flight while this one is filtered
+        # the scores are read once, so evict-first (a 4% faster select, BENCHMARKS.md): L2 is left
+        # to what is read again (the candidate buffers the refine reads back, likely the gain)
         nxt = tl.load(src_row + pos + TILE, mask=start + TILE + run + RUN_KEYS <= hi, other=0.0,
                       eviction_policy="evict_first")
         live = start + run + RUN_KEYS <= hi
@@ -213,7 +213,8 @@ def _filter_span(src_row, lo, hi, first, st, ckey_row, cpos_row, hkey, hpos, thr
 
 @triton.jit
 def _first_tile(src_row, lo, hi, TILE: tl.constexpr):
-    """The [runs, RUN_KEYS] tile of scores at lo (whole runs below hi; the rest 0), read once."""
+    """The [runs, RUN_KEYS] tile of scores at lo (whole runs below hi; the rest 0), evict-first
+    as `_filter_span`'s other loads."""
     run = tl.arange(0, TILE // RUN_KEYS)[:, None] * RUN_KEYS
     return tl.load(src_row + lo + run + tl.arange(0, RUN_KEYS)[None, :], mask=lo + run + RUN_KEYS <= hi, other=0.0,
                    eviction_policy="evict_first")
