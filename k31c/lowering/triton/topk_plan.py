@@ -31,7 +31,7 @@ SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refin
 # a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
 # tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
 FILTER_WARPS = 1
-FILTER_PROGRAMS = 8192                    # filter programs in all (about)
+FILTER_PROGRAMS = 4224    # filter programs in all (about): 132 SMs x 32 one-warp programs, one wave
 PLAN_KEYS, REFINE_KEYS = 8, 16           # keys a thread holds: the sample's, the candidate buffer's
 
 
