@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton import topk, topk_plan
+from k31c.lowering.triton.device import sm_count
 from k31c.lowering.triton.radix_select import select_kth
 try:
     from benchmarks.harness import graph_ms
@@ -87,7 +88,7 @@ def _planned(scores: torch.Tensor, **plan_args):
     n_rows, ctx = scores.shape
     row_len = torch.full((n_rows,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty(n_rows, 2048, dtype=torch.int32, device="cuda")
-    p = topk_plan.plan(n_rows, ctx, 2048, **plan_args)
+    p = topk_plan.plan(n_rows, ctx, 2048, sm_count(scores.device), **plan_args)
     ws = p.workspace("cuda")
     topk.launch_plan(scores, row_len, out, p, ws, PTX=True)
     return row_len, p, ws
@@ -110,7 +111,7 @@ def filter_sweep() -> None:
         row_len, p, ws = _planned(scores)
         for programs in (1024, 4096, 16384):
             for tile in (256, 512, 1024, 2048):
-                q = topk_plan.plan(64, ctx, 2048, tile=tile, programs=programs)
+                q = topk_plan.plan(64, ctx, 2048, sm_count(scores.device), tile=tile, programs=programs)
                 for warps in (2, 4, 8):
                     us = graph_us(lambda: _filter(scores, row_len, p, ws, q, tile, warps), launches=10)
                     print(f"filter 64x{ctx >> 10}K: {programs} programs, tile {tile}, {warps} warps "

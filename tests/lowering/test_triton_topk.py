@@ -165,6 +165,18 @@ def test_topk_rejects_bad_arguments():
         topk.topk_select(scores.half(), torch.tensor([3, 4], dtype=torch.int32, device=DEVICE), 8)
 
 
+
+@pytest.mark.usefixtures("real_topk_constants")
+@pytest.mark.parametrize("target", ["h200", "mi350x"])
+def test_filter_grid_is_one_wave_of_the_targets_sms(target):
+    """64 rows of 128K keys: the filter's programs fill each SM of the target once (32 one-warp
+    programs an SM) at most once, short of it only by the rounding to whole 256-key tiles."""
+    from k31c.lowering.targets import get_target
+    sms = get_target(target).sm_count
+    p = topk_plan.plan(64, 131072, 2048, sms)
+    assert 0.9 * sms * 32 <= 64 * p.n_chunks <= sms * 32 and p.chunk % 256 == 0
+    assert p.n_chunks * p.chunk >= 131072 > (p.n_chunks - 1) * p.chunk
+
 @gpu_only
 @pytest.mark.usefixtures("real_topk_constants")
 @pytest.mark.parametrize("width", [131072, 1048576])

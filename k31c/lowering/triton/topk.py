@@ -48,7 +48,7 @@ from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slot
                                                take_top_ties, threshold_by_value, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start, pair_launch,
-                                         pdl_launch, wait_for_producers)
+                                         pdl_launch, sm_count, wait_for_producers)
 from k31c.lowering.triton import topk_plan
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
 
@@ -344,7 +344,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
         return out
     if width and scores.stride(1) != 1:
         scores = scores.contiguous()
-    p = topk_plan.plan(n_rows, width, k)
+    p = topk_plan.plan(n_rows, width, k, sm_count(scores.device))
     ws = p.workspace(scores.device)
     stride = scores.stride(0)
     pdl = pdl_launch(scores.device)
@@ -372,7 +372,8 @@ def aot_specs(shapes) -> list:
     """The launches of `topk_select` on the GPU at `shapes` (aot_spec.AotShapes), for the
     ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from the plan."""
     op = "k31c::topk_select"
-    p = topk_plan.plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk)
+    p = topk_plan.plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk,
+                       shapes.target.sm_count)
     f32, i32 = torch.float32, torch.int32
     ws = dict(state_ptr=i32, few_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, ties_ptr=i32,
               out_ptr=i32, row_len_ptr=i32, src_ptr=f32)

@@ -31,7 +31,10 @@ SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refin
 # a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
 # tiles, 8 keys a thread (bigger tiles cost registers faster than they save; BENCHMARKS.md)
 FILTER_WARPS = 1
-FILTER_PROGRAMS = 4224    # filter programs in all (about): 132 SMs x 32 one-warp programs, one wave
+FILTER_PER_SM = 32     # one-warp filter programs an SM runs at once: sm_90's 32-block limit, which
+#                        the filter's 64 registers a thread also meet; SMs x 32 programs are one wave
+#                        (1.94 waves on 132 SMs, 8192 programs, were 10% slower at 128K; BENCHMARKS.md)
+FILTER_PROGRAMS = None  # filter programs in all; None: one wave on the target's SMs (tests set a count)
 PLAN_KEYS, REFINE_KEYS = 8, 16           # keys a thread holds: the sample's, the candidate buffer's
 
 
@@ -101,13 +104,18 @@ def sample_count(width: int) -> int:
     return min(SAMPLES, max(min(MIN_SAMPLES, SAMPLES), pow2(triton.cdiv(width, 64))))
 
 
-def plan(n_rows: int, width: int, k: int, groups: int | None = None, tile: int | None = None,
+def filter_programs(sms: int) -> int:
+    """Filter programs in all for a GPU of `sms` SMs (CUs): FILTER_PROGRAMS where set, else one wave."""
+    return FILTER_PROGRAMS if FILTER_PROGRAMS is not None else sms * FILTER_PER_SM
+
+
+def plan(n_rows: int, width: int, k: int, sms: int, groups: int | None = None, tile: int | None = None,
          programs: int | None = None) -> TopkPlan:
-    """The plan of `n_rows` rows of `width` keys (filter programs shared by `groups` row groups,
-    default one per row)."""
+    """The plan of `n_rows` rows of `width` keys on a GPU of `sms` SMs (filter programs shared by
+    `groups` row groups, default one per row; `programs` in all, default `filter_programs(sms)`)."""
     width = max(width, 1)
     tile = SCORE_TILE if tile is None else tile
-    programs = FILTER_PROGRAMS if programs is None else programs
+    programs = filter_programs(sms) if programs is None else programs
     chunk, n_chunks = chunking(width, n_rows if groups is None else groups, tile, programs)
     cap = min(max(CAP, 4 * k), width)
     target = TARGET_NUM * k // TARGET_DEN
