@@ -9,7 +9,8 @@ says what every pass did. Cold Inductor builds take a minute or two on two cores
 import torch
 
 import k31c
-from k31c.checkpoint import default_checkpoint, load_checkpoint
+from k31c.checkpoint import load_checkpoint
+from k31c.checkpoint_save import default_checkpoint
 from k31c.runtime.engine import Engine
 
 model = load_checkpoint(default_checkpoint(log=print))

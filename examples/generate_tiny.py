@@ -7,7 +7,8 @@ cache directory). Its weights are random, so the text is noise: this shows the c
 """
 import sys
 
-from k31c.checkpoint import default_checkpoint, load_checkpoint
+from k31c.checkpoint import load_checkpoint
+from k31c.checkpoint_save import default_checkpoint
 from k31c.runtime.engine import Engine
 from k31c.tokenizer import ByteTokenizer
 

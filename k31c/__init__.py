@@ -15,9 +15,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "CheckpointError": ".checkpoint",
     "load_checkpoint": ".checkpoint",
-    "save_checkpoint": ".checkpoint",
-    "init_checkpoint": ".checkpoint",
-    "default_checkpoint": ".checkpoint",
+    "save_checkpoint": ".checkpoint_save",
+    "init_checkpoint": ".checkpoint_save",
+    "default_checkpoint": ".checkpoint_save",
     "ByteTokenizer": ".tokenizer",
     "K31ForCausalLM": ".graph.model",
     "Engine": ".runtime.engine",

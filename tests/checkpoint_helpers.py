@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k31c.checkpoint import save_checkpoint
+from k31c.checkpoint_save import save_checkpoint
 from k31c.config import preset
 from k31c.graph.model import K31ForCausalLM
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import k31c.checkpoint as ckpt_mod
-from k31c.checkpoint import (CheckpointError, load_checkpoint, read_tensor_headers,
-                             save_checkpoint)
+from k31c.checkpoint import CheckpointError, load_checkpoint, read_tensor_headers
+from k31c.checkpoint_save import save_checkpoint
 from k31c.config import ConfigError, preset
 from k31c.graph.model import K31ForCausalLM
 from k31c.runtime.engine import Engine

@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 import k31c.checkpoint as ckpt_mod
-from k31c.checkpoint import CheckpointError, init_checkpoint, load_checkpoint, save_checkpoint
+import k31c.checkpoint_save as save_mod
+from k31c.checkpoint import CheckpointError, load_checkpoint
+from k31c.checkpoint_save import init_checkpoint, save_checkpoint
 
 from checkpoint_helpers import assert_same_weights, model, random_model, saved  # noqa: F401 (fixtures)
 
@@ -54,7 +56,7 @@ def test_save_refuses_a_non_empty_dir_and_overwrites_only_a_checkpoint(model, tm
 def test_failed_save_leaves_nothing(model, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(ckpt_mod, "save_file", broken)
+    monkeypatch.setattr(save_mod, "save_file", broken)
     with pytest.raises(OSError):
         save_checkpoint(model, tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []
@@ -314,7 +316,7 @@ def test_a_full_disk_is_an_os_error_naming_the_output(model, tmp_path, monkeypat
     import errno
 
     from k31c.cli import main
-    monkeypatch.setattr(ckpt_mod, "save_file", _full_disk)
+    monkeypatch.setattr(save_mod, "save_file", _full_disk)
     with pytest.raises(OSError) as e:
         save_checkpoint(model, tmp_path / "ckpt")
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "ckpt")

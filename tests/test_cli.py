@@ -150,13 +150,13 @@ def no_loading(monkeypatch):
     """Every check must come before the model is loaded, built or written."""
     def loaded(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
-    import k31c.checkpoint
+    import k31c.checkpoint_save
     import k31c.cli.generate
     import k31c.cli.inspect
     import k31c.cli.logits
     import k31c.graph.sizes
     for module, name in [(k31c.cli.generate, "load_model"), (k31c.cli.logits, "load_model"),
-                         (k31c.checkpoint, "init_checkpoint"), (k31c.cli.inspect, "_compile"),
+                         (k31c.checkpoint_save, "init_checkpoint"), (k31c.cli.inspect, "_compile"),
                          (k31c.graph.sizes, "parameter_groups")]:
         monkeypatch.setattr(module, name, loaded)
 

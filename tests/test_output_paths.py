@@ -21,11 +21,11 @@ def _write(data: bytes):
 @pytest.fixture
 def no_init(monkeypatch):
     """`init` must refuse its --out before the model is built."""
-    import k31c.checkpoint
+    import k31c.checkpoint_save
 
     def built(*a, **k):
         raise AssertionError("the model was built before --out was checked")
-    monkeypatch.setattr(k31c.checkpoint, "init_checkpoint", built)
+    monkeypatch.setattr(k31c.checkpoint_save, "init_checkpoint", built)
 
 
 # ---- write_atomic: what is at the path stays what it is -------------------------------------------

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from k31c.checkpoint import init_checkpoint, load_checkpoint
+from k31c.checkpoint import load_checkpoint
+from k31c.checkpoint_save import init_checkpoint
 from k31c.cli import main
 from k31c.errors import GraphVerificationError, RuntimeFailure
 from k31c.runtime.engine import Engine

@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-import k31c.checkpoint as ckpt_mod
+import k31c.checkpoint_save as save_mod
 
 
 def _cli(argv, home: Path, monkeypatch, capsys) -> tuple[int, str]:
     from k31c.cli import main
     monkeypatch.setenv("K31C_HOME", str(home))
-    monkeypatch.setattr(ckpt_mod, "init_checkpoint", lambda *a, **k: pytest.fail("the model was made"))
+    monkeypatch.setattr(save_mod, "init_checkpoint", lambda *a, **k: pytest.fail("the model was made"))
     status = main(argv)
     return status, capsys.readouterr().err
 

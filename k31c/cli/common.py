@@ -166,7 +166,8 @@ def load_model(path: Optional[Path]):
     progress("loading torch")
     import torch
 
-    from ..checkpoint import default_checkpoint, load_checkpoint
+    from ..checkpoint import load_checkpoint
+    from ..checkpoint_save import default_checkpoint
     from ..checkpoint_files import CheckpointError
     from ..config import ConfigError
     from ..paths import remake_hint

@@ -43,7 +43,7 @@ def run(args) -> int:
     cfg = config_from_name_or_path(args.config)
     out = _check_out(args.out, args.force)
     progress(f"building the {args.config} model (seed {args.seed}) and writing {out}")
-    from ..checkpoint import init_checkpoint
+    from ..checkpoint_save import init_checkpoint
     init_checkpoint(cfg, args.seed, out, overwrite=args.force)
     print(f"wrote {out} (config {args.config}, seed {args.seed})")
     return 0
