@@ -307,3 +307,19 @@ def test_generate_with_stdout_closed(checkpoint, monkeypatch, capsys, no_loading
 def test_logits_on_a_full_disk_names_the_cause_and_the_file(checkpoint, capsys):
     assert main(["logits", "--checkpoint", str(checkpoint), "--tokens", "1,2", "--out", "/dev/full"]) == 1
     assert capsys.readouterr().err == "k31c: error: No space left on device: /dev/full\n"
+
+
+def test_cache_command_names_a_cache_it_cannot_use(tmp_path, monkeypatch, capsys):
+    """`k31c cache` on a file, or on a directory it may not read: one line naming the cache, exit 2."""
+    afile = tmp_path / "a.txt"
+    afile.write_text("x")
+    assert main(["cache", "list", "--cache-dir", str(afile)]) == 2
+    assert f"k31c: error: the compile cache {afile} is not a directory" in capsys.readouterr().err
+    import k31c.compile_cache
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self.root / "x"))
+    monkeypatch.setattr(k31c.compile_cache.CompileCache, "entries", refused)
+    assert main(["cache", "prune", "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot prune the compile cache {tmp_path}: Permission denied ({tmp_path / 'x'})" in err

@@ -28,6 +28,8 @@ def _root(arg) -> Path:
     root = cache_root(arg or None)
     if root is None:
         raise UsageError(f"${CACHE_ENV} turns the compile cache off; give --cache-dir")
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the compile cache {root} is not a directory")
     return root
 
 
@@ -36,21 +38,29 @@ def _kernels(n: int) -> str:
 
 
 def run(args) -> int:
-    from ..compile_cache import CompileCache
     root = _root(args.cache_dir)
+    try:
+        return _act(args.action, root)
+    except PermissionError as e:    # named as the cache it is, not as one of its files
+        from ..errors import UsageError
+        raise UsageError(f"cannot {args.action} the compile cache {root}: {e.strerror} ({e.filename})") from None
+
+
+def _act(action: str, root: Path) -> int:
+    from ..compile_cache import CompileCache
     cache = CompileCache(root)
     entries = cache.entries()
     from ..cached_program import stale
     from ..runtime import kernel_store
     store = root / kernel_store.STORE_DIR
     kernels, size = kernel_store.summary(store)
-    if args.action != "list":
+    if action != "list":
         gone = [path for path, entry, _ in entries
-                if args.action == "clear" or entry is None or stale(entry.manifest["factors"])]
+                if action == "clear" or entry is None or stale(entry.manifest["factors"])]
         for path in gone:
             cache.remove(path)
         also = ""
-        if args.action == "clear" and store.is_dir():
+        if action == "clear" and store.is_dir():
             kernel_store.clear(store)
             also = f" and {_kernels(kernels)} ({size / 2**20:.1f} MiB)"
         print(f"removed {len(gone)} of {len(entries)} entries{also} from {root}")
