@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import UsageError
 from .common import add_cache_dir
 
 
@@ -24,7 +25,6 @@ def add(sub) -> None:
 
 def _root(arg) -> Path:
     from ..cached_program import CACHE_ENV, cache_root
-    from ..errors import UsageError
     root = cache_root(arg or None)
     if root is None:
         raise UsageError(f"${CACHE_ENV} turns the compile cache off; give --cache-dir")
@@ -42,7 +42,6 @@ def run(args) -> int:
     try:
         return _act(args.action, root)
     except PermissionError as e:    # named as the cache it is, not as one of its files
-        from ..errors import UsageError
         raise UsageError(f"cannot {args.action} the compile cache {root}: {e.strerror} ({e.filename})") from None
 
 
