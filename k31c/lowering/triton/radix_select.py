@@ -226,11 +226,24 @@ def gather_live(val, live, slot, n_live, few_ptr, FEW: tl.constexpr, PTX: tl.con
 
 
 @triton.jit
+def exclusive_scan(x):
+    """Exclusive prefix sums of a 1-D int32 tensor of N (a power of two) elements, as rows of 32:
+    a scan along each row, then one over the row totals. Triton's scan of the 1-D tensor has
+    every thread add up every warp's partial sums from shared memory; this form reads a few
+    (the refine's two 8,192-slot scans: BENCHMARKS.md, top-k)."""
+    N: tl.constexpr = x.shape[0]
+    C: tl.constexpr = min(N, 32)
+    x2 = tl.reshape(x, [N // C, C])
+    tot = tl.sum(x2, 1)
+    y2 = (tl.cumsum(tot, 0) - tot)[:, None] + tl.cumsum(x2, 1) - x2
+    return tl.reshape(y2, [N])
+
+
+@triton.jit
 def scan_slots(live):
     """Slots 0 .. (live count - 1) for the live elements of a 1-D tensor, in their order (an
     exclusive scan)."""
-    r = live.to(tl.int32)
-    return tl.cumsum(r, 0) - r
+    return exclusive_scan(live.to(tl.int32))
 
 
 # One ballot ranks a register's live lanes in the warp; the warp's first live lane takes their
@@ -297,7 +310,7 @@ def store_where(ptr, val, mask, PTX: tl.constexpr):
 def write_selected(out_row, base, pos, sel, PTX: tl.constexpr = False):
     """Write the selected positions of a tile to out_row[base:], in order; returns how many."""
     seli = sel.to(tl.int32)
-    store_where(out_row + base + tl.cumsum(seli, 0) - seli, pos, sel, PTX)
+    store_where(out_row + base + exclusive_scan(seli), pos, sel, PTX)
     return tl.sum(seli, 0)
 
 
