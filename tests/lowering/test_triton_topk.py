@@ -17,7 +17,8 @@ import triton.language as tl
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes
 from k31c.lowering.triton import topk, topk_plan
-from k31c.lowering.triton.radix_select import order_key, select_kth, select_kth_bracketed, threshold_by_value
+from k31c.lowering.triton.radix_select import (exclusive_scan, order_key, select_kth, select_kth_bracketed,
+                                               threshold_by_value)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -306,6 +307,27 @@ def test_select_kth_with_and_without_the_common_prefix(form):
                 assert sum(x >= t for x in vals) == k, (vals[:4], k)
             else:
                 assert t == sorted(vals, reverse=True)[k - 1] and above == k - krem, (vals[:4], k)
+
+
+# ---- radix_select.exclusive_scan -----------------------------------------------------------------
+
+@triton.jit
+def _scan_probe(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, exclusive_scan(tl.load(x_ptr + offs)))
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 32, 64, 2048, 8192])
+def test_exclusive_scan_matches_torch(n):
+    """The selects' slot offsets (rows of 32, then the row totals): torch's exclusive cumsum, for
+    tensors shorter than a row, one row, and the refine's 8,192 slots; random counts, not 0/1
+    masks only."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(0, 5, (n,), generator=gen, dtype=torch.int32)
+    out = torch.full((n,), -1, dtype=torch.int32, device=DEVICE)
+    _scan_probe[(1,)](x.to(DEVICE), out, N=n, num_warps=4 if n < 8192 else 16)
+    want = torch.cumsum(x, 0, dtype=torch.int32) - x
+    assert torch.equal(out.cpu(), want)
 
 
 # ---- radix_select.threshold_by_value --------------------------------------------------------------
