@@ -1,8 +1,8 @@
 """In-register selection for top-k (`topk.py`): the order-preserving key of a float score, a
 5-bit-digit radix select over a register tensor, the candidate buffer's select by counting
 passes before it (`select_kth_bracketed`), the sample's threshold by a value histogram
-(`threshold_by_value`), the gathers that compact live values, and the one-program exact select
-over a whole row.
+(`threshold_by_value`), the gathers that compact live values and the exclusive scans that give
+them their slots (`exclusive_scan`), and the one-program exact select over a whole row.
 
 The in-register selects use 5-bit digits: tl.histogram costs about one ballot per bit and one
 popcount per owned bin, so 32 bins (one per lane) are ~7x cheaper per key than 256; a counting
