@@ -8,8 +8,9 @@
 #      (benchmarks/bench_moe.py), the chunked 32K / 128K prefill (benchmarks/prefill.py) and the
 #      decode projections (benchmarks/bench_linear.py), into $OUT or . (bench-e2e.md,
 #      bench-moe.md, prefill.md, bench-linear.md); about 4, 1, 1.5 and 1 minutes.
-# --kernels-only runs part 2 alone. --shard I/N runs every N-th test of parts 1 and 2 from the
-# I-th: the N commands with I = 1..N run them all once. --parallel N runs those N shards at once,
+# --kernels-only runs part 2 alone. --shard I/N runs the I-th of N shards of parts 1 and 2 (the
+# slowest tests spread first by their measured times, tests/pytest_shard.py, the rest round
+# robin): the N commands with I = 1..N run them all once. --parallel N runs those N shards at once,
 # each in its own process, its log in $LOGS/gpu-check-I.log ($LOGS: $OUT, else .), and prints each
 # shard's pytest summary: the tests are mostly Inductor and Triton compiling on the CPU cores, so
 # one H200 machine (16 cores) runs them side by side. On a cold H200 part 1 took more than 7
@@ -19,7 +20,8 @@
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
 # A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log;
-# each shard's log ends with its 8 slowest tests (what to shorten when the check grows).
+# each shard's log ends with its 8 slowest tests (what to shorten when the check grows, and the
+# times tests/pytest_shard.py's SLOW_TESTS weighs the shards by).
 # Exit status: non-zero if any part failed. Inductor's cache goes to .inductor-cache/ (kept on a
 # warm machine between calls).
 set -uo pipefail

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from pytest_shard import parse_shard            # tests/ is on sys.path (this file's folder)
+from pytest_shard import parse_shard, shards_of  # tests/ is on sys.path (this file's folder)
 from triton_interpreter import install as fast_interpreter
 
 # Triton kernels run on the CPU through the interpreter when no GPU is present; the variable
@@ -31,14 +31,16 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(trylast=True)      # after -k / -m have deselected theirs
 def pytest_collection_modifyitems(config, items):
-    # Round robin over the collected order: neighbours (a module's tests sharing a fixture) land
-    # in different shards, which costs a fixture rebuild per shard but balances the shards' time.
+    # The slowest tests first, each to the least loaded shard, the rest round robin over the
+    # collected order (pytest_shard.shards_of): neighbours (a module's tests sharing a fixture)
+    # land in different shards, which costs a fixture rebuild per shard but balances their time.
     text = config.getoption("--shard")
     if text is None:
         return
     i, n = parse_shard(text)
-    keep = [item for j, item in enumerate(items) if j % n == i - 1]
-    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i - 1])
+    shard = shards_of([item.nodeid for item in items], n)
+    keep = [item for item, s in zip(items, shard) if s == i - 1]
+    config.hook.pytest_deselected(items=[item for item, s in zip(items, shard) if s != i - 1])
     items[:] = keep
 
 
