@@ -31,6 +31,12 @@ SLOW_TESTS = {
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[annotate_layers]": 13,
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[fuse_lightning_indexer]": 12,
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[lower]": 10,
+    "tests/lowering/test_triton_mla_fp8.py::test_two_pass_fp8_gpu_tile_plan_on_k31_widths[256]": 13,
+    "tests/lowering/test_triton_moe.py::test_experts_router_output_and_large_tiles": 11,
+    "tests/lowering/test_triton_mla.py::test_two_pass_gpu_tile_plan_on_k31_widths": 11,
+    "tests/lowering/test_triton_topk.py::test_select_kth_with_and_without_the_common_prefix[bracketed]": 10,
+    "tests/lowering/test_triton_indexer.py::test_real_shape[False-fp8-tma]": 10,
+    "tests/lowering/test_triton_indexer_mxfp8.py::test_mxfp8_k31_shapes[4]": 10,
 }
 DEFAULT_SECONDS = 2.0
 
