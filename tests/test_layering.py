@@ -201,7 +201,6 @@ def test_runtime_does_not_use_torch_fx(modules):
     assert not users, f"torch.fx in the runtime: {users}"
 
 
-
 def test_every_public_name_of_the_package_resolves():
     """`k31c.X` for each name in `k31c.__all__`, in a fresh process (a lazy re-export pointing at
     a module that no longer defines the name fails only when someone uses it)."""
@@ -209,6 +208,7 @@ def test_every_public_name_of_the_package_resolves():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=ROOT.parent)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
 
 # ---- the checks themselves, on synthetic module maps ------------------------------------------
 
