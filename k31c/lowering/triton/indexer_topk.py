@@ -3,16 +3,32 @@
 indexer.py's scan writes the [N, L] fp32 scores to a workspace, topk.py's select reads them. A
 single fused kernel that selected from scores computed in-kernel, never writing them out, was
 measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
+
+The fused select (`fused_indexer_topk`, taken where `FUSED` is on and `fused_why_not` finds
+nothing) keeps the scores out of memory instead: on an H100 the warp-specialized scan takes
+105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Six launches:
+  1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S];
+  2. the plan: each row's threshold from that sample (`topk._plan_kernel` with src_len_ptr);
+  3. the scan with the filter (`indexer_ws.launch_filter`): keys above the threshold go
+     straight to the rows' candidate buffers, no scores written;
+  4. the refine over the buffers (no tie counts); a row with fewer than k candidates or more
+     than the buffer holds is marked for the whole-row select, not selected;
+  5. the scan again, for the tiles with a marked row only (`indexer_ws.launch`'s gate): their
+     full scores; in the common case every program finds no marked row and returns;
+  6. the whole-row select of the marked rows.
 """
 from __future__ import annotations
 
 import torch
 
+from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton import indexer, topk
+from k31c.lowering.triton import indexer, indexer_ws, topk, topk_plan
+from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target_of
 
 _OP = "k31c::lightning_indexer_topk"
+FUSED = False     # the fused select where it can run: off until it is measured faster
 
 
 @register(_OP, GPU_TARGETS)
@@ -21,11 +37,63 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
                            k: int) -> torch.Tensor:
     """topk_select(lightning_indexer(...), row_len, k) as the two Triton launchers: the scores
     live in a workspace [N, L] fp32 between them (allocated per call from the caching allocator,
-    so a CUDA graph capture keeps it in the graph's pool)."""
+    so a CUDA graph capture keeps it in the graph's pool). With `FUSED` on, the fused select
+    where `fused_why_not` allows it."""
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
+    if FUSED and fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) is None:
+        return fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k)
     scores = indexer.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
     return topk.topk_select(scores, row_len, k)
+
+
+def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> str | None:
+    """Why the fused select cannot take this call (None: it can): it runs on the warp-specialized
+    scan alone, where the target picks that scan."""
+    block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    if target_of(q.device).variant(indexer.OP, "gather") != "warp_specialized":
+        return "the target's indexer is not the warp-specialized scan"
+    reason = indexer_ws.why_not(q, weights, index_cache, block_table, block_size)
+    if reason is not None:
+        return reason
+    for name, t in (("block_table", block_table), ("row_req", row_req), ("row_len", row_len)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            return f"{name}: not a contiguous int32 tensor"
+    if block_table.shape[1] == 0 or q.shape[0] == 0:
+        return "no keys or no rows"
+    return None
+
+
+def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k: int,
+                       scan=indexer_ws) -> torch.Tensor:
+    """The fused select (module docstring); callers check `fused_why_not` first. Graph-safe: no
+    host sync, shapes from the arguments only. `scan`: what runs the three scans (`launch`,
+    `launch_filter`), indexer_ws on the GPU; tests pass the same contract in torch."""
+    n, block = q.shape[0], check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    capacity = block_table.shape[1] * block
+    dev = q.device
+    out = torch.empty((n, k), dtype=torch.int32, device=dev)
+    p = topk_plan.plan(n, capacity, k, sm_count(dev))
+    ws = p.workspace(dev)
+    stride = topk_plan.sample_stride(capacity, block)
+    sample_table = block_table[:, ::stride].contiguous()
+    # a row's sampled blocks are the whole ones among blocks 0, stride, 2 stride, ...
+    sample_len = (torch.div(row_len // block + stride - 1, stride, rounding_mode="floor") * block).to(torch.int32)
+    sample = torch.empty((n, sample_table.shape[1] * block), dtype=torch.float32, device=dev)
+    scan.launch(q, weights, index_cache, sample_table, row_req, sample_len, sample)
+    flags = {**({"PTX": True} if inline_ptx(dev) else {}), **pdl_launch(dev)}
+    topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=sample_len, **flags)
+    scan.launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity, ws["state"],
+                       ws["ckey"], ws["cpos"], p.cap)
+    scores = torch.empty((n, capacity), dtype=torch.float32, device=dev)   # marked rows' only
+    topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)
+    mode = ws["state"][topk_plan.ST_MODE.value:]
+    scan.launch(q, weights, index_cache, block_table, row_req, row_len, scores,
+                gate=(mode, topk_plan.ROW_STATE, topk_plan.MODE_WHOLE_ROW))
+    topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_MARKED, **flags)
+    if topk.DEBUG_PATHS:
+        topk.last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)
+    return out
 
 
 def aot_specs(shapes) -> list:

@@ -32,6 +32,8 @@ from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
+from k31c.lowering.triton.radix_select import _WARP_SLOTS_PTX
+from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
@@ -55,6 +57,12 @@ if GLUON_ERROR is None:
     D_C = gl.constexpr(D)
     BK_C = gl.constexpr(BLOCK)
     BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
+    # the top-k state words the filter reads and counts into (topk_plan), and the warp slot
+    # counter it appends by (radix_select)
+    ST_WORDS_C = gl.constexpr(ST_WORDS.value)
+    ST_CNT_C = gl.constexpr(ST_CNT.value)
+    ST_THRESH_C = gl.constexpr(ST_THRESH.value)
+    WARP_SLOTS_PTX = gl.constexpr(_WARP_SLOTS_PTX.value)
 
     @gluon.jit
     def _run(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
@@ -64,7 +72,7 @@ if GLUON_ERROR is None:
         this split's share of them."""
         row = row0 + j
         req = gl.load(row_req_ptr + gl.minimum(row, n_rows - 1))
-        prev = gl.load(row_req_ptr + gl.maximum(row - 1, 0))
+        prev = gl.load(row_req_ptr + gl.minimum(gl.maximum(row - 1, 0), n_rows - 1))
         first = (row < n_rows) & ((j == 0) | (req != prev))
         in_tile = row0 + r < n_rows
         sel = in_tile & (gl.load(row_req_ptr + row0 + r, mask=in_tile, other=-1) == req)
@@ -78,7 +86,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _loader(k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_ptr, row0,
-                n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready, empty):
+                n_rows, n_req, capacity, split, n_splits, write_tail, k_bufs, s_bufs, ready, empty):
         r = gl.arange(0, R_C, gl.BlockedLayout([1], [32], [1], [0]))
         T_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         base = n_rows * 0                          # blocks this program has loaded (ring phases)
@@ -99,7 +107,7 @@ if GLUON_ERROR is None:
                                                     s_bufs.index(b))
                 base += n_my
                 # -inf past the request's last block for this pass's rows, shared over the splits
-                n_tail = gl.cdiv(capacity - n_steps * BK_C, 128)
+                n_tail = gl.cdiv(capacity - n_steps * BK_C, 128) * write_tail
                 for rr in gl.static_range(R_C):
                     row = row0 + rr
                     mine = (row < n_rows) & (gl.load(row_req_ptr + gl.minimum(row, n_rows - 1)) == req)
@@ -135,13 +143,33 @@ if GLUON_ERROR is None:
         mbarrier.wait(q_bar, 0)
 
     @gluon.jit
+    def _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs, s_bufs, ready, empty):
+        """Block g of the ring, the pass's (g - base)-th: its scores [64 keys, 4 rows] (-inf at
+        or past each row's length) and positions; its stage freed."""
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
+        SC_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        b = g % NB
+        mbarrier.wait(ready.index(b), (g // NB) & 1)
+        acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        x = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
+        sc = gl.convert_layout(gl.sum(gl.reshape(x, [BK_C, R_C, H_C]), 2), ST_L)
+        ks = s_bufs.index(b)._reinterpret(gl.float32, [BK_C], SC_L).load(gl.SliceLayout(1, ST_L))
+        sync()
+        mbarrier.arrive(empty.index(b), count=1)        # the stage is free again
+        pos = (step0 + g - base) * BK_C + key
+        sc = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0),
+                      sc * gl.expand_dims(ks, 1), float("-inf"))
+        return sc, pos
+
+    @gluon.jit
     def _score(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows,
                n_req, capacity, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
                empty):
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
-        SC_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         _quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
         w = w_smem.load(gl.SliceLayout(0, ACC_L))                 # [128] head weights x q scales
         r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
@@ -155,22 +183,60 @@ if GLUON_ERROR is None:
             if first:
                 # this group's blocks: g % NG == ROLE
                 for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
-                    b = g % NB
-                    mbarrier.wait(ready.index(b), (g // NB) & 1)
-                    acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
-                                        is_async=True)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    x = gl.maximum(acc, 0.0) * gl.expand_dims(w, 0)
-                    sc = gl.convert_layout(gl.sum(gl.reshape(x, [BK_C, R_C, H_C]), 2), ST_L)
-                    ks = s_bufs.index(b)._reinterpret(gl.float32, [BK_C], SC_L).load(
-                        gl.SliceLayout(1, ST_L))
-                    sync()
-                    mbarrier.arrive(empty.index(b), count=1)        # the stage is free again
-                    pos = (step0 + g - base) * BK_C + key
-                    sc = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0),
-                                  sc * gl.expand_dims(ks, 1), float("-inf"))
+                    sc, pos = _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
+                                            s_bufs, ready, empty)
                     gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,
                              mask=gl.expand_dims(pos < capacity, 1) & gl.expand_dims(sel, 0))
+                base += n_my
+
+    @gluon.jit
+    def _order_key(x):
+        """radix_select.order_key for a [64 keys, 4 rows] tile: fp32 -> uint32 in the float order
+        (-0.0 as +0.0, every NaN above +inf)."""
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])
+        bits = x.to(gl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) | -0x80000000)).to(gl.uint32, bitcast=True)
+        key = gl.where(x == 0.0, gl.full([BK_C, R_C], 0x80000000, gl.uint32, ST_L), key)
+        return gl.where(x != x, gl.full([BK_C, R_C], 0xFFFFFFFF, gl.uint32, ST_L), key)
+
+    @gluon.jit
+    def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
+                cpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty):
+        """`_score` with the top-k filter in place of the score stores: each key above its row's
+        threshold (the top-k state's) is appended as (score bits, position) to the row's
+        candidate buffer, at a slot from the row's counter (one atomic a warp and row)."""
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 128, 32])
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
+        _quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
+        w = w_smem.load(gl.SliceLayout(0, ACC_L))
+        r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
+        key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
+        zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
+        zero_i = gl.zeros([BK_C, R_C], gl.int32, ST_L)
+        st = state_ptr + (row0 + r) * ST_WORDS_C
+        thresh = gl.load(st + ST_THRESH_C, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
+                                                                                bitcast=True)
+        ctr = gl.expand_dims(st + ST_CNT_C, 0) + zero_i             # each row's counter
+        buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
+        base = n_rows * 0
+        for j in range(R_C):
+            first, req, sel, lens, n_steps, step0, n_my = _run(
+                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
+            if first:
+                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
+                    sc, pos = _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
+                                            s_bufs, ready, empty)
+                    cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
+                            & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
+                            & gl.expand_dims(sel, 0))
+                    slot = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, cand.to(gl.int32)],
+                                                     dtype=gl.int32, is_pure=False, pack=1)
+                    ok = cand & (slot < cap)        # past cap: counted, not stored (the refine
+                    #                                 sends such a row to the whole-row select)
+                    gl.store(ckey_ptr + buf + slot, sc.to(gl.int32, bitcast=True), mask=ok)
+                    gl.store(cpos_ptr + buf + slot, gl.expand_dims(pos, 1) + zero_i, mask=ok)
                 base += n_my
 
     @gluon.jit
@@ -192,11 +258,45 @@ if GLUON_ERROR is None:
                split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
+    def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
+                 ready, empty):
+        _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
+                empty)
+
+    @gluon.jit
+    def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
+                 ready, empty):
+        _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
+                empty)
+
+    @gluon.jit
+    def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
+                 ready, empty):
+        _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
+                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
+                empty)
+
+    @gluon.jit
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                           len_ptr, out_ptr, n_rows, n_req, capacity, n_splits,
-                           num_warps: gl.constexpr):
+                           len_ptr, out_ptr, state_ptr, ckey_ptr, cpos_ptr, gate_ptr, n_rows,
+                           n_req, capacity, n_splits, cap, gate_stride, gate_value,
+                           num_warps: gl.constexpr, FILTER: gl.constexpr = False,
+                           GATED: gl.constexpr = False):
+        """FILTER: the top-k filter (`_filter`) in place of the score stores, no -inf tails.
+        GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride]) equals
+        gate_value run; the others read the tile as past the last row and do nothing."""
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
+        if GATED:
+            G_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            rr = row0 + gl.arange(0, R_C, G_L)
+            word = gl.load(gate_ptr + rr * gate_stride, mask=rr < n_rows, other=gate_value + 1)
+            row0 = gl.where(gl.max((word == gate_value).to(gl.int32), 0) > 0, row0, n_rows)
         Q_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R_C * H_C, D_C], gl.float8e4nv)
         K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK_C, D_C], gl.float8e4nv)
         S_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32)
@@ -214,16 +314,22 @@ if GLUON_ERROR is None:
         fence_async_shared()          # the barriers' initialisation before any partition uses them
         sync()
         out_row0 = out_ptr + row0.to(gl.int64) * capacity
-        scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
-                 n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
-        gl.warp_specialize([
-            (_score0, scans),
-            (_score1, scans),
-            (_score2, scans),
-            (_loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
-                       row0, n_rows, n_req, capacity, split, n_splits, k_bufs, s_bufs, ready,
-                       empty))],
-            [4, 4, 1], [152, 152, 32])   # the default math group gets 176
+        loads = (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0, row0,
+                 n_rows, n_req, capacity, split, n_splits, 0 if FILTER else 1, k_bufs, s_bufs,
+                 ready, empty)
+        if FILTER:
+            filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0,
+                       n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem,
+                       k_bufs, s_bufs, ready, empty)
+            gl.warp_specialize([(_filter0, filters), (_filter1, filters), (_filter2, filters),
+                                (_loader, loads)],
+                               [4, 4, 1], [152, 152, 32])
+        else:
+            scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity,
+                     split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+            gl.warp_specialize([(_score0, scans), (_score1, scans), (_score2, scans),
+                                (_loader, loads)],
+                               [4, 4, 1], [152, 152, 32])   # the default math group gets 176
 
 
 def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None:
@@ -268,17 +374,39 @@ def _descriptors(index_cache):
                              [2, 32], s_lay))
 
 
-def launch(q, weights, index_cache, block_table, row_req, row_len, scores, splits: int | None = None):
+def launch(q, weights, index_cache, block_table, row_req, row_len, scores, splits: int | None = None,
+           gate: tuple | None = None):
     """Scores [N, capacity] fp32 into `scores` (callers check `why_not` first); `splits`
-    overrides `plan_splits` (tests, benchmarks)."""
+    overrides `plan_splits` (tests, benchmarks). gate = (words, stride, value): only the tiles
+    with a row whose words[row * stride] == value are scored (the rest of `scores` untouched)."""
     n, capacity = q.shape[0], scores.shape[1]
+    words, stride, value = gate if gate is not None else (row_len, 1, 0)
+    _launch(q, weights, index_cache, block_table, row_req, row_len, scores, capacity, splits,
+            gate_ptr=words, gate_stride=stride, gate_value=value, GATED=gate is not None)
+    return scores
+
+
+def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity: int, state,
+                  ckey, cpos, cap: int, splits: int | None = None) -> None:
+    """The scan with the top-k filter: no scores written; each key of row t above its threshold
+    (state[t, ST_THRESH], an order key) goes as (fp32 bits, position) to ckey / cpos[t, slot]
+    for a slot counted at state[t, ST_CNT] (which the caller zeroes), stored while slot < cap."""
+    _launch(q, weights, index_cache, block_table, row_req, row_len, ckey, capacity, splits,
+            state_ptr=state, ckey_ptr=ckey, cpos_ptr=cpos, cap=cap, FILTER=True)
+
+
+def _launch(q, weights, index_cache, block_table, row_req, row_len, out, capacity, splits,
+            **args):
+    n = q.shape[0]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
     k_desc, s_desc = _descriptors(index_cache)
+    ptrs = dict(state_ptr=row_len, ckey_ptr=row_len, cpos_ptr=row_len, gate_ptr=row_len)
+    ints = dict(cap=0, gate_stride=1, gate_value=0)
     _indexer_ws_kernel[(-(-n // ROWS), splits)](
-        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
-        n, block_table.shape[0], capacity, splits, num_warps=NUM_WARPS)
-    return scores
+        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, out,
+        n_rows=n, n_req=block_table.shape[0], capacity=capacity, n_splits=splits, num_warps=NUM_WARPS,
+        **{**ptrs, **ints, **args})
 
 
 def aot_spec(shapes, op: str):
@@ -295,9 +423,11 @@ def aot_spec(shapes, op: str):
         _indexer_ws_kernel, op, f"fp8,R={ROWS},ws", dict(num_warps=NUM_WARPS),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
+             state_ptr=torch.int32, ckey_ptr=torch.int32, cpos_ptr=torch.int32,
+             gate_ptr=torch.int32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
         ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
-                  capacity=shapes.context,
+                  capacity=shapes.context, cap=0, gate_stride=1, gate_value=0,
                   n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))

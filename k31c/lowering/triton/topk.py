@@ -57,6 +57,9 @@ last_paths: list[str] = []
 RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of fp32 scores
 INF_KEY = tl.constexpr(0xFF800000)             # order_key(+inf)
 NEG_ZERO_BITS_KEY = tl.constexpr(0x7FFFFFFF)   # ~0x80000000: no score has it (order_key maps -0.0 to +0.0)
+# the refine's whole-row selects (`_refine_kernel`'s ROW_SELECT): in place, deferred (the row
+# marked ST_MODE = 2), or only those of the marked rows
+ROW_SELECT_NOW, ROW_SELECT_DEFER, ROW_SELECT_MARKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -105,8 +108,10 @@ def _ranked_key(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.co
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, few_ptr, k, cap, target,
                  SAMPLES: tl.constexpr, RUN: tl.constexpr, TILE: tl.constexpr, GROUP: tl.constexpr,
                  FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
-                 DEPENDENT: tl.constexpr = False):
-    """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold."""
+                 DEPENDENT: tl.constexpr = False, src_len_ptr=None):
+    """Per row: reset its state; write it out if row_len <= k; else choose the filter threshold.
+    src_len_ptr (the fused select's): src holds scores of sampled blocks only, src_len_ptr[row]
+    of them, sampled from as from a row of that length; else src holds the whole rows."""
     wait_for_producers(PDL)
     let_dependent_start(PDL, DEPENDENT)     # the filter's programs launch now and wait for this one
     row = tl.program_id(0)
@@ -123,7 +128,8 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
         tl.store(st + ST_MODE, 0)
         if n > cap:  # threshold from a sample; shorter rows keep 0 (all positions are candidates)
             i = tl.arange(0, SAMPLES)
-            x = tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n, SAMPLES, RUN))
+            n_src = n if src_len_ptr is None else tl.load(src_len_ptr + row)
+            x = tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n_src, SAMPLES, RUN))
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
             thresh = _sample_threshold(x, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
                                        PTX)
@@ -271,17 +277,24 @@ def _filter_kernel(src_ptr, src_stride, row_len_ptr, state_ptr, ckey_ptr, cpos_p
 @triton.jit
 def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, ckey_ptr,
                    cpos_ptr, ties_ptr, few_ptr, k, cap, chunk, n_chunks, CP: tl.constexpr, BUF: tl.constexpr,
-                   TILE: tl.constexpr, FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                   TILE: tl.constexpr, FEW: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
+                   ROW_SELECT: tl.constexpr = ROW_SELECT_NOW):
     """Per row, with G keys > threshold T in the buffer and E keys == T in the row:
     k <= G <= cap: exact top-k of the buffer (key digits, then positions among ties);
     G < k <= G + E: the whole buffer plus the k - G highest positions at T, found by reading
-    chunks of the scores from the top; anything else: exact selection from the whole row.
+    chunks of the scores from the top; anything else: exact selection from the whole row
+    (ROW_SELECT: now, or later (the row marked for a launch of its own, ROW_SELECT_MARKED, that
+    selects only the marked rows: the fused select writes their scores in between)).
     The key select narrows the buffer by counts at two pivots a pass, then selects among the at
     most FEW candidates left, gathered through few_ptr (`select_kth_bracketed`)."""
     wait_for_producers(PDL)
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
-    if tl.load(st + ST_MODE) == 0:
+    if ROW_SELECT == ROW_SELECT_MARKED:
+        if tl.load(st + ST_MODE) == 2:
+            select_from_row(row, tl.load(row_len_ptr + row), k, out_ptr + row.to(tl.int64) * out_stride, src_ptr,
+                            src_stride, TILE)
+    elif tl.load(st + ST_MODE) == 0:
         count = tl.load(st + ST_CNT)
         thresh = tl.load(st + ST_THRESH).to(tl.uint32, bitcast=True)
         c = tl.arange(0, CP)
@@ -320,7 +333,8 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
                 j -= 1
         else:
             tl.store(st + ST_MODE, 2)
-            select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
+            if ROW_SELECT == ROW_SELECT_NOW:
+                select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
 
 
 # ---- launcher ---------------------------------------------------------------------------------
@@ -331,6 +345,16 @@ def launch_plan(scores, row_len, out, p: TopkPlan, ws: dict, **flags):
                               p.cap, p.target, SAMPLES=p.samples, RUN=p.run, TILE=topk_plan.REFINE_TILE,
                               GROUP=p.group, FEW=p.few, num_warps=topk_plan.warps(p.samples, topk_plan.PLAN_KEYS),
                               **flags)
+
+
+def launch_refine(scores, row_len, out, p: TopkPlan, ws: dict, n_chunks: int | None = None, **flags):
+    """The refine launch of `p` on workspace `ws` (flags: PDL, PTX, ROW_SELECT); n_chunks: the
+    filter chunks whose tie counts it reads (default the plan's; 0: none, no tie path)."""
+    n_chunks = p.n_chunks if n_chunks is None else n_chunks
+    _refine_kernel[(p.n_rows,)](scores, scores.stride(0), row_len, out, out.stride(0), ws["state"], ws["ckey"],
+                                ws["cpos"], ws["ties"], ws["few"], p.k, p.cap, p.chunk, n_chunks,
+                                CP=pow2(n_chunks), BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE, FEW=p.few,
+                                num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS), **flags)
 
 
 @register("k31c::topk_select", GPU_TARGETS)
@@ -358,11 +382,7 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     _filter_kernel[(n_rows, p.n_chunks)](scores, stride, row_len, ws["state"], ws["ckey"], ws["cpos"],
                                          ws["hkey"], ws["hpos"], ws["ties"], p.cap, p.chunk, TILE=p.tile,
                                          SLOTS=p.slots, num_warps=topk_plan.FILTER_WARPS, **ptx, **pdl)
-    _refine_kernel[(n_rows,)](scores, stride, row_len, out, out.stride(0), ws["state"], ws["ckey"],
-                              ws["cpos"], ws["ties"], ws["few"], p.k, p.cap, p.chunk, p.n_chunks,
-                              CP=pow2(p.n_chunks), BUF=pow2(p.cap), TILE=topk_plan.REFINE_TILE,
-                              FEW=p.few, num_warps=topk_plan.warps(pow2(p.cap), topk_plan.REFINE_KEYS),
-                              **ptx, **pdl)
+    launch_refine(scores, row_len, out, p, ws, **ptx, **pdl)
     if DEBUG_PATHS:
         last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)
     return out
@@ -394,7 +414,7 @@ def aot_specs(shapes) -> list:
                            num_warps=num_warps, ints={n: v for n, v in ints.items() if n in names})
     return [spec(_plan_kernel, f"scores,S={p.samples}",
                  dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx,
-                      **plan_dep),
+                      **plan_dep, src_len_ptr=None),
                  warps(p.samples, topk_plan.PLAN_KEYS)),
             spec(_filter_kernel, f"scores,SLOTS={p.slots}", dict(TILE=p.tile, SLOTS=p.slots, **ptx, **waits),
                  topk_plan.FILTER_WARPS),

@@ -26,6 +26,7 @@ ST_THRESH = tl.constexpr(1)   # filter threshold key (uint32 bits)
 ST_MODE = tl.constexpr(2)     # 0: select; 1: written by plan (row_len <= k); 2: refine selected from the row
 ST_SLOTS = tl.constexpr(3)    # the plan's gather counter (`radix_select.live_slots`)
 ST_WORDS = tl.constexpr(ROW_STATE)
+MODE_WHOLE_ROW = 2            # ST_MODE of a row selected (or marked to be) from its whole row
 
 SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refine / row-select tile
 # a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
@@ -102,6 +103,12 @@ def sample_count(width: int) -> int:
     """Sampled keys for rows of `width`: ~width/64 (about 80 of them above the threshold), within
     [MIN_SAMPLES, SAMPLES]."""
     return min(SAMPLES, max(min(MIN_SAMPLES, SAMPLES), pow2(triton.cdiv(width, 64))))
+
+
+def sample_stride(width: int, block: int) -> int:
+    """The fused select's sample scan: one block of `block` keys scored in every `sample_stride`
+    of a row's blocks, so about `sample_count(width)` keys are sampled, in whole blocks."""
+    return max(1, triton.cdiv(width, block) // max(1, sample_count(width) // block))
 
 
 def filter_programs(sms: int) -> int:

@@ -1,0 +1,150 @@
+"""The fused indexer + top-k select (`indexer_topk.fused_indexer_topk`) against the reference op.
+
+On any device its Triton launches (the plan on sampled blocks, the refine that defers whole-row
+selects, the select of the marked rows) run on scans done in torch by `TorchScan`, which keeps
+indexer_ws's contract: the sampled and gated scans write the reference scores, the filter appends
+each key above its row's threshold in a shuffled order (as the warps' atomics would) and counts
+past the buffer. On sm_90 the real scans (indexer_ws's Gluon kernels) run too, at real shapes.
+"""
+import pytest
+import torch
+
+import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
+from k31c.lowering.triton import indexer_topk, indexer_ws, topk_plan
+from k31c.lowering.triton.gluon_sm90 import why_not_sm90
+from test_triton_topk import _indexer_inputs, _same_sets   # the exact-grid input builder
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+SM90 = CUDA and why_not_sm90(torch.device("cuda")) is None
+
+
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """radix_select.order_key in int64: the float order, -0.0 as +0.0, NaN above +inf."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    key = torch.where(x == 0, torch.full_like(key, 0x80000000), key)
+    return torch.where(x.isnan(), torch.full_like(key, 0xFFFFFFFF), key)
+
+
+class TorchScan:
+    """indexer_ws.launch / launch_filter in torch, on the reference op's scores; records the
+    rows each gated launch scored."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.gated_rows: list[list[int]] = []
+
+    def launch(self, q, weights, index_cache, block_table, row_req, row_len, scores, gate=None):
+        full = torch.ops.k31c.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
+        rows = torch.arange(q.shape[0], device=q.device)
+        if gate is None:    # past a row's length the scores are no one's to read: poison them
+            past = torch.arange(full.shape[1], device=q.device)[None, :] >= row_len[:, None]
+            full = full.masked_fill(past, float("nan"))
+        else:         # tiles of ROWS rows with a row whose word is the value
+            words, stride, value = gate
+            marked = words[::stride][:q.shape[0]] == value
+            tiles = torch.zeros(-(-q.shape[0] // indexer_ws.ROWS), dtype=torch.bool, device=q.device)
+            tiles.index_put_((rows // indexer_ws.ROWS,), marked, accumulate=True)
+            rows = rows[tiles[rows // indexer_ws.ROWS]]
+            self.gated_rows.append(rows.tolist())
+        scores[rows] = full[rows]
+        return scores
+
+    def launch_filter(self, q, weights, index_cache, block_table, row_req, row_len, capacity, state,
+                      ckey, cpos, cap):
+        full = torch.ops.k31c.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
+        assert full.shape[1] == capacity
+        st = state.view(-1, topk_plan.ROW_STATE)
+        for row in range(q.shape[0]):
+            n = int(row_len[row])
+            thresh = int(st[row, topk_plan.ST_THRESH.value]) & 0xFFFFFFFF
+            pos = torch.nonzero(order_key(full[row, :n]) > thresh).flatten().cpu()
+            pos = pos[torch.randperm(len(pos), generator=self.gen)]
+            base = int(st[row, topk_plan.ST_CNT.value])
+            kept = pos[:max(0, cap - base)].to(q.device)
+            slots = row * cap + base + torch.arange(len(kept), device=q.device)
+            ckey[slots] = full[row, kept].view(torch.int32)
+            cpos[slots] = kept.to(torch.int32)
+            st[row, topk_plan.ST_CNT.value] = base + len(pos)
+
+
+def _run_fused(args, row_len, k, scan):
+    args = [a.to(DEVICE) for a in args]
+    row_len = row_len.to(DEVICE)
+    ref = torch.ops.k31c.lightning_indexer_topk(*args, row_len, k)
+    got = indexer_topk.fused_indexer_topk(*args, row_len, k, scan=scan)
+    _same_sets(got, ref)
+    return got
+
+
+@pytest.mark.usefixtures("small_topk_constants")
+@pytest.mark.parametrize("cache_kind", ["fp8", torch.float32])
+def test_fused_select_matches_reference(cache_kind, topk_paths):
+    gen = torch.Generator().manual_seed(31)
+    B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 10, 16
+    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, cache_kind)
+    row_len = torch.tensor([160, 159, 120, 7, 16, 17, 60, 97, 150, 151, 152, 153], dtype=torch.int32)
+    scan = TorchScan(0)
+    got = _run_fused(args, row_len, k, scan)
+    assert (got[3, 7:] == -1).all() and (got[3, :7] >= 0).all()     # row_len < k: -1 fill
+    assert topk_paths() == ["sampled"] * 3 + ["direct"] * 2 + ["all"] * 2 + ["sampled"] * 5
+    assert scan.gated_rows == [[]]          # no row marked: the gated scan scores nothing
+
+
+@pytest.mark.usefixtures("small_topk_constants")
+def test_fused_select_marks_rows_for_the_whole_row_select(monkeypatch, topk_paths):
+    """Rows with fewer candidates than k (a threshold above every key; an all-zero row, whose
+    keys all tie) and rows with more than the buffer holds (a threshold below nearly every key)
+    are selected from their whole rows, scored by the gated scan for their tiles only."""
+    gen = torch.Generator().manual_seed(32)
+    B, R, H, d, block_size, max_blocks, k = 4, 4, 4, 16, 16, 12, 16
+    q, weights, cache, bt, row_req = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks,
+                                                     torch.float32, "fp8")
+    weights[4:8] = 0.0                       # request 1: every score 0
+    row_len = torch.full((B * R,), 190, dtype=torch.int32)
+    row_len[8:12] = 40                       # request 2: short rows, every key a candidate
+    monkeypatch.setattr(topk_plan, "TARGET_NUM", 0)    # request 0 and 3: T above every key
+    scan = TorchScan(1)
+    _run_fused((q, weights, cache, bt, row_req), row_len, k, scan)
+    assert topk_paths() == ["fallback"] * 8 + ["all"] * 4 + ["fallback"] * 4
+    assert scan.gated_rows == [[0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]]
+    monkeypatch.setattr(topk_plan, "TARGET_NUM", 1000)  # T below nearly every key: overflow
+    scan = TorchScan(2)
+    _run_fused((q, weights, cache, bt, row_req), row_len, k, scan)
+    assert topk_paths() == ["fallback"] * 8 + ["all"] * 4 + ["fallback"] * 4
+
+
+def test_sample_stride_samples_about_the_plans_count(real_topk_constants):
+    for width in (16 << 10, 128 << 10, 1 << 20):
+        stride = topk_plan.sample_stride(width, 64)
+        sampled = -(-(width // 64) // stride) * 64
+        assert topk_plan.sample_count(width) <= sampled < 2 * topk_plan.sample_count(width)
+    assert topk_plan.sample_stride(128 << 10, 64) == 64
+    assert topk_plan.sample_stride(1000, 64) == 1           # short rows: every block
+
+
+@pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
+@pytest.mark.parametrize("context", [128 << 10, 1 << 20])
+def test_fused_select_real_shapes(context, real_topk_constants, topk_paths):
+    """The fused select with the Gluon scans at K3.1 Pro decode shapes (B = 16, R = 4, 32 heads
+    x 128, FP8 keys, k = 2048): the sets of the registered pair; one request's rows all zero
+    (every key tied at T) take the whole-row select."""
+    from benchmarks.bench_topk import B, DIM, HEADS, N, R, IndexPool
+    pool = IndexPool(context)
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
+    w[4:8] = 0.0
+    row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
+    row_len = (context - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
+    row_len[8:12] = 5000                                       # shorter than the buffer
+    args = (q, w, pool.cache, pool.table(context), row_req, row_len)
+    assert indexer_topk.fused_why_not(*args, 2048) is None
+    got = indexer_topk.fused_indexer_topk(*args, 2048)
+    paths = topk_paths()
+    from k31c.lowering.triton import indexer, topk
+    pair = topk.topk_select(indexer.lightning_indexer(*args), row_len, 2048)
+    _same_sets(got, pair)
+    assert paths[4:8] == ["fallback"] * 4 and paths[8:12] == ["all"] * 4
+    assert paths[:4] + paths[12:] == ["sampled"] * (N - 8)
