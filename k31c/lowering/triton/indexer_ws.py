@@ -42,6 +42,7 @@ if GLUON_ERROR is None:
 ROWS, HEADS, D, BLOCK = 4, 32, 128, 64          # what the kernel is written for (K3.1 Pro)
 BLOCK_BYTES = BLOCK * (D + 4)                    # an FP8 cache block: 64 keys, then 64 fp32 scales
 MIN_STEPS = 4                                    # blocks a split takes at least
+REGION = 256       # the filter's slots a warp and row (~107 candidates expected at k = 2048)
 NUM_WARPS = 4                                    # the default partition (math group 0)
 
 if GLUON_ERROR is None:
@@ -63,6 +64,28 @@ if GLUON_ERROR is None:
     ST_CNT_C = gl.constexpr(ST_CNT.value)
     ST_THRESH_C = gl.constexpr(ST_THRESH.value)
     WARP_SLOTS_PTX = gl.constexpr(_WARP_SLOTS_PTX.value)
+    REGION_C = gl.constexpr(REGION)
+    # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
+    WARP_RANK_PTX = gl.constexpr("""{
+        .reg .pred p;
+        .reg .b32 b, below;
+        setp.ne.b32 p, $2, 0;
+        vote.sync.ballot.b32 b, p, 0xffffffff;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, below, b;
+        popc.b32 $0, below;
+        popc.b32 $1, b;
+    }""")
+    # lane 0 adds $2 (the same in every lane) to the counter at $1; every lane gets the old value
+    WARP_TAKE_PTX = gl.constexpr("""{
+        .reg .pred lead;
+        .reg .b32 lane, d;
+        mov.u32 lane, %laneid;
+        setp.eq.u32 lead, lane, 0;
+        mov.u32 d, 0;
+        @lead atom.global.add.u32 d, [$1], $2;
+        shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
+    }""")
 
     @gluon.jit
     def _run(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
@@ -201,11 +224,14 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
-                cpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty):
+                cpos_ptr, hkey_ptr, hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits,
+                q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
         """`_score` with the top-k filter in place of the score stores: each key above its row's
-        threshold (the top-k state's) is appended as (score bits, position) to the row's
-        candidate buffer, at a slot from the row's counter (one atomic a warp and row)."""
+        threshold (the top-k state's) is kept as (score bits, position). A warp appends its keys
+        of a row to a region of its own (hkey / hpos, REGION slots, offsets from a ballot: no
+        atomics on the blocks' path); past REGION it appends to the row's candidate buffer
+        directly (one atomic a warp and row). When the program ends, each warp copies its
+        regions into the rows' buffers, one atomic a row for the slots."""
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
@@ -220,6 +246,11 @@ if GLUON_ERROR is None:
                                                                                 bitcast=True)
         ctr = gl.expand_dims(st + ST_CNT_C, 0) + zero_i             # each row's counter
         buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
+        # this warp's region of each row: (program, group, key half of the block, row)
+        program = gl.program_id(0) * n_splits + split
+        half = gl.expand_dims(key // 32, 1) + zero_i
+        region = (((program * NG + ROLE) * 2 + half) * R_C + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
+        held = zero_i                                             # keys in the warp's region
         base = n_rows * 0
         for j in range(R_C):
             first, req, sel, lens, n_steps, step0, n_my = _run(
@@ -231,13 +262,33 @@ if GLUON_ERROR is None:
                     cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
                             & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
                             & gl.expand_dims(sel, 0))
-                    slot = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, cand.to(gl.int32)],
-                                                     dtype=gl.int32, is_pure=False, pack=1)
-                    ok = cand & (slot < cap)        # past cap: counted, not stored (the refine
-                    #                                 sends such a row to the whole-row select)
-                    gl.store(ckey_ptr + buf + slot, sc.to(gl.int32, bitcast=True), mask=ok)
-                    gl.store(cpos_ptr + buf + slot, gl.expand_dims(pos, 1) + zero_i, mask=ok)
+                    rank, n_cand = gl.inline_asm_elementwise(
+                        WARP_RANK_PTX, "=r,=r,r", [cand.to(gl.int32)], dtype=(gl.int32, gl.int32),
+                        is_pure=False, pack=1)
+                    slot = held + rank
+                    bits = sc.to(gl.int32, bitcast=True)
+                    posi = gl.expand_dims(pos, 1) + zero_i
+                    mine = cand & (slot < REGION_C)
+                    gl.store(hkey_ptr + region + slot, bits, mask=mine)
+                    gl.store(hpos_ptr + region + slot, posi, mask=mine)
+                    over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
+                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, over.to(gl.int32)],
+                                                   dtype=gl.int32, is_pure=False, pack=1)
+                    gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
+                    gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
+                    held += n_cand
                 base += n_my
+        # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
+        # such a row to the whole-row select)
+        kept = gl.minimum(held, REGION_C)
+        at0 = gl.inline_asm_elementwise(WARP_TAKE_PTX, "=r,l,r", [ctr, kept], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+        lane = gl.expand_dims(key % 32, 1) + zero_i
+        for i in gl.static_range(0, REGION_C, 32):
+            idx = lane + i
+            m = (idx < kept) & (at0 + idx < cap)
+            gl.store(ckey_ptr + buf + at0 + idx, gl.load(hkey_ptr + region + idx, mask=m), mask=m)
+            gl.store(cpos_ptr + buf + at0 + idx, gl.load(hpos_ptr + region + idx, mask=m), mask=m)
 
     @gluon.jit
     def _score0(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
@@ -258,32 +309,33 @@ if GLUON_ERROR is None:
                split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
-    def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
-                 ready, empty):
-        _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
-                empty)
+    def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
-    def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
-                 ready, empty):
-        _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
-                empty)
+    def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
-    def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                 n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs,
-                 ready, empty):
-        _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0, n_rows,
-                n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
-                empty)
+    def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                           len_ptr, out_ptr, state_ptr, ckey_ptr, cpos_ptr, gate_ptr, n_rows,
+                           len_ptr, out_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
+                           gate_ptr, n_rows,
                            n_req, capacity, n_splits, cap, gate_stride, gate_value,
                            num_warps: gl.constexpr, FILTER: gl.constexpr = False,
                            GATED: gl.constexpr = False):
@@ -318,9 +370,9 @@ if GLUON_ERROR is None:
                  n_rows, n_req, capacity, split, n_splits, 0 if FILTER else 1, k_bufs, s_bufs,
                  ready, empty)
         if FILTER:
-            filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, row0,
-                       n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem, w_smem,
-                       k_bufs, s_bufs, ready, empty)
+            filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                       hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                       w_smem, k_bufs, s_bufs, ready, empty)
             gl.warp_specialize([(_filter0, filters), (_filter1, filters), (_filter2, filters),
                                 (_loader, loads)],
                                [4, 4, 1], [152, 152, 32])
@@ -386,13 +438,26 @@ def launch(q, weights, index_cache, block_table, row_req, row_len, scores, split
     return scores
 
 
+def filter_regions(n_rows: int, capacity: int, device, splits: int | None = None) -> torch.Tensor:
+    """The filter's scratch: per program, math group, key half and row, REGION (score, position)
+    slots (int32, [2, ...])."""
+    if splits is None:
+        splits = plan_splits(n_rows, capacity, target_of(device).sm_count)
+    tiles = -(-n_rows // ROWS)
+    return torch.empty((2, tiles * splits * 3 * 2 * ROWS * REGION), dtype=torch.int32, device=device)
+
+
 def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity: int, state,
                   ckey, cpos, cap: int, splits: int | None = None) -> None:
     """The scan with the top-k filter: no scores written; each key of row t above its threshold
     (state[t, ST_THRESH], an order key) goes as (fp32 bits, position) to ckey / cpos[t, slot]
     for a slot counted at state[t, ST_CNT] (which the caller zeroes), stored while slot < cap."""
+    if splits is None:
+        splits = plan_splits(q.shape[0], capacity, target_of(q.device).sm_count)
+    held = filter_regions(q.shape[0], capacity, q.device, splits)
     _launch(q, weights, index_cache, block_table, row_req, row_len, ckey, capacity, splits,
-            state_ptr=state, ckey_ptr=ckey, cpos_ptr=cpos, cap=cap, FILTER=True)
+            state_ptr=state, ckey_ptr=ckey, cpos_ptr=cpos, hkey_ptr=held[0], hpos_ptr=held[1],
+            cap=cap, FILTER=True)
 
 
 def _launch(q, weights, index_cache, block_table, row_req, row_len, out, capacity, splits,
@@ -401,7 +466,8 @@ def _launch(q, weights, index_cache, block_table, row_req, row_len, out, capacit
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
     k_desc, s_desc = _descriptors(index_cache)
-    ptrs = dict(state_ptr=row_len, ckey_ptr=row_len, cpos_ptr=row_len, gate_ptr=row_len)
+    ptrs = dict(state_ptr=row_len, ckey_ptr=row_len, cpos_ptr=row_len, hkey_ptr=row_len,
+                hpos_ptr=row_len, gate_ptr=row_len)
     ints = dict(cap=0, gate_stride=1, gate_value=0)
     _indexer_ws_kernel[(-(-n // ROWS), splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, out,
@@ -424,7 +490,7 @@ def aot_spec(shapes, op: str):
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
              state_ptr=torch.int32, ckey_ptr=torch.int32, cpos_ptr=torch.int32,
-             gate_ptr=torch.int32,
+             hkey_ptr=torch.int32, hpos_ptr=torch.int32, gate_ptr=torch.int32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
