@@ -9,7 +9,7 @@ nothing) keeps the scores out of memory instead: on an H100 the warp-specialized
 105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Six launches:
   1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S];
   2. the plan: each row's threshold from that sample (`topk._plan_kernel` with src_len_ptr);
-  3. the scan with the filter (`indexer_ws.launch_filter`): keys above the threshold go
+  3. the scan with the filter (`indexer_ws_filter.launch_filter`): keys above the threshold go
      straight to the rows' candidate buffers, no scores written;
   4. the refine over the buffers (no tie counts); a row with fewer than k candidates or more
      than the buffer holds is marked for the whole-row select, not selected;
@@ -24,7 +24,7 @@ import torch
 from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton import indexer, indexer_ws, topk, topk_plan
+from k31c.lowering.triton import indexer, indexer_ws, indexer_ws_filter, topk, topk_plan
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target_of
 
 _OP = "k31c::lightning_indexer_topk"
@@ -64,11 +64,17 @@ def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> 
     return None
 
 
+class GluonScans:
+    """The fused select's scans on sm_90a: indexer_ws's (sampled and gated) and the filter's."""
+    launch = staticmethod(indexer_ws.launch)
+    launch_filter = staticmethod(indexer_ws_filter.launch_filter)
+
+
 def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k: int,
-                       scan=indexer_ws) -> torch.Tensor:
+                       scan=GluonScans) -> torch.Tensor:
     """The fused select (module docstring); callers check `fused_why_not` first. Graph-safe: no
     host sync, shapes from the arguments only. `scan`: what runs the three scans (`launch`,
-    `launch_filter`), indexer_ws on the GPU; tests pass the same contract in torch."""
+    `launch_filter`): `GluonScans` on the GPU; tests pass the same contract in torch."""
     n, block = q.shape[0], check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     capacity = block_table.shape[1] * block
     dev = q.device

@@ -32,8 +32,6 @@ from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.radix_select import _WARP_SLOTS_PTX
-from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
@@ -42,7 +40,6 @@ if GLUON_ERROR is None:
 ROWS, HEADS, D, BLOCK = 4, 32, 128, 64          # what the kernel is written for (K3.1 Pro)
 BLOCK_BYTES = BLOCK * (D + 4)                    # an FP8 cache block: 64 keys, then 64 fp32 scales
 MIN_STEPS = 4                                    # blocks a split takes at least
-REGION = 256       # the filter's slots a warp and row (~107 candidates expected at k = 2048)
 NUM_WARPS = 4                                    # the default partition (math group 0)
 
 if GLUON_ERROR is None:
@@ -58,37 +55,8 @@ if GLUON_ERROR is None:
     D_C = gl.constexpr(D)
     BK_C = gl.constexpr(BLOCK)
     BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
-    # the top-k state words the filter reads and counts into (topk_plan), and the warp slot
-    # counter it appends by (radix_select)
-    ST_WORDS_C = gl.constexpr(ST_WORDS.value)
-    ST_CNT_C = gl.constexpr(ST_CNT.value)
-    ST_THRESH_C = gl.constexpr(ST_THRESH.value)
-    WARP_SLOTS_PTX = gl.constexpr(_WARP_SLOTS_PTX.value)
-    REGION_C = gl.constexpr(REGION)
-    # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
-    WARP_RANK_PTX = gl.constexpr("""{
-        .reg .pred p;
-        .reg .b32 b, below;
-        setp.ne.b32 p, $2, 0;
-        vote.sync.ballot.b32 b, p, 0xffffffff;
-        mov.u32 below, %lanemask_lt;
-        and.b32 below, below, b;
-        popc.b32 $0, below;
-        popc.b32 $1, b;
-    }""")
-    # lane 0 adds $2 (the same in every lane) to the counter at $1; every lane gets the old value
-    WARP_TAKE_PTX = gl.constexpr("""{
-        .reg .pred lead;
-        .reg .b32 lane, d;
-        mov.u32 lane, %laneid;
-        setp.eq.u32 lead, lane, 0;
-        mov.u32 d, 0;
-        @lead atom.global.add.u32 d, [$1], $2;
-        shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
-    }""")
-
     @gluon.jit
-    def _run(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
+    def tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
              n_splits):
         """Pass j of the tile: whether row j starts a run of one request's rows, the rows of that
         request in the tile (over `r` = arange(R_C)), their lengths, the request's blocks and
@@ -108,13 +76,13 @@ if GLUON_ERROR is None:
         return first, req, sel, lens, n_steps, step0, n_my
 
     @gluon.jit
-    def _loader(k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_ptr, row0,
+    def loader(k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_ptr, row0,
                 n_rows, n_req, capacity, split, n_splits, write_tail, k_bufs, s_bufs, ready, empty):
         r = gl.arange(0, R_C, gl.BlockedLayout([1], [32], [1], [0]))
         T_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
         base = n_rows * 0                          # blocks this program has loaded (ring phases)
         for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
-            first, req, sel, lens, n_steps, step0, n_my = _run(
+            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
                 row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
             if first:
                 table_row = table_ptr + req.to(gl.int64) * table_stride
@@ -141,7 +109,7 @@ if GLUON_ERROR is None:
                                  mask=(p < capacity) & mine)
 
     @gluon.jit
-    def _quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
+    def quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
         # this group's rows of the tile (r % NG == ROLE) -> e4m3 in shared memory, their scales
         # folded into the head weights; then wait for the other groups'
         Q_L: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -166,7 +134,7 @@ if GLUON_ERROR is None:
         mbarrier.wait(q_bar, 0)
 
     @gluon.jit
-    def _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs, s_bufs, ready, empty):
+    def block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs, s_bufs, ready, empty):
         """Block g of the ring, the pass's (g - base)-th: its scores [64 keys, 4 rows] (-inf at
         or past each row's length) and positions; its stage freed."""
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
@@ -193,7 +161,7 @@ if GLUON_ERROR is None:
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
-        _quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
+        quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
         w = w_smem.load(gl.SliceLayout(0, ACC_L))                 # [128] head weights x q scales
         r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
         key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
@@ -201,94 +169,16 @@ if GLUON_ERROR is None:
         zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
         base = n_rows * 0                          # blocks the program has scored (ring phases)
         for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
-            first, req, sel, lens, n_steps, step0, n_my = _run(
+            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
                 row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
             if first:
                 # this group's blocks: g % NG == ROLE
                 for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
-                    sc, pos = _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
+                    sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
                                             s_bufs, ready, empty)
                     gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,
                              mask=gl.expand_dims(pos < capacity, 1) & gl.expand_dims(sel, 0))
                 base += n_my
-
-    @gluon.jit
-    def _order_key(x):
-        """radix_select.order_key for a [64 keys, 4 rows] tile: fp32 -> uint32 in the float order
-        (-0.0 as +0.0, every NaN above +inf)."""
-        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])
-        bits = x.to(gl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) | -0x80000000)).to(gl.uint32, bitcast=True)
-        key = gl.where(x == 0.0, gl.full([BK_C, R_C], 0x80000000, gl.uint32, ST_L), key)
-        return gl.where(x != x, gl.full([BK_C, R_C], 0xFFFFFFFF, gl.uint32, ST_L), key)
-
-    @gluon.jit
-    def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
-                cpos_ptr, hkey_ptr, hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits,
-                q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
-        """`_score` with the top-k filter in place of the score stores: each key above its row's
-        threshold (the top-k state's) is kept as (score bits, position). A warp appends its keys
-        of a row to a region of its own (hkey / hpos, REGION slots, offsets from a ballot: no
-        atomics on the blocks' path); past REGION it appends to the row's candidate buffer
-        directly (one atomic a warp and row). When the program ends, each warp copies its
-        regions into the rows' buffers, one atomic a row for the slots."""
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, 128, 32])
-        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
-        _quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
-        w = w_smem.load(gl.SliceLayout(0, ACC_L))
-        r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
-        key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
-        zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
-        zero_i = gl.zeros([BK_C, R_C], gl.int32, ST_L)
-        st = state_ptr + (row0 + r) * ST_WORDS_C
-        thresh = gl.load(st + ST_THRESH_C, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
-                                                                                bitcast=True)
-        ctr = gl.expand_dims(st + ST_CNT_C, 0) + zero_i             # each row's counter
-        buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
-        # this warp's region of each row: (program, group, key half of the block, row)
-        program = gl.program_id(0) * n_splits + split
-        half = gl.expand_dims(key // 32, 1) + zero_i
-        region = (((program * NG + ROLE) * 2 + half) * R_C + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
-        held = zero_i                                             # keys in the warp's region
-        base = n_rows * 0
-        for j in range(R_C):
-            first, req, sel, lens, n_steps, step0, n_my = _run(
-                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
-            if first:
-                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
-                    sc, pos = _block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
-                                            s_bufs, ready, empty)
-                    cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
-                            & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
-                            & gl.expand_dims(sel, 0))
-                    rank, n_cand = gl.inline_asm_elementwise(
-                        WARP_RANK_PTX, "=r,=r,r", [cand.to(gl.int32)], dtype=(gl.int32, gl.int32),
-                        is_pure=False, pack=1)
-                    slot = held + rank
-                    bits = sc.to(gl.int32, bitcast=True)
-                    posi = gl.expand_dims(pos, 1) + zero_i
-                    mine = cand & (slot < REGION_C)
-                    gl.store(hkey_ptr + region + slot, bits, mask=mine)
-                    gl.store(hpos_ptr + region + slot, posi, mask=mine)
-                    over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
-                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, over.to(gl.int32)],
-                                                   dtype=gl.int32, is_pure=False, pack=1)
-                    gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
-                    gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
-                    held += n_cand
-                base += n_my
-        # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
-        # such a row to the whole-row select)
-        kept = gl.minimum(held, REGION_C)
-        at0 = gl.inline_asm_elementwise(WARP_TAKE_PTX, "=r,l,r", [ctr, kept], dtype=gl.int32,
-                                        is_pure=False, pack=1)
-        lane = gl.expand_dims(key % 32, 1) + zero_i
-        for i in gl.static_range(0, REGION_C, 32):
-            idx = lane + i
-            m = (idx < kept) & (at0 + idx < cap)
-            gl.store(ckey_ptr + buf + at0 + idx, gl.load(hkey_ptr + region + idx, mask=m), mask=m)
-            gl.store(cpos_ptr + buf + at0 + idx, gl.load(hpos_ptr + region + idx, mask=m), mask=m)
 
     @gluon.jit
     def _score0(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
@@ -309,46 +199,9 @@ if GLUON_ERROR is None:
                split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
 
     @gluon.jit
-    def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
-        _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
-
-    @gluon.jit
-    def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
-        _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
-
-    @gluon.jit
-    def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
-        _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
-
-    @gluon.jit
-    def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                           len_ptr, out_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr,
-                           gate_ptr, n_rows,
-                           n_req, capacity, n_splits, cap, gate_stride, gate_value,
-                           num_warps: gl.constexpr, FILTER: gl.constexpr = False,
-                           GATED: gl.constexpr = False):
-        """FILTER: the top-k filter (`_filter`) in place of the score stores, no -inf tails.
-        GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride]) equals
-        gate_value run; the others read the tile as past the last row and do nothing."""
-        row0 = gl.program_id(0) * R_C
-        split = gl.program_id(1)
-        if GATED:
-            G_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            rr = row0 + gl.arange(0, R_C, G_L)
-            word = gl.load(gate_ptr + rr * gate_stride, mask=rr < n_rows, other=gate_value + 1)
-            row0 = gl.where(gl.max((word == gate_value).to(gl.int32), 0) > 0, row0, n_rows)
+    def shared_state():
+        """The scan's shared memory, its barriers initialised: q (e4m3) and the head weights, the
+        ring of key and scale boxes with its ready / empty barriers, and q's barrier."""
         Q_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R_C * H_C, D_C], gl.float8e4nv)
         K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK_C, D_C], gl.float8e4nv)
         S_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32)
@@ -365,23 +218,34 @@ if GLUON_ERROR is None:
             mbarrier.init(empty.index(b), count=1)
         fence_async_shared()          # the barriers' initialisation before any partition uses them
         sync()
+        return q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar
+
+    @gluon.jit
+    def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
+                           len_ptr, out_ptr, gate_ptr, n_rows, n_req, capacity, n_splits,
+                           gate_stride, gate_value, num_warps: gl.constexpr,
+                           GATED: gl.constexpr = False):
+        """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride]) equals
+        gate_value run; the others read the tile as past the last row and do nothing."""
+        row0 = gl.program_id(0) * R_C
+        split = gl.program_id(1)
+        if GATED:
+            G_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            rr = row0 + gl.arange(0, R_C, G_L)
+            word = gl.load(gate_ptr + rr * gate_stride, mask=rr < n_rows, other=gate_value + 1)
+            row0 = gl.where(gl.max((word == gate_value).to(gl.int32), 0) > 0, row0, n_rows)
+        q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
         out_row0 = out_ptr + row0.to(gl.int64) * capacity
-        loads = (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0, row0,
-                 n_rows, n_req, capacity, split, n_splits, 0 if FILTER else 1, k_bufs, s_bufs,
-                 ready, empty)
-        if FILTER:
-            filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
-                       hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                       w_smem, k_bufs, s_bufs, ready, empty)
-            gl.warp_specialize([(_filter0, filters), (_filter1, filters), (_filter2, filters),
-                                (_loader, loads)],
-                               [4, 4, 1], [152, 152, 32])
-        else:
-            scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity,
-                     split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
-            gl.warp_specialize([(_score0, scans), (_score1, scans), (_score2, scans),
-                                (_loader, loads)],
-                               [4, 4, 1], [152, 152, 32])   # the default math group gets 176
+        scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
+                 n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+        gl.warp_specialize([
+            (_score0, scans),
+            (_score1, scans),
+            (_score2, scans),
+            (loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
+                       row0, n_rows, n_req, capacity, split, n_splits, 1, k_bufs, s_bufs, ready,
+                       empty))],
+            [4, 4, 1], [152, 152, 32])   # the default math group gets 176
 
 
 def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None:
@@ -409,17 +273,17 @@ def plan_splits(n_rows: int, capacity: int, sm_count: int) -> int:
     return max(1, min(sm_count // max(tiles, 1), capacity // BLOCK // MIN_STEPS))
 
 
-def _shared_layouts():
+def shared_layouts():
     return (gl.NVMMASharedLayout.get_default_for([BLOCK, D], gl.float8e4nv),
             gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32))
 
 
-def _descriptors(index_cache):
+def descriptors(index_cache):
     """The FP8 cache [blocks, 8448] bytes as [blocks * 66, 128] e4m3 (key boxes [64, 128]) and
     [blocks * 66, 32] fp32 (scale boxes [2, 32])."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = index_cache.shape[0] * (BLOCK_BYTES // D)
-    k_lay, s_lay = _shared_layouts()
+    k_lay, s_lay = shared_layouts()
     return (TensorDescriptor(index_cache.view(torch.float8_e4m3fn).view(rows, D), [rows, D], [D, 1],
                              [BLOCK, D], k_lay),
             TensorDescriptor(index_cache.view(torch.float32).view(rows, 32), [rows, 32], [32, 1],
@@ -432,47 +296,15 @@ def launch(q, weights, index_cache, block_table, row_req, row_len, scores, split
     overrides `plan_splits` (tests, benchmarks). gate = (words, stride, value): only the tiles
     with a row whose words[row * stride] == value are scored (the rest of `scores` untouched)."""
     n, capacity = q.shape[0], scores.shape[1]
-    words, stride, value = gate if gate is not None else (row_len, 1, 0)
-    _launch(q, weights, index_cache, block_table, row_req, row_len, scores, capacity, splits,
-            gate_ptr=words, gate_stride=stride, gate_value=value, GATED=gate is not None)
-    return scores
-
-
-def filter_regions(n_rows: int, capacity: int, device, splits: int | None = None) -> torch.Tensor:
-    """The filter's scratch: per program, math group, key half and row, REGION (score, position)
-    slots (int32, [2, ...])."""
-    if splits is None:
-        splits = plan_splits(n_rows, capacity, target_of(device).sm_count)
-    tiles = -(-n_rows // ROWS)
-    return torch.empty((2, tiles * splits * 3 * 2 * ROWS * REGION), dtype=torch.int32, device=device)
-
-
-def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity: int, state,
-                  ckey, cpos, cap: int, splits: int | None = None) -> None:
-    """The scan with the top-k filter: no scores written; each key of row t above its threshold
-    (state[t, ST_THRESH], an order key) goes as (fp32 bits, position) to ckey / cpos[t, slot]
-    for a slot counted at state[t, ST_CNT] (which the caller zeroes), stored while slot < cap."""
-    if splits is None:
-        splits = plan_splits(q.shape[0], capacity, target_of(q.device).sm_count)
-    held = filter_regions(q.shape[0], capacity, q.device, splits)
-    _launch(q, weights, index_cache, block_table, row_req, row_len, ckey, capacity, splits,
-            state_ptr=state, ckey_ptr=ckey, cpos_ptr=cpos, hkey_ptr=held[0], hpos_ptr=held[1],
-            cap=cap, FILTER=True)
-
-
-def _launch(q, weights, index_cache, block_table, row_req, row_len, out, capacity, splits,
-            **args):
-    n = q.shape[0]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
-    k_desc, s_desc = _descriptors(index_cache)
-    ptrs = dict(state_ptr=row_len, ckey_ptr=row_len, cpos_ptr=row_len, hkey_ptr=row_len,
-                hpos_ptr=row_len, gate_ptr=row_len)
-    ints = dict(cap=0, gate_stride=1, gate_value=0)
+    words, stride, value = gate if gate is not None else (row_len, 1, 0)
+    k_desc, s_desc = descriptors(index_cache)
     _indexer_ws_kernel[(-(-n // ROWS), splits)](
-        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, out,
-        n_rows=n, n_req=block_table.shape[0], capacity=capacity, n_splits=splits, num_warps=NUM_WARPS,
-        **{**ptrs, **ints, **args})
+        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
+        words, n, block_table.shape[0], capacity, splits, stride, value, num_warps=NUM_WARPS,
+        GATED=gate is not None)
+    return scores
 
 
 def aot_spec(shapes, op: str):
@@ -484,16 +316,15 @@ def aot_spec(shapes, op: str):
             HEADS, D, BLOCK) or ROWS not in shapes.rows_per_request:
         return None
     n = shapes.batch * ROWS
-    k_lay, s_lay = _shared_layouts()
+    k_lay, s_lay = shared_layouts()
     return kernel_spec(
         _indexer_ws_kernel, op, f"fp8,R={ROWS},ws", dict(num_warps=NUM_WARPS),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
-             state_ptr=torch.int32, ckey_ptr=torch.int32, cpos_ptr=torch.int32,
-             hkey_ptr=torch.int32, hpos_ptr=torch.int32, gate_ptr=torch.int32,
+             gate_ptr=torch.int32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
         ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
-                  capacity=shapes.context, cap=0, gate_stride=1, gate_value=0,
+                  capacity=shapes.context, gate_stride=1, gate_value=0,
                   n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))

@@ -248,7 +248,7 @@ def scan_slots(live):
 
 # One ballot ranks a register's live lanes in the warp; the warp's first live lane takes their
 # slots from the counter with one atomic add and shuffles the base to the others.
-_WARP_SLOTS_PTX = tl.constexpr("""{
+WARP_SLOTS_PTX = tl.constexpr("""{
     .reg .pred p, lead;
     .reg .b32 b, below, rank, n, base, first;
     setp.ne.b32 p, $2, 0;
@@ -280,7 +280,7 @@ def live_slots(live, ctr_ptr, PTX: tl.constexpr):
     live_i = live.to(tl.int32)
     ctr = ctr_ptr + tl.zeros_like(live_i)
     if PTX:
-        return tl.inline_asm_elementwise(_WARP_SLOTS_PTX, "=r,l,r", [ctr, live_i], dtype=tl.int32,
+        return tl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, live_i], dtype=tl.int32,
                                          is_pure=False, pack=1)
     else:
         return tl.atomic_add(ctr, 1, mask=live, sem="relaxed")

@@ -1,0 +1,218 @@
+"""The top-k filter in the warp-specialized indexer scan (Gluon, sm_90a): the fused select's
+scan (`indexer_topk.fused_indexer_topk`). It is indexer_ws's scan (its loader, q prologue and
+block scores) whose math groups keep the keys above each row's threshold instead of storing the
+scores: each warp appends its keys of a row to a region of its own in `hkey` / `hpos` (REGION
+slots; offsets from a ballot, no atomics on the blocks' path; past a full region straight to the
+row's candidate buffer, one atomic a warp and row), and when the program ends copies its regions
+into the rows' candidate buffers (`ckey` / `cpos`, the top-k workspace's), one atomic a warp and
+row for their slots. Rows' thresholds and counters are the top-k state words (topk_plan).
+"""
+from __future__ import annotations
+
+import torch
+
+from k31c.lowering.aot_spec import descriptor_type, kernel_spec
+from k31c.lowering.triton.device import target_of
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
+                                             shared_layouts, plan_splits)
+from k31c.lowering.triton.radix_select import WARP_SLOTS_PTX
+from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
+
+REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 over 48 warps a row)
+
+if GLUON_ERROR is None:
+    from k31c.lowering.triton.gluon_sm90 import gl, gluon
+    from k31c.lowering.triton.indexer_ws import (BK_C, H_C, NG, R_C, block_scores, loader,
+                                                 quantise_q, shared_state, tile_pass)
+
+    REGION_C = gl.constexpr(REGION)
+    # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
+    WARP_RANK_PTX = gl.constexpr("""{
+        .reg .pred p;
+        .reg .b32 b, below;
+        setp.ne.b32 p, $2, 0;
+        vote.sync.ballot.b32 b, p, 0xffffffff;
+        mov.u32 below, %lanemask_lt;
+        and.b32 below, below, b;
+        popc.b32 $0, below;
+        popc.b32 $1, b;
+    }""")
+    # lane 0 adds $2 (the same in every lane) to the counter at $1; every lane gets the old value
+    WARP_TAKE_PTX = gl.constexpr("""{
+        .reg .pred lead;
+        .reg .b32 lane, d;
+        mov.u32 lane, %laneid;
+        setp.eq.u32 lead, lane, 0;
+        mov.u32 d, 0;
+        @lead atom.global.add.u32 d, [$1], $2;
+        shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
+    }""")
+
+    @gluon.jit
+    def _order_key(x):
+        """radix_select.order_key for a [64 keys, 4 rows] tile: fp32 -> uint32 in the float order
+        (-0.0 as +0.0, every NaN above +inf)."""
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])
+        bits = x.to(gl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) | -0x80000000)).to(gl.uint32, bitcast=True)
+        key = gl.where(x == 0.0, gl.full([BK_C, R_C], 0x80000000, gl.uint32, ST_L), key)
+        return gl.where(x != x, gl.full([BK_C, R_C], 0xFFFFFFFF, gl.uint32, ST_L), key)
+
+    @gluon.jit
+    def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
+                cpos_ptr, hkey_ptr, hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits,
+                q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+        """`_score` with the top-k filter in place of the score stores: each key above its row's
+        threshold (the top-k state's) is kept as (score bits, position). A warp appends its keys
+        of a row to a region of its own (hkey / hpos, REGION slots, offsets from a ballot: no
+        atomics on the blocks' path); past REGION it appends to the row's candidate buffer
+        directly (one atomic a warp and row). When the program ends, each warp copies its
+        regions into the rows' buffers, one atomic a row for the slots."""
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, 128, 32])
+        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
+        quantise_q(ROLE, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar)
+        w = w_smem.load(gl.SliceLayout(0, ACC_L))
+        r = gl.arange(0, R_C, gl.SliceLayout(0, ST_L))
+        key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
+        zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
+        zero_i = gl.zeros([BK_C, R_C], gl.int32, ST_L)
+        st = state_ptr + (row0 + r) * ST_WORDS
+        thresh = gl.load(st + ST_THRESH, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
+                                                                                bitcast=True)
+        ctr = gl.expand_dims(st + ST_CNT, 0) + zero_i             # each row's counter
+        buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
+        # this warp's region of each row: (program, group, key half of the block, row)
+        program = gl.program_id(0) * n_splits + split
+        half = gl.expand_dims(key // 32, 1) + zero_i
+        region = (((program * NG + ROLE) * 2 + half) * R_C + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
+        held = zero_i                                             # keys in the warp's region
+        base = n_rows * 0
+        for j in range(R_C):
+            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
+                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
+            if first:
+                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
+                    sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
+                                            s_bufs, ready, empty)
+                    cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
+                            & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
+                            & gl.expand_dims(sel, 0))
+                    rank, n_cand = gl.inline_asm_elementwise(
+                        WARP_RANK_PTX, "=r,=r,r", [cand.to(gl.int32)], dtype=(gl.int32, gl.int32),
+                        is_pure=False, pack=1)
+                    slot = held + rank
+                    bits = sc.to(gl.int32, bitcast=True)
+                    posi = gl.expand_dims(pos, 1) + zero_i
+                    mine = cand & (slot < REGION_C)
+                    gl.store(hkey_ptr + region + slot, bits, mask=mine)
+                    gl.store(hpos_ptr + region + slot, posi, mask=mine)
+                    over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
+                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, over.to(gl.int32)],
+                                                   dtype=gl.int32, is_pure=False, pack=1)
+                    gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
+                    gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
+                    held += n_cand
+                base += n_my
+        # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
+        # such a row to the whole-row select)
+        kept = gl.minimum(held, REGION_C)
+        at0 = gl.inline_asm_elementwise(WARP_TAKE_PTX, "=r,l,r", [ctr, kept], dtype=gl.int32,
+                                        is_pure=False, pack=1)
+        lane = gl.expand_dims(key % 32, 1) + zero_i
+        for i in gl.static_range(0, REGION_C, 32):
+            idx = lane + i
+            m = (idx < kept) & (at0 + idx < cap)
+            gl.store(ckey_ptr + buf + at0 + idx, gl.load(hkey_ptr + region + idx, mask=m), mask=m)
+            gl.store(cpos_ptr + buf + at0 + idx, gl.load(hpos_ptr + region + idx, mask=m), mask=m)
+
+    @gluon.jit
+    def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
+    def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
+    def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                 w_smem, k_bufs, s_bufs, ready, empty):
+        _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                w_smem, k_bufs, s_bufs, ready, empty)
+
+    @gluon.jit
+    def _indexer_ws_filter_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
+                                  len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, n_rows,
+                                  n_req, capacity, n_splits, cap, num_warps: gl.constexpr):
+        row0 = gl.program_id(0) * R_C
+        split = gl.program_id(1)
+        q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
+        filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
+                   hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
+                   w_smem, k_bufs, s_bufs, ready, empty)
+        gl.warp_specialize([
+            (_filter0, filters),
+            (_filter1, filters),
+            (_filter2, filters),
+            # no score rows, so no -inf tails (write_tail 0: the loader's out_ptr is never written)
+            (loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, w_ptr, row0,
+                       n_rows, n_req, capacity, split, n_splits, 0, k_bufs, s_bufs, ready, empty))],
+            [4, 4, 1], [152, 152, 32])
+
+
+def regions(n_rows: int, capacity: int, device, splits: int) -> torch.Tensor:
+    """The filter's scratch: per program, math group, key half and row, REGION (score, position)
+    slots (int32 [2, ...])."""
+    tiles = -(-n_rows // ROWS)
+    return torch.empty((2, tiles * splits * 3 * 2 * ROWS * REGION), dtype=torch.int32, device=device)
+
+
+def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity: int, state,
+                  ckey, cpos, cap: int, splits: int | None = None) -> None:
+    """The scan with the top-k filter (callers check `indexer_ws.why_not` first): no scores
+    written; each key of row t above its threshold (state[t, ST_THRESH], an order key) goes as
+    (fp32 bits, position) to ckey / cpos[t, slot] for a slot counted at state[t, ST_CNT] (which
+    the caller zeroes), stored while slot < cap."""
+    n = q.shape[0]
+    if splits is None:
+        splits = plan_splits(n, capacity, target_of(q.device).sm_count)
+    held = regions(n, capacity, q.device, splits)
+    k_desc, s_desc = descriptors(index_cache)
+    _indexer_ws_filter_kernel[(-(-n // ROWS), splits)](
+        q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, state,
+        ckey, cpos, held[0], held[1], n, block_table.shape[0], capacity, splits, cap,
+        num_warps=NUM_WARPS)
+
+
+def aot_spec(shapes, op: str, cap: int):
+    """The filter scan's launch at `shapes` (aot_spec.AotShapes) for R = 4 rows a request and a
+    candidate buffer of `cap`, or None where indexer_ws does not take those shapes."""
+    from k31c.lowering.triton.mla_common import table_width
+    cfg = shapes.cfg
+    if GLUON_ERROR is not None or (cfg.index_n_heads, cfg.index_head_dim, shapes.block_size) != (
+            HEADS, D, BLOCK) or ROWS not in shapes.rows_per_request:
+        return None
+    n = shapes.batch * ROWS
+    k_lay, s_lay = shared_layouts()
+    i32 = torch.int32
+    return kernel_spec(
+        _indexer_ws_filter_kernel, op, f"fp8,R={ROWS},ws,filter", dict(num_warps=NUM_WARPS),
+        dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=i32, row_req_ptr=i32, len_ptr=i32,
+             state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32,
+             k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
+             s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
+        num_warps=NUM_WARPS,
+        ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
+                  capacity=shapes.context, cap=cap,
+                  n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))
