@@ -20,9 +20,10 @@ selected sets equal the reference op's.
 then each kernel's device time from the profiler, then the time per call from one graph of
 RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
 in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike).
---pair: the scan + select pair alone at 128K and 1M, beside the scan alone. Besides randn
-scores ("random"), each run times scores spread as the layer's indexer scores are
-("indexer-like", 128K and up).
+--pair: the scan + select pair alone at 128K and 1M, beside the scan alone and the fused select
+(`indexer_topk.fused_indexer_topk`, built and not registered: `indexer_topk.FUSED`), then the
+fused select's launches each alone (`fused_parts`). Besides randn scores ("random"), each run
+times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
 
@@ -136,16 +137,77 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
         ref = torch.ops.k31c.lightning_indexer_topk(*args, K)   # fp32 q: FP8 q moves a few picks
         offset = (torch.arange(N, device="cuda") * (ctx + 1))[:, None]
         overlap = torch.isin(got + offset, ref + offset).float().mean()
+        fused_ok = indexer_topk.fused_why_not(*args, K) is None
         peers = {"k31c eager": time_ms(pair),
                  "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
+                 **({"fused select (not registered)": graph_ms(
+                     lambda: indexer_topk.fused_indexer_topk(*args, K))} if fused_ok else {}),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
         ms = graph_ms(pair)
         note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")
+        if fused_ok:
+            fused = indexer_topk.fused_indexer_topk(*args, K)
+            note += (f"; fused select {peers['fused select (not registered)'] / peers['scan only (triton)']:.2f}x "
+                     f"scan only, sets {'==' if same_sets(fused, got) else '!='} the pair's")
         rows.append(Row("lightning_indexer_topk (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K k={K}",
                         ms, bytes_floor_ms(B * ctx * (DIM + 4), machine), "bytes", peers, note))
     return rows
+
+
+def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
+    """Each launch of the fused select alone (us, graph replay, one call a graph) beside the
+    registered scan: the sample scan, the plan, the filter scan (its rows' counters zeroed before
+    each call, a ~1-2 us launch of its own), the refine, the gated scan with no row marked and the
+    select of the marked rows; then the whole select."""
+    from k31c.lowering.triton import indexer, indexer_topk, indexer_ws, indexer_ws_filter, topk, topk_plan
+    from k31c.lowering.triton.device import pdl_launch, sm_count
+    pool = IndexPool(max(contexts))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lines = ["| context | scan (registered) | sample scan | plan | filter scan | refine | gated scan | "
+             "marked select | fused select |", "|---|---|---|---|---|---|---|---|---|"]
+    for ctx in contexts:
+        table = pool.table(ctx)
+        q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+        w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
+        row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
+        row_len = (ctx - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
+        args = (q, w, pool.cache, table, row_req, row_len)
+        if indexer_topk.fused_why_not(*args, K) is not None:
+            return f"fused select: {indexer_topk.fused_why_not(*args, K)}"
+        p = topk_plan.plan(N, ctx, K, sm_count(q.device))
+        ws = p.workspace(q.device)
+        stride = topk_plan.sample_stride(ctx, BLOCK)
+        s_table, s_len = indexer_topk.sample_layout(table, row_len, BLOCK, stride)
+        sample = torch.empty((N, s_table.shape[1] * BLOCK), device="cuda")
+        out = torch.empty((N, K), dtype=torch.int32, device="cuda")
+        scores = torch.empty((N, ctx), device="cuda")
+        flags = {"PTX": True, **pdl_launch(q.device)}
+        cnt = ws["state"].view(N, topk_plan.ROW_STATE)[:, topk_plan.ST_CNT.value]
+        mode = ws["state"][topk_plan.ST_MODE.value:]
+        indexer_ws.launch(q, w, pool.cache, s_table, row_req, s_len, sample)
+        topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)
+
+        def filt():
+            cnt.zero_()
+            indexer_ws_filter.launch_filter(*args, ctx, ws["state"], ws["ckey"], ws["cpos"], p.cap)
+        filt()
+        # the refine defers whole-row selects: the state it leaves marks no row for the gated launches
+        topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)
+        parts = [graph_ms(lambda: indexer.lightning_indexer(*args)),
+                 graph_ms(lambda: indexer_ws.launch(q, w, pool.cache, s_table, row_req, s_len, sample)),
+                 graph_ms(lambda: topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)),
+                 graph_ms(filt),
+                 graph_ms(lambda: topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0,
+                                                     ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)),
+                 graph_ms(lambda: indexer_ws.launch(*args, scores, gate=(mode, topk_plan.ROW_STATE,
+                                                                         topk_plan.MODE_WHOLE_ROW))),
+                 graph_ms(lambda: topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0,
+                                                     ROW_SELECT=topk.ROW_SELECT_MARKED, **flags)),
+                 graph_ms(lambda: indexer_topk.fused_indexer_topk(*args, K))]
+        lines.append(f"| {ctx >> 10}K | " + " | ".join(f"{t * 1e3:.1f}" for t in parts) + " |")
+    return "\n".join(lines)
 
 
 def run(machine: Machine, contexts=CONTEXTS, compile_peer: bool = True) -> list[Row]:
@@ -215,7 +277,9 @@ if __name__ == "__main__":
         print(kernel_times())
         print()
         print(ring_times())
-    elif "--pair" in sys.argv:   # the scan + select pair alone at 128K and 1M
+    elif "--pair" in sys.argv:   # the scan + select pair alone at 128K and 1M, the fused select's parts
         print(markdown(indexer_topk_rows(m, (128 << 10, 1 << 20)), m))
+        print()
+        print(fused_parts())
     else:
         print(markdown(run(m), m))

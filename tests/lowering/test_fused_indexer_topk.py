@@ -115,6 +115,17 @@ def test_fused_select_marks_rows_for_the_whole_row_select(monkeypatch, topk_path
     assert topk_paths() == ["fallback"] * 8 + ["all"] * 4 + ["fallback"] * 4
 
 
+@pytest.mark.parametrize("stride", [1, 3, 64])
+def test_sample_layout(stride):
+    gen = torch.Generator().manual_seed(34)
+    table = torch.randint(-1, 5000, (5, 130), generator=gen, dtype=torch.int32).to(DEVICE)
+    row_len = torch.randint(0, 130 * 64, (20,), generator=gen, dtype=torch.int32).to(DEVICE)
+    got_table, got_len = indexer_topk.sample_layout(table, row_len, 64, stride)
+    assert torch.equal(got_table, table[:, ::stride])
+    whole = row_len.long() // 64
+    assert torch.equal(got_len.long(), (whole + stride - 1) // stride * 64)
+
+
 def test_sample_stride_samples_about_the_plans_count(real_topk_constants):
     for width in (16 << 10, 128 << 10, 1 << 20):
         stride = topk_plan.sample_stride(width, 64)

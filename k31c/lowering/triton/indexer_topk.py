@@ -20,6 +20,8 @@ nothing) keeps the scores out of memory instead: on an H100 the warp-specialized
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from k31c.graph.ops.indexer import check_indexer
 from k31c.lowering.registry import register
@@ -64,6 +66,31 @@ def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> 
     return None
 
 
+@triton.jit
+def _sample_layout_kernel(table_ptr, table_stride, row_len_ptr, sample_table_ptr, sample_len_ptr, n_rows,
+                          n_entries, width, stride, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    """The sample scan's block table, [requests, width] (each request's blocks 0, stride,
+    2 stride, ...), and its row lengths: a row's sampled blocks are the whole ones of those."""
+    i = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    m = i < n_entries
+    blk = tl.load(table_ptr + (i // width).to(tl.int64) * table_stride + (i % width) * stride, mask=m)
+    tl.store(sample_table_ptr + i, blk, mask=m)
+    n = tl.load(row_len_ptr + i, mask=i < n_rows, other=0)
+    tl.store(sample_len_ptr + i, (n // BLOCK + stride - 1) // stride * BLOCK, mask=i < n_rows)
+
+
+def sample_layout(block_table: torch.Tensor, row_len: torch.Tensor, block: int, stride: int):
+    """(the sample scan's block table, its row lengths) in one launch."""
+    width = -(-block_table.shape[1] // stride)
+    table = torch.empty((block_table.shape[0], width), dtype=block_table.dtype, device=block_table.device)
+    lens = torch.empty_like(row_len)
+    n_entries, tile = table.numel(), 1024
+    _sample_layout_kernel[(triton.cdiv(max(n_entries, row_len.shape[0]), tile),)](
+        block_table, block_table.stride(0), row_len, table, lens, row_len.shape[0], n_entries, width,
+        stride, BLOCK=block, TILE=tile)
+    return table, lens
+
+
 class GluonScans:
     """The fused select's scans on sm_90a: indexer_ws's (sampled and gated) and the filter's."""
     launch = staticmethod(indexer_ws.launch)
@@ -82,9 +109,7 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
     p = topk_plan.plan(n, capacity, k, sm_count(dev))
     ws = p.workspace(dev)
     stride = topk_plan.sample_stride(capacity, block)
-    sample_table = block_table[:, ::stride].contiguous()
-    # a row's sampled blocks are the whole ones among blocks 0, stride, 2 stride, ...
-    sample_len = (torch.div(row_len // block + stride - 1, stride, rounding_mode="floor") * block).to(torch.int32)
+    sample_table, sample_len = sample_layout(block_table, row_len, block, stride)
     sample = torch.empty((n, sample_table.shape[1] * block), dtype=torch.float32, device=dev)
     scan.launch(q, weights, index_cache, sample_table, row_req, sample_len, sample)
     flags = {**({"PTX": True} if inline_ptx(dev) else {}), **pdl_launch(dev)}

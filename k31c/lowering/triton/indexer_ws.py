@@ -226,14 +226,15 @@ if GLUON_ERROR is None:
                            gate_stride, gate_value, num_warps: gl.constexpr,
                            GATED: gl.constexpr = False):
         """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride]) equals
-        gate_value run; the others read the tile as past the last row and do nothing."""
+        gate_value run; the others return at once."""
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
         if GATED:
             G_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
             rr = row0 + gl.arange(0, R_C, G_L)
             word = gl.load(gate_ptr + rr * gate_stride, mask=rr < n_rows, other=gate_value + 1)
-            row0 = gl.where(gl.max((word == gate_value).to(gl.int32), 0) > 0, row0, n_rows)
+            if gl.max((word == gate_value).to(gl.int32), 0) == 0:
+                return
         q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
         out_row0 = out_ptr + row0.to(gl.int64) * capacity
         scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
