@@ -116,6 +116,16 @@ class IndexPool:
         return self.perm[: B * per].view(B, per).contiguous()
 
 
+def pair_inputs(pool: IndexPool, ctx: int, gen: torch.Generator) -> tuple:
+    """The scan's arguments at `ctx`: q [N, 32, 128] bf16, head weights, the pool's cache and
+    table, rows' requests (4 consecutive rows a request) and lengths (ctx - 3 .. ctx)."""
+    q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
+    row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
+    row_len = (ctx - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
+    return q, w, pool.cache, pool.table(ctx), row_req, row_len
+
+
 def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
     from k31c.lowering.triton import indexer, indexer_topk
@@ -123,12 +133,7 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
     for ctx in contexts:
-        table = pool.table(ctx)
-        q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
-        w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
-        row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
-        row_len = (ctx - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
-        args = (q, w, pool.cache, table, row_req, row_len)
+        args = pair_inputs(pool, ctx, gen)
 
         def pair():
             return indexer_topk.lightning_indexer_topk(*args, K)
@@ -168,12 +173,8 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
     lines = ["| context | scan (registered) | sample scan | plan | filter scan | refine | gated scan | "
              "marked select | fused select |", "|---|---|---|---|---|---|---|---|---|"]
     for ctx in contexts:
-        table = pool.table(ctx)
-        q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
-        w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
-        row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
-        row_len = (ctx - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
-        args = (q, w, pool.cache, table, row_req, row_len)
+        args = pair_inputs(pool, ctx, gen)
+        q, w, cache, table, row_req, row_len = args
         if indexer_topk.fused_why_not(*args, K) is not None:
             return f"fused select: {indexer_topk.fused_why_not(*args, K)}"
         p = topk_plan.plan(N, ctx, K, sm_count(q.device))
@@ -186,7 +187,7 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
         flags = {"PTX": True, **pdl_launch(q.device)}
         cnt = ws["state"].view(N, topk_plan.ROW_STATE)[:, topk_plan.ST_CNT.value]
         mode = ws["state"][topk_plan.ST_MODE.value:]
-        indexer_ws.launch(q, w, pool.cache, s_table, row_req, s_len, sample)
+        indexer_ws.launch(q, w, cache, s_table, row_req, s_len, sample)
         topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)
 
         def filt():
@@ -196,7 +197,7 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
         # the refine defers whole-row selects: the state it leaves marks no row for the gated launches
         topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)
         parts = [graph_ms(lambda: indexer.lightning_indexer(*args)),
-                 graph_ms(lambda: indexer_ws.launch(q, w, pool.cache, s_table, row_req, s_len, sample)),
+                 graph_ms(lambda: indexer_ws.launch(q, w, cache, s_table, row_req, s_len, sample)),
                  graph_ms(lambda: topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)),
                  graph_ms(filt),
                  graph_ms(lambda: topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0,

@@ -141,16 +141,11 @@ def test_fused_select_real_shapes(context, real_topk_constants, topk_paths):
     """The fused select with the Gluon scans at K3.1 Pro decode shapes (B = 16, R = 4, 32 heads
     x 128, FP8 keys, k = 2048): the sets of the registered pair; one request's rows all zero
     (every key tied at T) take the whole-row select."""
-    from benchmarks.bench_topk import B, DIM, HEADS, N, R, IndexPool
-    pool = IndexPool(context)
-    gen = torch.Generator(device="cuda").manual_seed(33)
-    q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
-    w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
+    from benchmarks.bench_topk import N, IndexPool, pair_inputs
+    args = pair_inputs(IndexPool(context), context, torch.Generator(device="cuda").manual_seed(33))
+    w, row_len = args[1], args[5]
     w[4:8] = 0.0
-    row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
-    row_len = (context - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
     row_len[8:12] = 5000                                       # shorter than the buffer
-    args = (q, w, pool.cache, pool.table(context), row_req, row_len)
     assert indexer_topk.fused_why_not(*args, 2048) is None
     got = indexer_topk.fused_indexer_topk(*args, 2048)
     paths = topk_paths()
