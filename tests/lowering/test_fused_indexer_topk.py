@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
-from k31c.lowering.triton import indexer_topk, indexer_ws, topk_plan
+from k31c.lowering.triton import indexer_topk, indexer_ws, indexer_ws_filter, topk_plan
 from k31c.lowering.triton.gluon_sm90 import why_not_sm90
 from test_triton_topk import _indexer_inputs, _same_sets   # the exact-grid input builder
 
@@ -136,11 +136,15 @@ def test_sample_stride_samples_about_the_plans_count(real_topk_constants):
 
 
 @pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
-@pytest.mark.parametrize("context", [128 << 10, 1 << 20])
-def test_fused_select_real_shapes(context, real_topk_constants, topk_paths):
+@pytest.mark.parametrize("context, one_split", [(128 << 10, False), (128 << 10, True), (1 << 20, False)])
+def test_fused_select_real_shapes(context, one_split, real_topk_constants, topk_paths, monkeypatch):
     """The fused select with the Gluon scans at K3.1 Pro decode shapes (B = 16, R = 4, 32 heads
     x 128, FP8 keys, k = 2048): the sets of the registered pair; one request's rows all zero
-    (every key tied at T) take the whole-row select."""
+    (every key tied at T) take the whole-row select. one_split: the filter scan on one program
+    a request, whose warps' regions fill (~850 candidates a warp and row against REGION = 256),
+    so the rest go to the rows' buffers by the atomic path."""
+    if one_split:
+        monkeypatch.setattr(indexer_ws_filter, "plan_splits", lambda *a: 1)
     from benchmarks.bench_topk import N, IndexPool, pair_inputs
     args = pair_inputs(IndexPool(context), context, torch.Generator(device="cuda").manual_seed(33))
     w, row_len = args[1], args[5]
