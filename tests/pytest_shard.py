@@ -23,7 +23,9 @@ SLOW_TESTS = {
     "tests/lowering/test_triton_indexer.py::test_real_shape[True-fp8-gather]": 22,
     "tests/runtime/test_gpu_program.py::test_profile_of_a_replayed_step_shows_the_kernels": 22,
     "tests/runtime/test_gpu_program.py::test_device_step_inputs_do_not_wait_for_the_device": 19,
+    "tests/lowering/test_fused_indexer_topk.py::test_fused_select_real_shapes[1048576-False]": 18,
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[indexer_prolog]": 17,
+    "tests/lowering/test_fused_indexer_topk.py::test_fused_select_real_shapes[131072-False]": 17,
     "tests/lowering/test_triton_mla.py::test_split_dense_rows_of_several_requests_in_one_tile": 16,
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[fuse_index_write]": 14,
     "tests/runtime/test_gpu_program.py::test_each_pass_switched_off[canonicalize]": 13,
@@ -37,6 +39,7 @@ SLOW_TESTS = {
     "tests/lowering/test_triton_topk.py::test_select_kth_with_and_without_the_common_prefix[bracketed]": 10,
     "tests/lowering/test_triton_indexer.py::test_real_shape[False-fp8-tma]": 10,
     "tests/lowering/test_triton_indexer_mxfp8.py::test_mxfp8_k31_shapes[4]": 10,
+    "tests/lowering/test_fused_indexer_topk.py::test_fused_select_matches_reference[fp8]": 10,
 }
 DEFAULT_SECONDS = 2.0
 
