@@ -6,8 +6,9 @@ measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
 
 The fused select (`fused_indexer_topk`, taken where `FUSED` is on and `fused_why_not` finds
 nothing) keeps the scores out of memory instead: on an H100 the warp-specialized scan takes
-105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Six launches:
-  1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S];
+105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Seven launches:
+  1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S],
+     after a small launch that lays out the sample's block table and row lengths;
   2. the plan: each row's threshold from that sample (`topk._plan_kernel` with src_len_ptr);
   3. the scan with the filter (`indexer_ws_filter.launch_filter`): keys above the threshold go
      straight to the rows' candidate buffers, no scores written;
