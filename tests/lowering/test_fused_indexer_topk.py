@@ -158,3 +158,23 @@ def test_fused_select_real_shapes(context, one_split, real_topk_constants, topk_
     _same_sets(got, pair)
     assert paths[4:8] == ["fallback"] * 4 and paths[8:12] == ["all"] * 4
     assert paths[:4] + paths[12:] == ["sampled"] * (N - 8)
+
+
+def test_the_op_takes_the_fused_select_only_where_switched_on_and_able(monkeypatch):
+    """`lightning_indexer_topk` runs the pair while FUSED is off or `fused_why_not` names a reason
+    (on the CPU: not sm_90a), the fused select otherwise."""
+    gen = torch.Generator().manual_seed(35)
+    args = [a.to(DEVICE) for a in _indexer_inputs(gen, 2, 4, 4, 16, 16, 6, torch.float32, "fp8")]
+    row_len = torch.tensor([90, 91, 92, 93, 40, 41, 42, 43], dtype=torch.int32, device=DEVICE)
+    fused = []
+    monkeypatch.setattr(indexer_topk, "fused_indexer_topk", lambda *a: fused.append(a) or "fused")
+    pair = indexer_topk.lightning_indexer_topk(*args, row_len, 8)
+    assert not fused and pair.shape == (8, 8)
+    monkeypatch.setattr(indexer_topk, "FUSED", True)
+    reason = indexer_topk.fused_why_not(*args, row_len, 8)
+    if reason is not None:                      # e.g. the CPU: the pair still runs, not refused
+        assert isinstance(reason, str) and reason
+        _same_sets(indexer_topk.lightning_indexer_topk(*args, row_len, 8), pair)
+        assert not fused
+    monkeypatch.setattr(indexer_topk, "fused_why_not", lambda *a: None)
+    assert indexer_topk.lightning_indexer_topk(*args, row_len, 8) == "fused" and len(fused) == 1
