@@ -186,7 +186,6 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
         scores = torch.empty((N, ctx), device="cuda")
         flags = {"PTX": True, **pdl_launch(q.device)}
         cnt = ws["state"].view(N, topk_plan.ROW_STATE)[:, topk_plan.ST_CNT.value]
-        mode = ws["state"][topk_plan.ST_MODE.value:]
         indexer_ws.launch(q, w, cache, s_table, row_req, s_len, sample)
         topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)
 
@@ -202,8 +201,7 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
                  graph_ms(filt),
                  graph_ms(lambda: topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0,
                                                      ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)),
-                 graph_ms(lambda: indexer_ws.launch(*args, scores, gate=(mode, topk_plan.ROW_STATE,
-                                                                         topk_plan.MODE_WHOLE_ROW))),
+                 graph_ms(lambda: indexer_ws.launch(*args, scores, gate=indexer_topk.whole_row_gate(ws))),
                  graph_ms(lambda: topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0,
                                                      ROW_SELECT=topk.ROW_SELECT_MARKED, **flags)),
                  graph_ms(lambda: indexer_topk.fused_indexer_topk(*args, K))]

@@ -42,8 +42,8 @@ class TorchScan:
             past = torch.arange(full.shape[1], device=q.device)[None, :] >= row_len[:, None]
             full = full.masked_fill(past, float("nan"))
         else:         # tiles of ROWS rows with a row whose word is the value
-            words, stride, value = gate
-            marked = words[::stride][:q.shape[0]] == value
+            words, stride, offset, value = gate
+            marked = words[offset::stride][:q.shape[0]] == value
             tiles = torch.zeros(-(-q.shape[0] // indexer_ws.ROWS), dtype=torch.bool, device=q.device)
             tiles.index_put_((rows // indexer_ws.ROWS,), marked, accumulate=True)
             rows = rows[tiles[rows // indexer_ws.ROWS]]

@@ -98,6 +98,12 @@ class GluonScans:
     launch_filter = staticmethod(indexer_ws_filter.launch_filter)
 
 
+def whole_row_gate(ws: dict) -> tuple:
+    """The gated scan's gate: the rows whose top-k state marks them for the whole-row select
+    (the state words themselves, 16-byte aligned as the ahead-of-time build assumes)."""
+    return ws["state"], topk_plan.ROW_STATE, topk_plan.ST_MODE.value, topk_plan.MODE_WHOLE_ROW
+
+
 def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k: int,
                        scan=GluonScans) -> torch.Tensor:
     """The fused select (module docstring); callers check `fused_why_not` first. Graph-safe: no
@@ -119,9 +125,7 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
                        ws["ckey"], ws["cpos"], p.cap)
     scores = torch.empty((n, capacity), dtype=torch.float32, device=dev)   # marked rows' only
     topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_DEFER, **flags)
-    mode = ws["state"][topk_plan.ST_MODE.value:]
-    scan.launch(q, weights, index_cache, block_table, row_req, row_len, scores,
-                gate=(mode, topk_plan.ROW_STATE, topk_plan.MODE_WHOLE_ROW))
+    scan.launch(q, weights, index_cache, block_table, row_req, row_len, scores, gate=whole_row_gate(ws))
     topk.launch_refine(scores, row_len, out, p, ws, n_chunks=0, ROW_SELECT=topk.ROW_SELECT_MARKED, **flags)
     if topk.DEBUG_PATHS:
         topk.last_paths[:] = topk_plan.row_paths(ws, row_len, k, p.cap)

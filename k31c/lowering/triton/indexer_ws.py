@@ -223,16 +223,17 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
                            len_ptr, out_ptr, gate_ptr, n_rows, n_req, capacity, n_splits,
-                           gate_stride, gate_value, num_warps: gl.constexpr,
+                           gate_stride, gate_offset, gate_value, num_warps: gl.constexpr,
                            GATED: gl.constexpr = False):
-        """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride]) equals
-        gate_value run; the others return at once."""
+        """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride +
+        gate_offset]) equals gate_value run; the others return at once."""
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
         if GATED:
             G_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
             rr = row0 + gl.arange(0, R_C, G_L)
-            word = gl.load(gate_ptr + rr * gate_stride, mask=rr < n_rows, other=gate_value + 1)
+            word = gl.load(gate_ptr + rr * gate_stride + gate_offset, mask=rr < n_rows,
+                           other=gate_value + 1)
             if gl.max((word == gate_value).to(gl.int32), 0) == 0:
                 return
         q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
@@ -294,16 +295,17 @@ def descriptors(index_cache):
 def launch(q, weights, index_cache, block_table, row_req, row_len, scores, splits: int | None = None,
            gate: tuple | None = None):
     """Scores [N, capacity] fp32 into `scores` (callers check `why_not` first); `splits`
-    overrides `plan_splits` (tests, benchmarks). gate = (words, stride, value): only the tiles
-    with a row whose words[row * stride] == value are scored (the rest of `scores` untouched)."""
+    overrides `plan_splits` (tests, benchmarks). gate = (words, stride, offset, value): only the
+    tiles with a row whose words[row * stride + offset] == value are scored (the rest of `scores`
+    untouched)."""
     n, capacity = q.shape[0], scores.shape[1]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
-    words, stride, value = gate if gate is not None else (row_len, 1, 0)
+    words, stride, offset, value = gate if gate is not None else (row_len, 1, 0, 0)
     k_desc, s_desc = descriptors(index_cache)
     _indexer_ws_kernel[(-(-n // ROWS), splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
-        words, n, block_table.shape[0], capacity, splits, stride, value, num_warps=NUM_WARPS,
+        words, n, block_table.shape[0], capacity, splits, stride, offset, value, num_warps=NUM_WARPS,
         GATED=gate is not None)
     return scores
 
@@ -327,5 +329,5 @@ def aot_spec(shapes, op: str):
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
         ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
-                  capacity=shapes.context, gate_stride=1, gate_value=0,
+                  capacity=shapes.context, gate_stride=1, gate_offset=0, gate_value=0,
                   n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))
