@@ -178,3 +178,43 @@ def test_the_op_takes_the_fused_select_only_where_switched_on_and_able(monkeypat
         assert not fused
     monkeypatch.setattr(indexer_topk, "fused_why_not", lambda *a: None)
     assert indexer_topk.lightning_indexer_topk(*args, row_len, 8) == "fused" and len(fused) == 1
+
+
+_AOT_CHECK = """
+from k31c.lowering.aot import build_spec, default_shapes, spec_name
+from k31c.lowering.triton import indexer_topk
+from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
+shapes = default_shapes("h200")
+off = {spec_name(s) for s in indexer_topk.aot_specs(shapes)}
+indexer_topk.FUSED = True
+fused = [s for s in indexer_topk.aot_specs(shapes) if spec_name(s) not in off]
+assert indexer_topk.fused_aot_specs(default_shapes("mi350x")) == []
+if GLUON_ERROR is None:
+    assert sorted(s.kernel.__name__ for s in fused) == [
+        "_indexer_ws_filter_kernel", "_indexer_ws_kernel", "_indexer_ws_kernel", "_plan_kernel",
+        "_refine_kernel", "_refine_kernel", "_sample_layout_kernel"], fused
+    assert all(s.ops == ("k31c::lightning_indexer_topk",) for s in fused)
+    for s in fused:
+        if s.kernel.__name__ in ("_sample_layout_kernel", "_plan_kernel", "_refine_kernel"):
+            assert build_spec(s, "h200").scratch_bytes == 0, spec_name(s)
+else:
+    assert fused == []
+print("ok", len(fused))
+"""
+
+
+def test_the_ahead_of_time_build_lists_the_fused_select_only_where_switched_on():
+    """With FUSED on, `indexer_topk.aot_specs` adds the fused select's seven launches at h200's
+    shapes (none at mi350x's, whose scan is not the warp-specialized one); its Triton launches
+    build for sm_90a without spill. In a subprocess: the builds need the interpreter off."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _AOT_CHECK], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("ok ")

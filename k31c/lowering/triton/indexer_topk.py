@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from k31c.graph.ops.indexer import check_indexer
+from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton import indexer, indexer_ws, indexer_ws_filter, topk, topk_plan
@@ -32,6 +33,8 @@ from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target
 
 _OP = "k31c::lightning_indexer_topk"
 FUSED = False     # the fused select where it can run: off until it is measured faster
+BLOCK = indexer_ws.BLOCK      # keys a cache block (the scans' block)
+LAYOUT_TILE = 1024            # table entries (and rows) a sample-layout program
 
 
 @register(_OP, GPU_TARGETS)
@@ -85,10 +88,10 @@ def sample_layout(block_table: torch.Tensor, row_len: torch.Tensor, block: int, 
     width = -(-block_table.shape[1] // stride)
     table = torch.empty((block_table.shape[0], width), dtype=block_table.dtype, device=block_table.device)
     lens = torch.empty_like(row_len)
-    n_entries, tile = table.numel(), 1024
-    _sample_layout_kernel[(triton.cdiv(max(n_entries, row_len.shape[0]), tile),)](
+    n_entries = table.numel()
+    _sample_layout_kernel[(triton.cdiv(max(n_entries, row_len.shape[0]), LAYOUT_TILE),)](
         block_table, block_table.stride(0), row_len, table, lens, row_len.shape[0], n_entries, width,
-        stride, BLOCK=block, TILE=tile)
+        stride, BLOCK=block, TILE=LAYOUT_TILE)
     return table, lens
 
 
@@ -98,10 +101,15 @@ class GluonScans:
     launch_filter = staticmethod(indexer_ws_filter.launch_filter)
 
 
+# the gated scan's gate words: the top-k state's mode word of each row, for the whole-row select
+WHOLE_ROW_GATE = (topk_plan.ROW_STATE, topk_plan.ST_MODE.value, topk_plan.MODE_WHOLE_ROW)
+
+
 def whole_row_gate(ws: dict) -> tuple:
-    """The gated scan's gate: the rows whose top-k state marks them for the whole-row select
-    (the state words themselves, 16-byte aligned as the ahead-of-time build assumes)."""
-    return ws["state"], topk_plan.ROW_STATE, topk_plan.ST_MODE.value, topk_plan.MODE_WHOLE_ROW
+    """The gated scan's gate (`indexer_ws.launch`): the rows whose top-k state marks them for the
+    whole-row select (the state words themselves, 16-byte aligned as the ahead-of-time build
+    assumes)."""
+    return (ws["state"], *WHOLE_ROW_GATE)
 
 
 def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k: int,
@@ -134,6 +142,31 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
 
 def aot_specs(shapes) -> list:
     """The launches for `k31c::lightning_indexer_topk` at `shapes` (aot_spec.AotShapes): the
-    indexer's and the top-k's own, tagged with this op too."""
+    indexer's and the top-k's own, tagged with this op too; with `FUSED` on, the fused select's
+    too where it can run (`fused_aot_specs`)."""
     return [s._replace(ops=tuple(dict.fromkeys((*s.ops, _OP))))
-            for s in (*indexer.aot_specs(shapes), *topk.aot_specs(shapes))]
+            for s in (*indexer.aot_specs(shapes), *topk.aot_specs(shapes))] + (
+        fused_aot_specs(shapes) if FUSED else [])
+
+
+def fused_aot_specs(shapes) -> list:
+    """The fused select's launches at `shapes` where its scans take them (h200's decode at 4 rows
+    a request), else none: the sample layout, the sample scan, the plan, the filter scan, the
+    refine, the gated scan and the marked rows' select."""
+    if shapes.target.variant(indexer.OP, "gather") != "warp_specialized":
+        return []                     # as fused_why_not: the target's scan is another
+    stride = topk_plan.sample_stride(shapes.context, BLOCK)
+    sample_scan = indexer_ws.aot_spec(shapes, _OP, sample_stride=stride)
+    if sample_scan is None:
+        return []
+    from k31c.lowering.triton.mla_common import table_width
+    n, width = shapes.batch * indexer_ws.ROWS, table_width(shapes)
+    sample_width = -(-width // stride)
+    p = topk_plan.plan(n, shapes.context, shapes.cfg.index_topk, shapes.target.sm_count)
+    i32 = torch.int32
+    layout = kernel_spec(_sample_layout_kernel, _OP, f"sample/{stride}", dict(BLOCK=BLOCK, TILE=LAYOUT_TILE),
+                         dict(table_ptr=i32, row_len_ptr=i32, sample_table_ptr=i32, sample_len_ptr=i32),
+                         ints=dict(table_stride=width, n_rows=n, n_entries=shapes.batch * sample_width,
+                                   width=sample_width, stride=stride))
+    return [layout, sample_scan, *topk.aot_specs(shapes, sample_width * BLOCK, op=_OP),
+            indexer_ws_filter.aot_spec(shapes, _OP, p.cap), indexer_ws.aot_spec(shapes, _OP, gate=WHOLE_ROW_GATE)]

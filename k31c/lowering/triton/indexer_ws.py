@@ -310,24 +310,31 @@ def launch(q, weights, index_cache, block_table, row_req, row_len, scores, split
     return scores
 
 
-def aot_spec(shapes, op: str):
+def aot_spec(shapes, op: str, sample_stride: int = 1, gate: tuple | None = None):
     """This kernel's launch at `shapes` (aot_spec.AotShapes) for R = 4 rows a request, or None
-    where it does not take those shapes."""
+    where it does not take those shapes. sample_stride: over one block in that many (the fused
+    select's sample scan, its table `sample_stride` times narrower); gate = (stride, offset,
+    value): the gated launch (`launch`'s gate, its words' layout)."""
     from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
     if GLUON_ERROR is not None or (cfg.index_n_heads, cfg.index_head_dim, shapes.block_size) != (
             HEADS, D, BLOCK) or ROWS not in shapes.rows_per_request:
         return None
     n = shapes.batch * ROWS
+    width = -(-table_width(shapes) // sample_stride)
+    capacity = shapes.context if sample_stride == 1 else width * BLOCK
+    gate_stride, gate_offset, gate_value = gate if gate is not None else (1, 0, 0)
+    tag = f"fp8,R={ROWS},ws" + (f",sample/{sample_stride}" if sample_stride > 1 else "") + (
+        ",gated" if gate is not None else "")
     k_lay, s_lay = shared_layouts()
     return kernel_spec(
-        _indexer_ws_kernel, op, f"fp8,R={ROWS},ws", dict(num_warps=NUM_WARPS),
+        _indexer_ws_kernel, op, tag, dict(num_warps=NUM_WARPS, GATED=gate is not None),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
              gate_ptr=torch.int32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
-        ints=dict(table_stride=table_width(shapes), n_rows=n, n_req=shapes.batch,
-                  capacity=shapes.context, gate_stride=1, gate_offset=0, gate_value=0,
-                  n_splits=plan_splits(n, shapes.context, shapes.target.sm_count)))
+        ints=dict(table_stride=width, n_rows=n, n_req=shapes.batch, capacity=capacity,
+                  gate_stride=gate_stride, gate_offset=gate_offset, gate_value=gate_value,
+                  n_splits=plan_splits(n, capacity, shapes.target.sm_count)))

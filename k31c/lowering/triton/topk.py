@@ -388,10 +388,12 @@ def topk_select(scores: torch.Tensor, row_len: torch.Tensor, k: int) -> torch.Te
     return out
 
 
-def aot_specs(shapes) -> list:
+def aot_specs(shapes, fused_sample_width: int | None = None, op: str = "k31c::topk_select") -> list:
     """The launches of `topk_select` on the GPU at `shapes` (aot_spec.AotShapes), for the
-    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from the plan."""
-    op = "k31c::topk_select"
+    ahead-of-time build: batch x R rows of `context` fp32 scores, constexprs from the plan.
+    fused_sample_width: the fused select's top-k launches instead (indexer_topk): the plan on
+    sampled scores rows that wide, the refine deferring whole-row selects and the select of the
+    marked rows, neither with tie counts."""
     p = topk_plan.plan(shapes.batch * max(shapes.rows_per_request), shapes.context, shapes.cfg.index_topk,
                        shapes.target.sm_count)
     f32, i32 = torch.float32, torch.int32
@@ -408,10 +410,19 @@ def aot_specs(shapes) -> list:
     plan_dep, waits = ({"DEPENDENT": True}, {"PDL": True}) if chained else ({}, {})
     refine_tile, warps = topk_plan.REFINE_TILE, topk_plan.warps
 
-    def spec(kernel, variant, consts, num_warps):
+    def spec(kernel, variant, consts, num_warps, **more_ints):
         names = set(kernel.arg_names)
         return kernel_spec(kernel, op, variant, consts, {n: t for n, t in ws.items() if n in names},
-                           num_warps=num_warps, ints={n: v for n, v in ints.items() if n in names})
+                           num_warps=num_warps, ints={n: v for n, v in {**ints, **more_ints}.items() if n in names})
+    if fused_sample_width is not None:
+        ws["src_len_ptr"] = i32
+        refine = dict(CP=pow2(0), BUF=pow2(p.cap), TILE=refine_tile, FEW=p.few, **ptx, **waits)
+        return [spec(_plan_kernel, f"sample,S={p.samples}",
+                     dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx, **waits),
+                     warps(p.samples, topk_plan.PLAN_KEYS), src_stride=fused_sample_width),
+                *(spec(_refine_kernel, f"fused,{name},BUF={pow2(p.cap)}", dict(refine, ROW_SELECT=mode.value),
+                       warps(pow2(p.cap), topk_plan.REFINE_KEYS), n_chunks=0)
+                  for name, mode in (("defer", ROW_SELECT_DEFER), ("marked", ROW_SELECT_MARKED)))]
     return [spec(_plan_kernel, f"scores,S={p.samples}",
                  dict(SAMPLES=p.samples, RUN=p.run, TILE=refine_tile, GROUP=p.group, FEW=p.few, **ptx,
                       **plan_dep, src_len_ptr=None),
