@@ -21,7 +21,7 @@ then each kernel's device time from the profiler, then the time per call from on
 RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
 in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike).
 --pair: the scan + select pair alone at 128K and 1M, beside the scan alone and the fused select
-(`indexer_topk.fused_indexer_topk`, built and not registered: `indexer_topk.FUSED`), then the
+(`indexer_topk.fused_indexer_topk`, built and not registered: `indexer_topk.FUSED_FROM`), then the
 fused select's launches each alone (`fused_parts`). Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
@@ -154,7 +154,8 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")
         if fused_ok:
             fused = indexer_topk.fused_indexer_topk(*args, K)
-            note += (f"; fused select {peers['fused select (not registered)'] / peers['scan only (triton)']:.2f}x "
+            ratio = peers["fused select (not registered)"] / peers["scan only (triton)"]
+            note += (f"; fused select {ratio:.2f}x "
                      f"scan only, sets {'==' if same_sets(fused, got) else '!='} the pair's")
         rows.append(Row("lightning_indexer_topk (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K k={K}",
                         ms, bytes_floor_ms(B * ctx * (DIM + 4), machine), "bytes", peers, note))

@@ -161,8 +161,8 @@ def test_fused_select_real_shapes(context, one_split, real_topk_constants, topk_
 
 
 def test_the_op_takes_the_fused_select_only_where_switched_on_and_able(monkeypatch):
-    """`lightning_indexer_topk` runs the pair while FUSED is off or `fused_why_not` names a reason
-    (on the CPU: not sm_90a), the fused select otherwise."""
+    """`lightning_indexer_topk` runs the pair while FUSED_FROM is None or above the rows' keys,
+    or `fused_why_not` names a reason (on the CPU: not sm_90a); the fused select otherwise."""
     gen = torch.Generator().manual_seed(35)
     args = [a.to(DEVICE) for a in _indexer_inputs(gen, 2, 4, 4, 16, 16, 6, torch.float32, "fp8")]
     row_len = torch.tensor([90, 91, 92, 93, 40, 41, 42, 43], dtype=torch.int32, device=DEVICE)
@@ -170,13 +170,17 @@ def test_the_op_takes_the_fused_select_only_where_switched_on_and_able(monkeypat
     monkeypatch.setattr(indexer_topk, "fused_indexer_topk", lambda *a: fused.append(a) or "fused")
     pair = indexer_topk.lightning_indexer_topk(*args, row_len, 8)
     assert not fused and pair.shape == (8, 8)
-    monkeypatch.setattr(indexer_topk, "FUSED", True)
+    monkeypatch.setattr(indexer_topk, "FUSED_FROM", 0)
     reason = indexer_topk.fused_why_not(*args, row_len, 8)
     if reason is not None:                      # e.g. the CPU: the pair still runs, not refused
         assert isinstance(reason, str) and reason
         _same_sets(indexer_topk.lightning_indexer_topk(*args, row_len, 8), pair)
         assert not fused
     monkeypatch.setattr(indexer_topk, "fused_why_not", lambda *a: None)
+    monkeypatch.setattr(indexer_topk, "FUSED_FROM", 6 * 16 + 1)       # above the table's 96 keys
+    _same_sets(indexer_topk.lightning_indexer_topk(*args, row_len, 8), pair)
+    assert not fused
+    monkeypatch.setattr(indexer_topk, "FUSED_FROM", 6 * 16)
     assert indexer_topk.lightning_indexer_topk(*args, row_len, 8) == "fused" and len(fused) == 1
 
 
@@ -186,7 +190,7 @@ from k31c.lowering.triton import indexer_topk
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 shapes = default_shapes("h200")
 off = {spec_name(s) for s in indexer_topk.aot_specs(shapes)}
-indexer_topk.FUSED = True
+indexer_topk.FUSED_FROM = 0
 fused = [s for s in indexer_topk.aot_specs(shapes) if spec_name(s) not in off]
 assert indexer_topk.fused_aot_specs(default_shapes("mi350x")) == []
 if GLUON_ERROR is None:
@@ -204,9 +208,10 @@ print("ok", len(fused))
 
 
 def test_the_ahead_of_time_build_lists_the_fused_select_only_where_switched_on():
-    """With FUSED on, `indexer_topk.aot_specs` adds the fused select's seven launches at h200's
-    shapes (none at mi350x's, whose scan is not the warp-specialized one); its Triton launches
-    build for sm_90a without spill. In a subprocess: the builds need the interpreter off."""
+    """With FUSED_FROM at or below the context, `indexer_topk.aot_specs` adds the fused select's
+    seven launches at h200's shapes (none at mi350x's, whose scan is not the warp-specialized
+    one); its Triton launches build for sm_90a without spill. In a subprocess: the builds need
+    the interpreter off."""
     import os
     import subprocess
     import sys

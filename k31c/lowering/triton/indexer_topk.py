@@ -4,9 +4,9 @@ indexer.py's scan writes the [N, L] fp32 scores to a workspace, topk.py's select
 single fused kernel that selected from scores computed in-kernel, never writing them out, was
 measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
 
-The fused select (`fused_indexer_topk`, taken where `FUSED` is on and `fused_why_not` finds
-nothing) keeps the scores out of memory instead: on an H100 the warp-specialized scan takes
-105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Seven launches:
+The fused select (`fused_indexer_topk`, taken for rows of `FUSED_FROM` keys or more where
+`fused_why_not` finds nothing) keeps the scores out of memory instead: on an H100 the
+warp-specialized scan takes 105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Seven launches:
   1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S],
      after a small launch that lays out the sample's block table and row lengths;
   2. the plan: each row's threshold from that sample (`topk._plan_kernel` with src_len_ptr);
@@ -32,7 +32,9 @@ from k31c.lowering.triton import indexer, indexer_ws, indexer_ws_filter, topk, t
 from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target_of
 
 _OP = "k31c::lightning_indexer_topk"
-FUSED = False     # the fused select where it can run: off until it is measured faster
+# the fused select for block tables of this many keys a row or more (a static shape: one choice
+# per captured graph); None: off until it is measured faster than the pair
+FUSED_FROM: int | None = None
 BLOCK = indexer_ws.BLOCK      # keys a cache block (the scans' block)
 LAYOUT_TILE = 1024            # table entries (and rows) a sample-layout program
 
@@ -43,13 +45,15 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
                            k: int) -> torch.Tensor:
     """topk_select(lightning_indexer(...), row_len, k) as the two Triton launchers: the scores
     live in a workspace [N, L] fp32 between them (allocated per call from the caching allocator,
-    so a CUDA graph capture keeps it in the graph's pool). With `FUSED` on, the fused select
-    where `fused_why_not` allows it."""
+    so a CUDA graph capture keeps it in the graph's pool). From `FUSED_FROM` keys a row, the
+    fused select where `fused_why_not` allows it."""
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    if FUSED and fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) is None:
-        return fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k)
-    scores = indexer.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    args = (q, weights, index_cache, block_table, row_req, row_len)
+    if (FUSED_FROM is not None and block_table.shape[1] * check_indexer(*args) >= FUSED_FROM
+            and fused_why_not(*args, k) is None):
+        return fused_indexer_topk(*args, k)
+    scores = indexer.lightning_indexer(*args)
     return topk.topk_select(scores, row_len, k)
 
 
@@ -142,11 +146,11 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
 
 def aot_specs(shapes) -> list:
     """The launches for `k31c::lightning_indexer_topk` at `shapes` (aot_spec.AotShapes): the
-    indexer's and the top-k's own, tagged with this op too; with `FUSED` on, the fused select's
-    too where it can run (`fused_aot_specs`)."""
+    indexer's and the top-k's own, tagged with this op too; from `FUSED_FROM` keys a row, the
+    fused select's too where it can run (`fused_aot_specs`)."""
     return [s._replace(ops=tuple(dict.fromkeys((*s.ops, _OP))))
             for s in (*indexer.aot_specs(shapes), *topk.aot_specs(shapes))] + (
-        fused_aot_specs(shapes) if FUSED else [])
+        fused_aot_specs(shapes) if FUSED_FROM is not None and shapes.context >= FUSED_FROM else [])
 
 
 def fused_aot_specs(shapes) -> list:
@@ -169,4 +173,5 @@ def fused_aot_specs(shapes) -> list:
                          ints=dict(table_stride=width, n_rows=n, n_entries=shapes.batch * sample_width,
                                    width=sample_width, stride=stride))
     return [layout, sample_scan, *topk.aot_specs(shapes, sample_width * BLOCK, op=_OP),
-            indexer_ws_filter.aot_spec(shapes, _OP, p.cap), indexer_ws.aot_spec(shapes, _OP, gate=WHOLE_ROW_GATE)]
+            indexer_ws_filter.aot_spec(shapes, _OP, p.cap),
+            indexer_ws.aot_spec(shapes, _OP, gate=WHOLE_ROW_GATE)]
