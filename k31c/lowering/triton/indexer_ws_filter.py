@@ -15,7 +15,7 @@ from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
-                                             shared_layouts, plan_splits)
+                                             plan_splits, shared_layouts)
 from k31c.lowering.triton.radix_select import WARP_SLOTS_PTX
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
@@ -38,12 +38,14 @@ if GLUON_ERROR is None:
         popc.b32 $0, below;
         popc.b32 $1, b;
     }""")
-    # lane 0 adds $2 (the same in every lane) to the counter at $1; every lane gets the old value
+    # lane 0 adds $2 (the same in every lane) to the counter at $1, if not 0 (a row past the
+    # last or with no candidates touches no counter); every lane gets the old value
     WARP_TAKE_PTX = gl.constexpr("""{
         .reg .pred lead;
         .reg .b32 lane, d;
         mov.u32 lane, %laneid;
         setp.eq.u32 lead, lane, 0;
+        setp.ne.and.u32 lead, $2, 0, lead;
         mov.u32 d, 0;
         @lead atom.global.add.u32 d, [$1], $2;
         shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
@@ -86,7 +88,8 @@ if GLUON_ERROR is None:
         # this warp's region of each row: (program, group, key half of the block, row)
         program = gl.program_id(0) * n_splits + split
         half = gl.expand_dims(key // 32, 1) + zero_i
-        region = (((program * NG + ROLE) * 2 + half) * R_C + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
+        region = (((program * NG + ROLE) * 2 + half) * R_C
+                  + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
         held = zero_i                                             # keys in the warp's region
         base = n_rows * 0
         for j in range(R_C):
@@ -109,15 +112,16 @@ if GLUON_ERROR is None:
                     gl.store(hkey_ptr + region + slot, bits, mask=mine)
                     gl.store(hpos_ptr + region + slot, posi, mask=mine)
                     over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
-                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r", [ctr, over.to(gl.int32)],
-                                                   dtype=gl.int32, is_pure=False, pack=1)
+                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r",
+                                                   [ctr, over.to(gl.int32)], dtype=gl.int32,
+                                                   is_pure=False, pack=1)
                     gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
                     gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
                     held += n_cand
                 base += n_my
         # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
         # such a row to the whole-row select)
-        kept = gl.minimum(held, REGION_C)
+        kept = gl.where(gl.expand_dims(row0 + r < n_rows, 0), gl.minimum(held, REGION_C), 0)
         at0 = gl.inline_asm_elementwise(WARP_TAKE_PTX, "=r,l,r", [ctr, kept], dtype=gl.int32,
                                         is_pure=False, pack=1)
         lane = gl.expand_dims(key % 32, 1) + zero_i
