@@ -35,7 +35,7 @@ class TorchScan:
         self.gen = torch.Generator().manual_seed(seed)
         self.gated_rows: list[list[int]] = []
 
-    def launch(self, q, weights, index_cache, block_table, row_req, row_len, scores, gate=None):
+    def launch(self, q, weights, index_cache, block_table, row_req, row_len, scores, gate=None, pdl=False):
         full = torch.ops.k31c.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
         rows = torch.arange(q.shape[0], device=q.device)
         if gate is None:    # past a row's length the scores are no one's to read: poison them
@@ -52,7 +52,7 @@ class TorchScan:
         return scores
 
     def launch_filter(self, q, weights, index_cache, block_table, row_req, row_len, capacity, state,
-                      ckey, cpos, cap):
+                      ckey, cpos, cap, pdl=False):
         full = torch.ops.k31c.lightning_indexer(q, weights, index_cache, block_table, row_req, row_len)
         assert full.shape[1] == capacity
         st = state.view(-1, topk_plan.ROW_STATE)

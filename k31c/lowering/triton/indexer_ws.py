@@ -56,6 +56,20 @@ if GLUON_ERROR is None:
     BK_C = gl.constexpr(BLOCK)
     BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
     @gluon.jit
+    def gdc_wait():
+        """Programmatic dependent launch: wait until the kernel before this one in the stream has
+        finished, its writes visible (a no-op in a launch without PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def gdc_launch_dependents():
+        """Programmatic dependent launch: let the next kernel in the stream launch (it waits for
+        this one before it reads what this one writes; a no-op without PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
              n_splits):
         """Pass j of the tile: whether row j starts a run of one request's rows, the rows of that
@@ -224,9 +238,13 @@ if GLUON_ERROR is None:
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
                            len_ptr, out_ptr, gate_ptr, n_rows, n_req, capacity, n_splits,
                            gate_stride, gate_offset, gate_value, num_warps: gl.constexpr,
-                           GATED: gl.constexpr = False):
+                           GATED: gl.constexpr = False, PDL: gl.constexpr = False):
         """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride +
-        gate_offset]) equals gate_value run; the others return at once."""
+        gate_offset]) equals gate_value run; the others return at once. PDL: launched as the
+        dependent of the kernel before, waiting for it before any access."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
         if GATED:
@@ -293,11 +311,11 @@ def descriptors(index_cache):
 
 
 def launch(q, weights, index_cache, block_table, row_req, row_len, scores, splits: int | None = None,
-           gate: tuple | None = None):
+           gate: tuple | None = None, pdl: bool = False):
     """Scores [N, capacity] fp32 into `scores` (callers check `why_not` first); `splits`
     overrides `plan_splits` (tests, benchmarks). gate = (words, stride, offset, value): only the
     tiles with a row whose words[row * stride + offset] == value are scored (the rest of `scores`
-    untouched)."""
+    untouched). pdl: launched as the PDL dependent of the kernel before (sm_90)."""
     n, capacity = q.shape[0], scores.shape[1]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
@@ -306,15 +324,15 @@ def launch(q, weights, index_cache, block_table, row_req, row_len, scores, split
     _indexer_ws_kernel[(-(-n // ROWS), splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
         words, n, block_table.shape[0], capacity, splits, stride, offset, value, num_warps=NUM_WARPS,
-        GATED=gate is not None)
+        GATED=gate is not None, **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return scores
 
 
-def aot_spec(shapes, op: str, sample_stride: int = 1, gate: tuple | None = None):
+def aot_spec(shapes, op: str, sample_stride: int = 1, gate: tuple | None = None, pdl: bool = False):
     """This kernel's launch at `shapes` (aot_spec.AotShapes) for R = 4 rows a request, or None
     where it does not take those shapes. sample_stride: over one block in that many (the fused
     select's sample scan, its table `sample_stride` times narrower); gate = (stride, offset,
-    value): the gated launch (`launch`'s gate, its words' layout)."""
+    value): the gated launch (`launch`'s gate, its words' layout); pdl: `launch`'s."""
     from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
     if GLUON_ERROR is not None or (cfg.index_n_heads, cfg.index_head_dim, shapes.block_size) != (
@@ -328,7 +346,8 @@ def aot_spec(shapes, op: str, sample_stride: int = 1, gate: tuple | None = None)
         ",gated" if gate is not None else "")
     k_lay, s_lay = shared_layouts()
     return kernel_spec(
-        _indexer_ws_kernel, op, tag, dict(num_warps=NUM_WARPS, GATED=gate is not None),
+        _indexer_ws_kernel, op, tag + (",pdl" if pdl else ""),
+        dict(num_warps=NUM_WARPS, GATED=gate is not None, PDL=pdl),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
              gate_ptr=torch.int32,

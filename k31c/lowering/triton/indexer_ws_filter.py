@@ -23,8 +23,8 @@ REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon
-    from k31c.lowering.triton.indexer_ws import (BK_C, H_C, NG, R_C, block_scores, loader,
-                                                 quantise_q, shared_state, tile_pass)
+    from k31c.lowering.triton.indexer_ws import (BK_C, H_C, NG, R_C, block_scores, gdc_launch_dependents,
+                                                 gdc_wait, loader, quantise_q, shared_state, tile_pass)
 
     REGION_C = gl.constexpr(REGION)
     # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
@@ -80,6 +80,9 @@ if GLUON_ERROR is None:
         key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
         zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
         zero_i = gl.zeros([BK_C, R_C], gl.int32, ST_L)
+        # launched as the plan's PDL dependent: q quantised (and the loader's copies begun, the
+        # keys older than the plan) before the wait for the plan's thresholds and zeroed counters
+        gdc_wait()
         st = state_ptr + (row0 + r) * ST_WORDS
         thresh = gl.load(st + ST_THRESH, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
                                                                                 bitcast=True)
@@ -158,7 +161,12 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _indexer_ws_filter_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
                                   len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, n_rows,
-                                  n_req, capacity, n_splits, cap, num_warps: gl.constexpr):
+                                  n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
+                              PDL: gl.constexpr = False):
+        """PDL: launched as the dependent of the kernel before (the math groups wait for it in
+        `_filter`, a no-op without PDL)."""
+        if PDL:
+            gdc_launch_dependents()   # the refine may launch; it waits for this kernel to finish
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
         q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
@@ -183,11 +191,12 @@ def regions(n_rows: int, capacity: int, device, splits: int) -> torch.Tensor:
 
 
 def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity: int, state,
-                  ckey, cpos, cap: int, splits: int | None = None) -> None:
+                  ckey, cpos, cap: int, splits: int | None = None, pdl: bool = False) -> None:
     """The scan with the top-k filter (callers check `indexer_ws.why_not` first): no scores
     written; each key of row t above its threshold (state[t, ST_THRESH], an order key) goes as
     (fp32 bits, position) to ckey / cpos[t, slot] for a slot counted at state[t, ST_CNT] (which
-    the caller zeroes), stored while slot < cap."""
+    the caller zeroes), stored while slot < cap. pdl: launched as the PDL dependent of the
+    kernel that wrote the thresholds (its math groups wait for it after quantising q)."""
     n = q.shape[0]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
@@ -196,12 +205,13 @@ def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capaci
     _indexer_ws_filter_kernel[(-(-n // ROWS), splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, state,
         ckey, cpos, held[0], held[1], n, block_table.shape[0], capacity, splits, cap,
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}))
 
 
-def aot_spec(shapes, op: str, cap: int):
+def aot_spec(shapes, op: str, cap: int, pdl: bool = False):
     """The filter scan's launch at `shapes` (aot_spec.AotShapes) for R = 4 rows a request and a
-    candidate buffer of `cap`, or None where indexer_ws does not take those shapes."""
+    candidate buffer of `cap` (pdl: `launch_filter`'s), or None where indexer_ws does not take
+    those shapes."""
     from k31c.lowering.triton.mla_common import table_width
     cfg = shapes.cfg
     if GLUON_ERROR is not None or (cfg.index_n_heads, cfg.index_head_dim, shapes.block_size) != (
@@ -211,7 +221,8 @@ def aot_spec(shapes, op: str, cap: int):
     k_lay, s_lay = shared_layouts()
     i32 = torch.int32
     return kernel_spec(
-        _indexer_ws_filter_kernel, op, f"fp8,R={ROWS},ws,filter", dict(num_warps=NUM_WARPS),
+        _indexer_ws_filter_kernel, op, f"fp8,R={ROWS},ws,filter" + (",pdl" if pdl else ""),
+        dict(num_warps=NUM_WARPS, PDL=pdl),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=i32, row_req_ptr=i32, len_ptr=i32,
              state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
