@@ -30,8 +30,9 @@ their programs launch while it runs and wait for it at their start, hiding the l
      itself (4 histogram passes of 8-bit digits, then the output pass), so no launch waits for
      a case that almost never happens.
 
-The selection helpers are in `radix_select.py`. `topk_plan.plan` picks the chunking, buffer and
-sample sizes once; the launcher and `aot_specs` read it.
+The selection helpers are in `radix_select.py`, the plan's threshold in `topk_threshold.py`.
+`topk_plan.plan` picks the chunking, buffer and sample sizes once; the launcher and `aot_specs`
+read it.
 """
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ from k31c.graph.ops.indexer import check_topk
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.radix_select import (gather_live, key_float, live_slots, order_key, sample_position,
-                                               select_from_row, select_kth, select_kth_bracketed, store_where,
-                                               take_top_ties, threshold_by_value, write_selected)
+from k31c.lowering.triton.radix_select import (key_float, order_key, sample_position, select_from_row, select_kth,
+                                               select_kth_bracketed, store_where, take_top_ties, write_selected)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start, pair_launch,
                                          pdl_launch, sm_count, wait_for_producers)
 from k31c.lowering.triton import topk_plan
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
+from k31c.lowering.triton.topk_threshold import sample_threshold
 
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
 last_paths: list[str] = []
@@ -63,46 +64,6 @@ ROW_SELECT_NOW, ROW_SELECT_DEFER, ROW_SELECT_MARKED = tl.constexpr(0), tl.conste
 
 
 # ---- kernels ----------------------------------------------------------------------------------
-
-@triton.jit
-def _sample_threshold(x, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
-                      PTX: tl.constexpr):
-    """A key T with about `rank` of the sample's scores x above it: by a value histogram where
-    it lands within rank / 8 (`threshold_by_value`: one histogram, where the exact select takes
-    five digit levels or more), else the sample's key ranked `rank` exactly (`_ranked_key`)."""
-    p, found = threshold_by_value(x, rank, SAMPLES)
-    t = order_key(p)
-    if found == 0:
-        t = _ranked_key(order_key(x), rank, few_ptr, ctr_ptr, SAMPLES, GROUP, FEW, PTX)
-    return t
-
-
-@triton.jit
-def _ranked_key(key, rank, few_ptr, ctr_ptr, SAMPLES: tl.constexpr, GROUP: tl.constexpr, FEW: tl.constexpr,
-                PTX: tl.constexpr):
-    """The sample's key ranked `rank` from the top (25 bits of it). The radix levels cost per key
-    held, so a large sample is narrowed first: the rank-th largest of the maxima of groups of
-    GROUP keys is a lower bound (at least `rank` keys reach it), and if at most FEW keys reach
-    it, those are gathered (through `few_ptr`, slots counted at `ctr_ptr`) and selected from alone."""
-    reach = tl.zeros_like(key) != 0
-    n_reach = FEW + 1
-    bound = tl.zeros((), tl.uint32)
-    if SAMPLES // GROUP > 1:
-        if rank <= SAMPLES // GROUP:
-            peak = tl.max(tl.reshape(key, [SAMPLES // GROUP, GROUP], can_reorder=True), 1)  # any grouping bounds it
-            bound, _, _ = select_kth(peak, tl.arange(0, SAMPLES // GROUP) < SAMPLES // GROUP, rank, 5)
-            reach = key >= bound
-            n_reach = tl.sum(reach.to(tl.int32), 0)
-    if n_reach <= FEW:
-        few, few_live = gather_live(key, reach, live_slots(reach, ctr_ptr, PTX), n_reach, few_ptr, FEW, PTX)
-        t, _, _ = select_kth(few, few_live, rank, 5)
-        # an exact t is a digit boundary: exactly `rank` of the few reach it, but keys below the
-        # bound might too; no key below the bound is in the top `rank`, so t rises to it
-        t = tl.maximum(t, bound)
-    else:
-        t, _, _ = select_kth(key, tl.arange(0, SAMPLES) < SAMPLES, rank, 5)
-    return t
-
 
 @triton.jit
 def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_ptr, few_ptr, k, cap, target,
@@ -131,7 +92,7 @@ def _plan_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_pt
             n_src = n if src_len_ptr is None else tl.load(src_len_ptr + row)
             x = tl.load(src_ptr + row.to(tl.int64) * src_stride + sample_position(i, n_src, SAMPLES, RUN))
             rank = tl.minimum((target.to(tl.int64) * SAMPLES + n - 1) // n, SAMPLES).to(tl.int32)
-            thresh = _sample_threshold(x, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
+            thresh = sample_threshold(x, rank, few_ptr + row.to(tl.int64) * FEW, st + ST_SLOTS, SAMPLES, GROUP, FEW,
                                        PTX)
     tl.store(st + ST_THRESH, thresh.to(tl.int32, bitcast=True))
 
