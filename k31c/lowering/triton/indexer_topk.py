@@ -109,7 +109,7 @@ class GluonScans:
 
 
 # the gated scan's gate words: the top-k state's mode word of each row, for the whole-row select
-WHOLE_ROW_GATE = (topk_plan.ROW_STATE, topk_plan.ST_MODE.value, topk_plan.MODE_WHOLE_ROW)
+WHOLE_ROW_GATE = (topk_plan.ROW_STATE, topk_plan.ST_MODE.value, topk_plan.MODE_WHOLE_ROW.value)
 
 
 def whole_row_gate(ws: dict) -> tuple:

@@ -55,6 +55,7 @@ if GLUON_ERROR is None:
     D_C = gl.constexpr(D)
     BK_C = gl.constexpr(BLOCK)
     BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
+
     @gluon.jit
     def gdc_wait():
         """Programmatic dependent launch: wait until the kernel before this one in the stream has

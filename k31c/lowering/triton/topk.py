@@ -50,7 +50,8 @@ from k31c.lowering.triton.unit_stride import require_unit_stride
 from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start, pair_launch,
                                          pdl_launch, sm_count, wait_for_producers)
 from k31c.lowering.triton import topk_plan
-from k31c.lowering.triton.topk_plan import ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan, pow2
+from k31c.lowering.triton.topk_plan import (MODE_WHOLE_ROW, ST_CNT, ST_MODE, ST_SLOTS, ST_THRESH, ST_WORDS, TopkPlan,
+                                           pow2)
 from k31c.lowering.triton.topk_threshold import sample_threshold
 
 DEBUG_PATHS = False             # tests: record in `last_paths` the path each row took (syncs)
@@ -59,7 +60,7 @@ RUN_KEYS = tl.constexpr(4)    # filter positions per run: one 16-byte vector of 
 INF_KEY = tl.constexpr(0xFF800000)             # order_key(+inf)
 NEG_ZERO_BITS_KEY = tl.constexpr(0x7FFFFFFF)   # ~0x80000000: no score has it (order_key maps -0.0 to +0.0)
 # the refine's whole-row selects (`_refine_kernel`'s ROW_SELECT): in place, deferred (the row
-# marked ST_MODE = 2), or only those of the marked rows
+# marked ST_MODE = MODE_WHOLE_ROW), or only those of the marked rows
 ROW_SELECT_NOW, ROW_SELECT_DEFER, ROW_SELECT_MARKED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
@@ -252,7 +253,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
     row = tl.program_id(0)
     st = state_ptr + row * ST_WORDS
     if ROW_SELECT == ROW_SELECT_MARKED:
-        if tl.load(st + ST_MODE) == 2:
+        if tl.load(st + ST_MODE) == MODE_WHOLE_ROW:
             select_from_row(row, tl.load(row_len_ptr + row), k, out_ptr + row.to(tl.int64) * out_stride, src_ptr,
                             src_stride, TILE)
     elif tl.load(st + ST_MODE) == 0:
@@ -293,7 +294,7 @@ def _refine_kernel(src_ptr, src_stride, row_len_ptr, out_ptr, out_stride, state_
                 need -= take
                 j -= 1
         else:
-            tl.store(st + ST_MODE, 2)
+            tl.store(st + ST_MODE, MODE_WHOLE_ROW)
             if ROW_SELECT == ROW_SELECT_NOW:
                 select_from_row(row, n, k, out_row, src_ptr, src_stride, TILE)
 

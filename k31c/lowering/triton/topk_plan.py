@@ -26,7 +26,7 @@ ST_THRESH = tl.constexpr(1)   # filter threshold key (uint32 bits)
 ST_MODE = tl.constexpr(2)     # 0: select; 1: written by plan (row_len <= k); 2: refine selected from the row
 ST_SLOTS = tl.constexpr(3)    # the plan's gather counter (`radix_select.live_slots`)
 ST_WORDS = tl.constexpr(ROW_STATE)
-MODE_WHOLE_ROW = 2            # ST_MODE of a row selected (or marked to be) from its whole row
+MODE_WHOLE_ROW = tl.constexpr(2)   # ST_MODE of a row selected (or marked to be) from its whole row
 
 SCORE_TILE, REFINE_TILE = 256, 2048       # positions per filter tile; per refine / row-select tile
 # a filter program is one warp (its sums and scans stay in shuffles, no block barrier) on 256-key
@@ -90,7 +90,7 @@ def row_paths(ws, row_len, k: int, cap: int) -> list[str]:
         mode = int(state[row, ST_MODE.value])
         if mode == 1:
             paths.append("direct")
-        elif mode == 2:
+        elif mode == MODE_WHOLE_ROW.value:
             paths.append("fallback")
         elif int(state[row, ST_CNT.value]) < k:           # fewer candidates than k
             paths.append("ties")
