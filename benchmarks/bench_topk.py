@@ -20,8 +20,9 @@ selected sets equal the reference op's.
 then each kernel's device time from the profiler, then the time per call from one graph of
 RING calls over RING different score buffers (`ring_times`: the graph's own launch shared, as
 in a decode step's graph, and no call finding its scores in L2; torch.topk timed alike).
---pair: the scan + select pair alone at 128K and 1M, beside the scan alone and the fused select
-(`indexer_topk.fused_indexer_topk`, built and not registered: `indexer_topk.FUSED_FROM`), then the
+--pair: the registered op (`lightning_indexer_topk`: the scan + select pair, or from
+`indexer_topk.FUSED_FROM` keys a row the fused select) alone at 128K and 1M, beside the scan alone,
+the pair and the fused select (`indexer_topk.fused_indexer_topk`) each called directly, then the
 fused select's launches each alone (`fused_parts`). Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
@@ -128,35 +129,40 @@ def pair_inputs(pool: IndexPool, ctx: int, gen: torch.Generator) -> tuple:
 
 def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
     import k31c.graph.ops.indexer  # noqa: F401
-    from k31c.lowering.triton import indexer, indexer_topk
+    from k31c.lowering.triton import indexer, indexer_topk, topk
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
     for ctx in contexts:
         args = pair_inputs(pool, ctx, gen)
 
-        def pair():
+        def op():
             return indexer_topk.lightning_indexer_topk(*args, K)
 
-        got = pair()
+        def pair():
+            return topk.topk_select(indexer.lightning_indexer(*args), args[5], K)
+
+        got = op()
         ref = torch.ops.k31c.lightning_indexer_topk(*args, K)   # fp32 q: FP8 q moves a few picks
         offset = (torch.arange(N, device="cuda") * (ctx + 1))[:, None]
         overlap = torch.isin(got + offset, ref + offset).float().mean()
         fused_ok = indexer_topk.fused_why_not(*args, K) is None
-        peers = {"k31c eager": time_ms(pair),
+        peers = {"k31c eager": time_ms(op),
                  "scan only (triton)": graph_ms(lambda: indexer.lightning_indexer(*args)),
-                 **({"fused select (not registered)": graph_ms(
-                     lambda: indexer_topk.fused_indexer_topk(*args, K))} if fused_ok else {}),
+                 "pair (scan, then select)": graph_ms(pair),
+                 **({"fused select": graph_ms(lambda: indexer_topk.fused_indexer_topk(*args, K))}
+                    if fused_ok else {}),
                  "reference eager": time_ms(lambda: torch.ops.k31c.lightning_indexer_topk(*args, K),
                                             warmup=1, reps=3)}
-        ms = graph_ms(pair)
-        note = (f"{ms / peers['scan only (triton)']:.2f}x scan only (G3 <= 1.15); "
+        ms = graph_ms(op)
+        scan = peers["scan only (triton)"]
+        note = (f"{ms / scan:.2f}x scan only (G3 <= 1.15); the pair "
+                f"{peers['pair (scan, then select)'] / scan:.2f}x; "
                 f"{100 * float(overlap):.2f}% of picks = fp32 reference's")
         if fused_ok:
-            fused = indexer_topk.fused_indexer_topk(*args, K)
-            ratio = peers["fused select (not registered)"] / peers["scan only (triton)"]
-            note += (f"; fused select {ratio:.2f}x "
-                     f"scan only, sets {'==' if same_sets(fused, got) else '!='} the pair's")
+            same = same_sets(indexer_topk.fused_indexer_topk(*args, K), pair())
+            note += (f"; fused select {peers['fused select'] / scan:.2f}x scan only, sets "
+                     f"{'==' if same else '!='} the pair's")
         rows.append(Row("lightning_indexer_topk (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K k={K}",
                         ms, bytes_floor_ms(B * ctx * (DIM + 4), machine), "bytes", peers, note))
     return rows

@@ -189,6 +189,7 @@ from k31c.lowering.aot import build_spec, default_shapes, spec_name
 from k31c.lowering.triton import indexer_topk
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 shapes = default_shapes("h200")
+indexer_topk.FUSED_FROM = None
 off = {spec_name(s) for s in indexer_topk.aot_specs(shapes)}
 indexer_topk.FUSED_FROM = 0
 fused = [s for s in indexer_topk.aot_specs(shapes) if spec_name(s) not in off]

@@ -6,7 +6,8 @@ measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
 
 The fused select (`fused_indexer_topk`, taken for rows of `FUSED_FROM` keys or more where
 `fused_why_not` finds nothing) keeps the scores out of memory instead: on an H100 the
-warp-specialized scan takes 105 / 726 us at 128K / 1M without its score stores against 119 / 837 with them. Seven launches:
+warp-specialized scan takes 105 / 726 us at 128K / 1M without its score stores against 119 / 837
+with them. Seven launches:
   1. the scan over a sample of whole blocks (one in `topk_plan.sample_stride`), into [N, S],
      after a small launch that lays out the sample's block table and row lengths;
   2. the plan: each row's threshold from that sample (`topk._plan_kernel` with src_len_ptr);
@@ -33,8 +34,9 @@ from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target
 
 _OP = "k31c::lightning_indexer_topk"
 # the fused select for block tables of this many keys a row or more (a static shape: one choice
-# per captured graph); None: off until it is measured faster than the pair
-FUSED_FROM: int | None = None
+# per captured graph; None: never). From 256K the sparse layer is faster with it; at 128K the
+# layer is the same either way (BENCHMARKS.md, the fused select)
+FUSED_FROM: int | None = 256 << 10
 BLOCK = indexer_ws.BLOCK      # keys a cache block (the scans' block)
 LAYOUT_TILE = 1024            # table entries (and rows) a sample-layout program
 
