@@ -174,7 +174,7 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
     each call, a ~1-2 us launch of its own), the refine, the gated scan with no row marked and the
     select of the marked rows; then the whole select."""
     from k31c.lowering.triton import indexer, indexer_topk, indexer_ws, indexer_ws_filter, topk, topk_plan
-    from k31c.lowering.triton.device import pdl_launch, sm_count
+    from k31c.lowering.triton.device import PDL_ON, sm_count
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(3)
     lines = ["| context | scan (registered) | sample scan | plan | filter scan | refine | gated scan | "
@@ -187,11 +187,11 @@ def fused_parts(contexts=(128 << 10, 1 << 20)) -> str:
         p = topk_plan.plan(N, ctx, K, sm_count(q.device))
         ws = p.workspace(q.device)
         stride = topk_plan.sample_stride(ctx, BLOCK)
-        s_table, s_len = indexer_topk.sample_layout(table, row_len, BLOCK, stride)
+        s_table, s_len = indexer_topk.sample_layout(table, row_len, BLOCK, stride, dependent=True)
         sample = torch.empty((N, s_table.shape[1] * BLOCK), device="cuda")
         out = torch.empty((N, K), dtype=torch.int32, device="cuda")
         scores = torch.empty((N, ctx), device="cuda")
-        flags = {"PTX": True, **pdl_launch(q.device)}
+        flags = {"PTX": True, **PDL_ON}      # as the fused select launches them (sm_90)
         cnt = ws["state"].view(N, topk_plan.ROW_STATE)[:, topk_plan.ST_CNT.value]
         indexer_ws.launch(q, w, cache, s_table, row_req, s_len, sample)
         topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=s_len, **flags)

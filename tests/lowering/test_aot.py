@@ -281,6 +281,14 @@ targets.TARGETS["h200"] = dataclasses.replace(targets.TARGETS["h200"], pdl=False
 topk = aot.collect_specs("h200", families=["topk"])
 print(*build(topk, "_plan_kernel"), *build(topk, "_filter_kernel"),
       next(s for s in topk if s.kernel.__name__ == "_refine_kernel").constexprs["PDL"])
+# the fused select's chain, target's pdl off: the sample layout lets the sample scan launch, the
+# six launches after it wait
+from k31c.lowering.triton import indexer_topk
+indexer_topk.FUSED_FROM = 0
+own = {(s.kernel.__name__, s.variant) for s in indexer_topk.fused_aot_specs(aot.default_shapes("h200"))}
+fused = [s for s in aot.collect_specs("h200", families=["indexer_topk"]) if (s.kernel.__name__, s.variant) in own]
+print(*build(fused, "_sample_layout_kernel"), len(fused),
+      sorted({s.constexprs["PDL"] for s in fused if s.kernel.__name__ != "_sample_layout_kernel"}))
 """
 
 
@@ -318,12 +326,14 @@ def test_pdl_builds_wait_and_launch_dependents_into_the_kernels():
     """With the target's `pdl`, the sm_90a build of a kernel waits for its producer and lets the
     next kernel launch (griddepcontrol) and is marked for PDL launch; without it, neither. The
     top-k chains its own launches whatever the target says: the plan lets the filter launch, the
-    filter and the refine wait (and are launched as dependents)."""
+    filter and the refine wait (and are launched as dependents); so does the fused select: its
+    sample layout lets the sample scan launch, its six launches after that wait."""
     out = subprocess.run([sys.executable, "-c", _PDL_PROBE], cwd=ROOT, env=_env(), capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["False False False False False", "True True True True True",
-                                          "False False True False True True True True True"]
+    assert out.stdout.split("\n")[:4] == ["False False False False False", "True True True True True",
+                                          "False False True False True True True True True",
+                                          "False False True False 7 [True]"]
 
 
 _JOBS_PROBE = """

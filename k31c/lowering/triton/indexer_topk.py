@@ -30,7 +30,8 @@ from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
 from k31c.lowering.triton import indexer, indexer_ws, indexer_ws_filter, topk, topk_plan
-from k31c.lowering.triton.device import inline_ptx, pdl_launch, sm_count, target_of, wait_for_producers
+from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start, pair_launch, pdl_launch,
+                                         sm_count, target_of, wait_for_producers)
 
 _OP = "k31c::lightning_indexer_topk"
 # the fused select for block tables of this many keys a row or more (a static shape: one choice
@@ -79,10 +80,11 @@ def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> 
 @triton.jit
 def _sample_layout_kernel(table_ptr, table_stride, row_len_ptr, sample_table_ptr, sample_len_ptr, n_rows,
                           n_entries, width, stride, BLOCK: tl.constexpr, TILE: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
     """The sample scan's block table, [requests, width] (each request's blocks 0, stride,
     2 stride, ...), and its row lengths: a row's sampled blocks are the whole ones of those."""
     wait_for_producers(PDL)
+    let_dependent_start(PDL, DEPENDENT)
     i = tl.program_id(0) * TILE + tl.arange(0, TILE)
     m = i < n_entries
     blk = tl.load(table_ptr + (i // width).to(tl.int64) * table_stride + (i % width) * stride, mask=m)
@@ -91,16 +93,18 @@ def _sample_layout_kernel(table_ptr, table_stride, row_len_ptr, sample_table_ptr
     tl.store(sample_len_ptr + i, (n // BLOCK + stride - 1) // stride * BLOCK, mask=i < n_rows)
 
 
-def sample_layout(block_table: torch.Tensor, row_len: torch.Tensor, block: int, stride: int):
-    """(the sample scan's block table, its row lengths) in one launch (chained by PDL where the
-    device has it)."""
+def sample_layout(block_table: torch.Tensor, row_len: torch.Tensor, block: int, stride: int,
+                  dependent: bool = False):
+    """(the sample scan's block table, its row lengths) in one launch (a PDL dependent where the
+    target's `pdl` says; dependent: it lets the next launch, a PDL dependent, start at once)."""
     width = -(-block_table.shape[1] // stride)
     table = torch.empty((block_table.shape[0], width), dtype=block_table.dtype, device=block_table.device)
     lens = torch.empty_like(row_len)
     n_entries = table.numel()
     _sample_layout_kernel[(triton.cdiv(max(n_entries, row_len.shape[0]), LAYOUT_TILE),)](
         block_table, block_table.stride(0), row_len, table, lens, row_len.shape[0], n_entries, width,
-        stride, BLOCK=block, TILE=LAYOUT_TILE, **pdl_launch(block_table.device))
+        stride, BLOCK=block, TILE=LAYOUT_TILE, **pdl_launch(block_table.device),
+        **({"DEPENDENT": True} if dependent else {}))
     return table, lens
 
 
@@ -133,10 +137,12 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
     p = topk_plan.plan(n, capacity, k, sm_count(dev))
     ws = p.workspace(dev)
     stride = topk_plan.sample_stride(capacity, block)
-    sample_table, sample_len = sample_layout(block_table, row_len, block, stride)
+    # its own launches chained by PDL whatever the target's `pdl` (as topk_select's): each after
+    # the first waits for the one before, so each reads only what those before it wrote
+    pdl = pair_launch(dev)
+    sample_table, sample_len = sample_layout(block_table, row_len, block, stride, dependent=pdl)
     sample = torch.empty((n, sample_table.shape[1] * block), dtype=torch.float32, device=dev)
-    flags = {**({"PTX": True} if inline_ptx(dev) else {}), **pdl_launch(dev)}
-    pdl = "PDL" in flags             # every launch the PDL dependent of the one before
+    flags = {**({"PTX": True} if inline_ptx(dev) else {}), **(PDL_ON if pdl else {})}
     scan.launch(q, weights, index_cache, sample_table, row_req, sample_len, sample, pdl=pdl)
     topk.launch_plan(sample, row_len, out, p, ws, src_len_ptr=sample_len, **flags)
     scan.launch_filter(q, weights, index_cache, block_table, row_req, row_len, capacity, ws["state"],
@@ -167,7 +173,7 @@ def fused_aot_specs(shapes) -> list:
     if shapes.target.variant(indexer.OP, "gather") != "warp_specialized":
         return []                     # as fused_why_not: the target's scan is another
     stride = topk_plan.sample_stride(shapes.context, BLOCK)
-    pdl = shapes.target.pdl_capable       # as pdl_launch at launch: each launch the next's dependent
+    pdl = shapes.target.pdl_capable       # as pair_launch at launch: each launch the next's dependent
     sample_scan = indexer_ws.aot_spec(shapes, _OP, sample_stride=stride, pdl=pdl)
     if sample_scan is None:
         return []
@@ -177,7 +183,7 @@ def fused_aot_specs(shapes) -> list:
     p = topk_plan.plan(n, shapes.context, shapes.cfg.index_topk, shapes.target.sm_count)
     i32 = torch.int32
     layout = kernel_spec(_sample_layout_kernel, _OP, f"sample/{stride}",
-                         dict(BLOCK=BLOCK, TILE=LAYOUT_TILE, PDL=pdl),
+                         dict(BLOCK=BLOCK, TILE=LAYOUT_TILE, PDL=False, DEPENDENT=pdl),
                          dict(table_ptr=i32, row_len_ptr=i32, sample_table_ptr=i32, sample_len_ptr=i32),
                          ints=dict(table_stride=width, n_rows=n, n_entries=shapes.batch * sample_width,
                                    width=sample_width, stride=stride))
