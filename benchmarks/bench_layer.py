@@ -20,7 +20,9 @@ torch.compile dynamic=True, one compile) and *contiguous* (peers.contiguous_spar
 per-request contiguous bf16 index keys and latent rows, torch.compile dynamic=False as Appendix B
 measured it). A peer is skipped with a note where it does not fit; G5b is judged against the
 fastest of the four, and not at all under --no-compile.
-Every row's note splits the time: indexer scan, top-k and sparse MLA, each replayed alone.
+Every row's note splits the time: indexer scan, top-k and sparse MLA, each replayed alone, and
+the fused select where the op takes it (`indexer_topk.fused_taken`); the sum is of the parts the
+layer runs.
 
 Memory: the pools are built per context and freed after it (1M: 19.3 GB latent + 2.2 GB index).
 
@@ -128,7 +130,7 @@ def _try_ms(what: str, fn, **kw):
 
 
 def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> tuple[Row, float]:
-    from k31c.lowering.triton import indexer as tix, topk as tk
+    from k31c.lowering.triton import indexer as tix, indexer_topk as itk, topk as tk
 
     lat = bm.Pool(ctx)                                  # latent pool, q, row_req, block table
     idx_pool = bi.Pool(ctx)                             # FP8 index cache, indexer q and weights
@@ -149,6 +151,10 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     split = {"indexer": graph_ms(lambda: tix.lightning_indexer(*iargs)),
              "top-k": graph_ms(lambda: tk.topk_select(scores, row_len, K)),
              "MLA": graph_ms(lambda: sparse(*margs, idx, bm.SM_SCALE, DV))}
+    fused = itk.fused_taken(*iargs, K)       # the op runs the fused select here, not the pair
+    if fused:
+        split["fused select"] = graph_ms(lambda: itk.fused_indexer_topk(*iargs, K))
+    taken = ("fused select", "MLA") if fused else ("indexer", "top-k", "MLA")
     agree = same_sets(select(*iargs, K), idx)
     out = sparse(*margs, idx, bm.SM_SCALE, DV)[0].float()
     ref = bm.plain_sparse_mla(*margs, idx, bm.SM_SCALE, DV)[0].float()
@@ -187,13 +193,15 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     ratio = dense_ms / ms
     g6 = G6_TARGET.get(ctx)
     split_txt = " / ".join(f"{k} {v * 1e3:.1f}" for k, v in split.items())
-    notes = [f"split us: {split_txt} (sum {sum(split.values()) * 1e3:.1f}, layer graph {ms * 1e3:.1f})",
+    notes = [f"split us: {split_txt} (sum of {' + '.join(taken)} {sum(split[k] for k in taken) * 1e3:.1f}, "
+             f"layer graph {ms * 1e3:.1f})",
              f"floor us: fused {floor * 1e3:.1f} = idx bytes {bytes_floor_ms(index_bytes(ctx), m) * 1e3:.1f}"
              f" + MLA flops {flops_floor_ms(sparse_flops(), m.bf16_tflops) * 1e3:.1f}; with fp32 logits "
              f"round trip {unfused * 1e3:.1f} ({ms / unfused:.2f}x)",
              f"G6 dense/sparse = {ratio:.1f}x" + (f" (target >= {g6:.0f}x)" if g6 else ""),
              f"dense {dense_ms / flops_floor_ms(dense_flops(ctx), m.bf16_tflops):.2f}x its bf16 floor",
-             f"idx+top-k op -> {pair_name.removeprefix('triton:k31c.lowering.triton.')} "
+             f"idx+top-k op -> {pair_name.removeprefix('triton:k31c.lowering.triton.')}"
+             f"{' (the fused select)' if fused else ' (the pair)'} "
              f"({'sets ==' if agree else 'sets !='} indexer then topk_select)",
              f"MLA vs plain on same picks: max rel err {mla_err:.1e}"] + notes
     if ctx == 128 << 10:

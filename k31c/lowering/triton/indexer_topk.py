@@ -53,11 +53,18 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
     if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     args = (q, weights, index_cache, block_table, row_req, row_len)
-    if (FUSED_FROM is not None and block_table.shape[1] * check_indexer(*args) >= FUSED_FROM
-            and fused_why_not(*args, k) is None):
+    if fused_taken(*args, k):
         return fused_indexer_topk(*args, k)
     scores = indexer.lightning_indexer(*args)
     return topk.topk_select(scores, row_len, k)
+
+
+def fused_taken(q, weights, index_cache, block_table, row_req, row_len, k) -> bool:
+    """Whether `lightning_indexer_topk` runs the fused select for these arguments: block tables
+    of `FUSED_FROM` keys a row or more, where `fused_why_not` finds nothing."""
+    args = (q, weights, index_cache, block_table, row_req, row_len)
+    return (FUSED_FROM is not None and block_table.shape[1] * check_indexer(*args) >= FUSED_FROM
+            and fused_why_not(*args, k) is None)
 
 
 def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> str | None:
