@@ -23,7 +23,9 @@ in a decode step's graph, and no call finding its scores in L2; torch.topk timed
 --pair: the registered op (`lightning_indexer_topk`: the scan + select pair, or from
 `indexer_topk.FUSED_FROM` keys a row the fused select) alone at 128K and 1M, beside the scan alone,
 the pair and the fused select (`indexer_topk.fused_indexer_topk`) each called directly, then the
-fused select's launches each alone (`fused_parts`). Besides randn scores ("random"), each run
+fused select's launches each alone (`fused_parts`). `--pair --rows 32`: the same with rows of
+32K keys in the 128K and 1M tables (the op chooses by the table's width: a long pool's short
+rows). Besides randn scores ("random"), each run
 times scores spread as the layer's indexer scores are ("indexer-like", 128K and up).
 """
 from __future__ import annotations
@@ -117,24 +119,28 @@ class IndexPool:
         return self.perm[: B * per].view(B, per).contiguous()
 
 
-def pair_inputs(pool: IndexPool, ctx: int, gen: torch.Generator) -> tuple:
+def pair_inputs(pool: IndexPool, ctx: int, gen: torch.Generator, keys: int | None = None) -> tuple:
     """The scan's arguments at `ctx`: q [N, 32, 128] bf16, head weights, the pool's cache and
-    table, rows' requests (4 consecutive rows a request) and lengths (ctx - 3 .. ctx)."""
+    a table of ctx keys a request, rows' requests (4 consecutive rows a request) and lengths
+    (keys - 3 .. keys; keys = ctx unless given: short rows in a long table)."""
     q = torch.randn(N, HEADS, DIM, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.randn(N, HEADS, device="cuda", generator=gen) * HEADS ** -0.5
     row_req = torch.arange(B, device="cuda").repeat_interleave(R).int()
-    row_len = (ctx - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
+    row_len = ((keys or ctx) - R + 1 + torch.arange(R, device="cuda").repeat(B)).int()
     return q, w, pool.cache, pool.table(ctx), row_req, row_len
 
 
-def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
+def indexer_topk_rows(machine: Machine, contexts=CONTEXTS, keys: int | None = None) -> list[Row]:
+    """The op, the pair and the fused select on tables of each context (rows of `keys` keys
+    where given: the op's choice goes by the table's width, not the rows' lengths)."""
     import k31c.graph.ops.indexer  # noqa: F401
     from k31c.lowering.triton import indexer, indexer_topk, topk
     pool = IndexPool(max(contexts))
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
     for ctx in contexts:
-        args = pair_inputs(pool, ctx, gen)
+        args = pair_inputs(pool, ctx, gen, keys)
+        used = min(keys or ctx, ctx)
 
         def op():
             return indexer_topk.lightning_indexer_topk(*args, K)
@@ -163,8 +169,9 @@ def indexer_topk_rows(machine: Machine, contexts=CONTEXTS) -> list[Row]:
             same = same_sets(indexer_topk.fused_indexer_topk(*args, K), pair())
             note += (f"; fused select {peers['fused select'] / scan:.2f}x scan only, sets "
                      f"{'==' if same else '!='} the pair's")
-        rows.append(Row("lightning_indexer_topk (fp8)", f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K k={K}",
-                        ms, bytes_floor_ms(B * ctx * (DIM + 4), machine), "bytes", peers, note))
+        shape = f"B{B}xR{R} H{HEADS}x{DIM} L={ctx >> 10}K" + (f" rows {used >> 10}K" if used < ctx else "")
+        rows.append(Row("lightning_indexer_topk (fp8)", f"{shape} k={K}", ms,
+                        bytes_floor_ms(B * used * (DIM + 4), machine), "bytes", peers, note))
     return rows
 
 
@@ -283,6 +290,9 @@ if __name__ == "__main__":
         print(kernel_times())
         print()
         print(ring_times())
+    elif "--pair" in sys.argv and "--rows" in sys.argv:   # rows of --rows K keys in 128K and 1M tables
+        short = int(sys.argv[sys.argv.index("--rows") + 1]) << 10
+        print(markdown(indexer_topk_rows(m, (128 << 10, 1 << 20), keys=short), m))
     elif "--pair" in sys.argv:   # the scan + select pair alone at 128K and 1M, the fused select's parts
         print(markdown(indexer_topk_rows(m, (128 << 10, 1 << 20)), m))
         print()

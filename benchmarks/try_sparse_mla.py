@@ -13,6 +13,12 @@ Per row count:
      forms; us per call and TFLOP/s of the best round.
 
     PYTHONPATH=. python benchmarks/try_sparse_mla.py path/to/variant.py [...]
+    PYTHONPATH=. python benchmarks/try_sparse_mla.py --head-probe    # + the kernel on 64 / 128 heads
+
+--head-probe times the registered kernel on 64 heads (one tile; its own key splits, then one
+split) and 128 (two full tiles) beside 96 (a full tile and a half-empty one): what the padded
+tile costs. At G4's 64 rows, 96 heads make 128 programs, one wave on 132 SMs, so the time is one
+program's; the padding then costs SM time, not wall time, unless the programs outnumber the SMs.
 """
 from __future__ import annotations
 
@@ -51,7 +57,8 @@ def main(argv: list[str]) -> int:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
     from k31c.lowering.triton import mla_sparse_ws as registered
     forms = {"registered": registered.launch}
-    forms.update({Path(a).stem: load_variant(a).launch for a in argv})
+    probe = "--head-probe" in argv
+    forms.update({Path(a).stem: load_variant(a).launch for a in argv if a != "--head-probe"})
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     pool = Pool(128 << 10)
     table, _, idx = pool.context(128 << 10)
@@ -63,12 +70,21 @@ def main(argv: list[str]) -> int:
         want = torch.ops.k31c.sparse_mla(*args, DV)
         for name, fn in forms.items():
             print(f"{label} {name}: {out_error(fn(*args), want, 'reference')}", flush=True)
-        times = {name: [] for name in forms}
+        heads = {name: HEADS for name in forms}
+        here = dict(forms)
+        if probe:       # what the padded second tile costs: the kernel on 64 and on 128 heads
+            for n_heads, splits in ((64, None), (64, 1), (128, None)):
+                q_h = pool.q[:rows].repeat(1, 2, 1)[:, :n_heads].contiguous()
+                name = f"{n_heads} heads{'' if splits is None else f', {splits} split'} (probe)"
+                here[name] = functools.partial(
+                    lambda q_h, splits, *a: registered.launch(q_h, *a[1:], splits=splits), q_h, splits)
+                heads[name] = n_heads
+        times = {name: [] for name in here}
         for _ in range(ROUNDS):
-            for name, fn in forms.items():
+            for name, fn in here.items():
                 times[name].append(graph_ms(functools.partial(fn, *args), calls=5) * 1e3)
-        flops = 2.0 * rows * HEADS * TOPK * (WIDTH + DV)
         for name, t in times.items():
+            flops = 2.0 * rows * heads[name] * TOPK * (WIDTH + DV)
             print(f"{label} {name}: " + " / ".join(f"{x:.1f}" for x in t)
                   + f" us; best {min(t):.1f} us = {flops / min(t) / 1e6:.0f} TFLOP/s", flush=True)
     return 0
