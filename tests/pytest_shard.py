@@ -6,6 +6,7 @@ import pytest
 # the compile-heavy program tests spread over the shards. A test not listed weighs DEFAULT_SECONDS.
 SLOW_TESTS = {
     "tests/runtime/test_gpu_program.py::test_bench_config": 150,
+    "tests/runtime/test_gpu_program.py::test_the_fused_select_in_a_program": 90,   # estimated: two fx compiles
     "tests/runtime/test_gpu_compile_cache.py::test_a_copied_prebuilt_cache_starts_without_compiling_a_triton_kernel": 141,
     "tests/runtime/test_gpu_program.py::test_tiny_float32_inductor": 97,
     "tests/runtime/test_gpu_compile_cache.py::test_warm_program_loads_and_replays": 97,

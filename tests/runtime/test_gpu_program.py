@@ -108,6 +108,36 @@ def test_bench_config():
     print(compiled.report)
 
 
+def test_the_fused_select_in_a_program(monkeypatch):
+    """The fused indexer + top-k select inside a compiled program, forced on for every table
+    width (FUSED_FROM = 0): the verify steps (4 rows a request) on an FP8 index cache of 64-key
+    blocks, with 32 x 128 index heads, are the warp-specialized scan's shapes, so there the op
+    takes it. The logits equal the same program's on the scan + select pair (FUSED_FROM None),
+    whose sets it reproduces: only the order of the selected keys, so the MLA's sums, may
+    differ. No other compiled program test has these shapes."""
+    from k31c.lowering.triton import indexer_topk
+    model = make_model(index_n_heads=32, index_head_dim=128).cuda()
+    pool = {"index_cache": "fp8", "block_size": 64}
+    options = {"dense_codegen": "fx"}
+    monkeypatch.setattr(indexer_topk, "FUSED_FROM", None)
+    pair = k31c_api.compile(model, target="h200", options=options)
+    want = program_scenario(model, pair, "cuda", 16, **pool)
+    taken, fused = [], indexer_topk.fused_indexer_topk
+
+    def counted(*args, **kw):
+        taken.append(tuple(args[0].shape))
+        return fused(*args, **kw)
+    monkeypatch.setattr(indexer_topk, "FUSED_FROM", 0)
+    monkeypatch.setattr(indexer_topk, "fused_indexer_topk", counted)
+    compiled = k31c_api.compile(model, target="h200", options=options)
+    got = program_scenario(model, compiled, "cuda", 16, **pool)
+    assert taken, "no step ran the fused select"
+    errs = max_rel_err(got, want)
+    print(f"fused select vs the pair, max rel err per step: {['%.2e' % e for e in errs]}; fused calls {taken}")
+    assert max(errs) < TOL_F32, errs
+    assert compiled.report.steps["verify4"].fallbacks == {}
+
+
 @pytest.mark.parametrize("off", DEFAULT_PIPELINE)
 def test_each_pass_switched_off(tiny, off):
     compiled = k31c_api.compile(tiny, target="h200", disable=[off], options={"dense_codegen": "fx"})
