@@ -122,8 +122,9 @@ class CompiledModel:
     def cache_formats(self) -> dict[str, str]:
         """Pool formats the quantize options ask for (Engine(compiled) allocates its pool so)."""
         q = self.pipeline.options.get("quantize", {})
+        index = "mxfp8" if q.get("mxfp8_indexer") else q.get("index_cache", "auto")
         return {**({"latent_cache": q["latent_cache"]} if q.get("latent_cache", "auto") != "auto" else {}),
-                **({"index_cache": "mxfp8"} if q.get("mxfp8_indexer") else {})}
+                **({"index_cache": index} if index != "auto" else {})}
 
     @property
     def graphs(self) -> dict[str, torch.fx.GraphModule]:

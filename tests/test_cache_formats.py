@@ -68,6 +68,29 @@ def test_a_pool_in_another_format_is_an_error_naming_the_fix():
         _short(compiled)
 
 
+def test_the_index_cache_option_chooses_fp8_keys():
+    """options={"quantize": {"index_cache": "fp8"}}: Engine(compiled) allocates FP8 index keys
+    (uint8, 132 B a token's 128 values) and the compiled run equals the eager model on that pool;
+    a pool of float keys under it, or a second index format beside mxfp8_indexer, is a UsageError
+    naming the fix; an unknown format names the choices."""
+    model = make_model(index_head_dim=128)
+
+    def compiled(**quantize):
+        return k31c_api.compile(model, target="cpu", options={"executor": "fx", "quantize": quantize})
+    fp8 = compiled(index_cache="fp8")
+    assert fp8.cache_formats == {"index_cache": "fp8"}
+    eng = Engine(fp8, max_requests=2, max_seq_len=64)
+    assert eng.pool.mla[0].index.dtype == torch.uint8
+    close(_short(fp8), _short(model, index_cache="fp8"), tol=1e-4)
+    assert "index cache: fp8" in str(fp8.report)
+    with pytest.raises(UsageError, match=r"index_cache='fp8'.*CachePool\(\.\.\., index_cache='fp8'\)"):
+        _short(compiled(index_cache="fp8"), index_cache="bf16")
+    with pytest.raises(UsageError, match="mxfp8_indexer"):
+        _short(compiled(index_cache="fp8", mxfp8_indexer=True))
+    with pytest.raises((UsageError, ValueError), match="index_cache must be one of"):   # pool or pass
+        _short(compiled(index_cache="int4"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run of the GPU program")
 def test_h200_program_on_fp8_latent_and_mxfp8_index_caches():

@@ -14,6 +14,10 @@ Options (all off by default, so the default graph is unchanged):
   whatever the pool allocated; "fp8" / "model" are checked against the captured caches (a
   mismatch is a UsageError naming the pool argument), and `Engine(compiled)` allocates its pool
   in that format (`CompiledModel.cache_formats`).
+- `index_cache` ("auto" | "bf16" | "fp8"): the same for the index keys. "fp8" (e4m3 + one fp32
+  scale per 128 values, 132 B a token at d = 128) is the layout the h200 warp-specialized scan and
+  the fused select read (with 64-key blocks: `Engine(compiled, block_size=64)`); not with
+  `mxfp8_indexer`, which asks for an MXFP8 index cache itself.
 - `mxfp8_indexer` (bool): MXFP8 index keys and queries (groups of 32 values along the head dim
   share one power-of-two scale 2^ceil(log2(amax / 448)), values e4m3). With an MXFP8 index cache
   (`Engine(compiled)` allocates one) the ops do it: the write quantises the keys, the scoring
@@ -34,6 +38,7 @@ from .graph_utils import INDEX_WRITES, INDEXER_OPS, K31C, info, inherit, insert_
 from .manager import PassResult, register_pass
 
 LATENT_FORMATS = ("auto", "model", "fp8")
+INDEX_FORMATS = ("auto", "bf16", "fp8")       # bf16: float keys in the model dtype (CachePool's name)
 
 
 def _cache_format(cache: torch.fx.Node, width: int) -> str:
@@ -75,6 +80,22 @@ def _check_latent_choice(want: str, found: set) -> None:
                          f"(Engine(compiled) does so)")
 
 
+def _check_index_choice(want: str, mxfp8: bool, found: set) -> None:
+    if want not in INDEX_FORMATS:
+        raise UsageError(f"quantize: option index_cache must be one of {INDEX_FORMATS}, got {want!r}")
+    if want == "auto":
+        return
+    if mxfp8:
+        raise UsageError(f"quantize: options index_cache={want!r} and mxfp8_indexer=True ask for two index "
+                         "caches; mxfp8_indexer allocates an MXFP8 one: give one of them")
+    floats = {"bf16", "f16", "f32"}
+    bad = sorted(found - {"fp8"}) if want == "fp8" else sorted(found - floats)
+    if bad:
+        raise UsageError(f"quantize: option index_cache={want!r} but the pool's index cache is "
+                         f"{', '.join(bad)}; allocate it with CachePool(..., index_cache={want!r}) "
+                         f"(Engine(compiled) does so)")
+
+
 def _check_group(node: torch.fx.Node, width: int) -> None:
     if width % MX_GROUP:
         raise UsageError(f"quantize: mxfp8_indexer needs the index head dim to be a multiple of "
@@ -104,9 +125,9 @@ def _split_fused_write(write: torch.fx.Node) -> torch.fx.Node:
 
 
 @register_pass("quantize", stage="rewrite", after=("fuse_index_write", "fuse_lightning_indexer"),
-               options={"mxfp8_indexer": False, "latent_cache": "auto"})
+               options={"mxfp8_indexer": False, "latent_cache": "auto", "index_cache": "auto"})
 def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
-    """Record and validate cache formats; check the requested latent format; MXFP8 indexer q/k by
+    """Record and validate cache formats; check the requested latent and index formats; MXFP8 indexer q/k by
     the ops (MXFP8 index cache) or emulated by quant-dequant nodes.
     stats: index_cache, latent_cache (sorted formats seen), mxfp8_nodes (quant-dequant nodes
     inserted), split_writes (fused index writes split back for MXFP8)."""
@@ -149,6 +170,7 @@ def run(gm: torch.fx.GraphModule, ctx) -> PassResult:
             write.replace_input_with(keys, new)
             inserted += 1
     _check_latent_choice(opts.get("latent_cache", "auto"), formats.get("latent", set()))
+    _check_index_choice(opts.get("index_cache", "auto"), mxfp8, formats.get("index", set()))
     for what, fmts in sorted(formats.items()):
         notes.append(f"{what} cache: {', '.join(sorted(fmts))}")
     if mxfp8 and "mxfp8" in formats.get("index", ()):
