@@ -93,6 +93,21 @@ def test_fused_select_matches_reference(cache_kind, topk_paths):
 
 
 @pytest.mark.usefixtures("small_topk_constants")
+def test_fused_select_on_short_rows_in_a_long_table(topk_paths):
+    """The op chooses by the table's width (a pool's length), not the rows': rows of 60-200 keys
+    in a table of 1,024 take the sample stride of 1,024-key rows, so a row's sample is its few
+    sampled blocks. The sets are still the reference's, whatever path each row takes."""
+    gen = torch.Generator().manual_seed(35)
+    B, R, H, d, block_size, max_blocks, k = 3, 4, 4, 32, 16, 64, 16
+    args = _indexer_inputs(gen, B, R, H, d, block_size, max_blocks, torch.float32, "fp8")
+    assert topk_plan.sample_stride(max_blocks * block_size, block_size) > 1
+    row_len = torch.tensor([200, 199, 60, 61, 150, 151, 152, 153, 97, 120, 180, 190], dtype=torch.int32)
+    _run_fused(args, row_len, k, TorchScan(3))
+    # one sampled block a row (block 0 of 16): the threshold still holds k candidates here
+    assert topk_paths() == ["sampled"] * 2 + ["all"] * 2 + ["sampled"] * 8
+
+
+@pytest.mark.usefixtures("small_topk_constants")
 def test_fused_select_marks_rows_for_the_whole_row_select(monkeypatch, topk_paths):
     """Rows with fewer candidates than k (a threshold above every key; an all-zero row, whose
     keys all tie) and rows with more than the buffer holds (a threshold below nearly every key)
