@@ -285,3 +285,12 @@ def test_progress_on_a_terminal_only(monkeypatch, capsys):
     assert main(["info", "--config", "bench"]) == 0
     assert terminal.getvalue() == ("k31c: counting the parameters of bench (one layer of each kind, "
                                    "meta device)\n")
+
+
+def test_a_compile_only_target_is_refused_with_what_to_run_instead(tiny_ckpt, capsys):
+    """`generate` and `prebuild` with mi350x (built here, not run): a usage error naming the
+    commands that build and inspect it, not a complaint about a missing CUDA device."""
+    for argv in (["generate", "--prompt", "hi"], ["prebuild"]):
+        assert main([*argv, "--checkpoint", str(tiny_ckpt), "--target", "mi350x"]) == 2
+        err = capsys.readouterr().err
+        assert "--target mi350x is compile-only here" in err and "k31c build-kernels --target mi350x" in err, err

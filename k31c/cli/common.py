@@ -228,8 +228,12 @@ def compile_model(model, target: str, cache_dir: Optional[str], dense_codegen: O
     model on the target's device."""
     from ..api import compile as k31c_compile
     from ..lowering.targets import get_target
-    device = get_target(target).device
-    if device == "cuda":
+    t = get_target(target)
+    if not t.runnable_here:
+        raise UsageError(f"--target {target} is compile-only here: its kernels and programs are built "
+                         f"and inspected (k31c build-kernels --target {target}, k31c inspect --target "
+                         f"{target}, k31c.compile(...).build(...)), not run")
+    if t.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise UsageError(f"--target {target} runs on a CUDA device and this machine has none")
