@@ -37,8 +37,9 @@ def add(sub) -> None:
                    help="run the pipeline without these passes")
     p.add_argument("--option", action="append", default=[], metavar="PASS.OPTION=VALUE",
                    help="a pass option, e.g. quantize.mxfp8_indexer=true (repeatable)")
-    p.add_argument("--index-cache", choices=("bf16", "fp8"), default="bf16",
-                   help="index-key cache format of the pool (default bf16)")
+    p.add_argument("--index-cache", choices=("bf16", "fp8", "mxfp8"), default=None,
+                   help="index-key cache format of the pool (default: what the quantize options "
+                        "ask for, as Engine(compiled) allocates it; else bf16)")
     p.add_argument("--format", choices=("text", "svg", "program"), default="text",
                    help="text: canonical graph; svg: a picture; program: the steps the GPU program "
                         "executor runs (dense pieces, bound kernels, events)")
@@ -138,9 +139,10 @@ def _compile(model, target, passes, options):
 
 def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu", passes=None,
                   options: Optional[dict] = None, after: Optional[str] = None,
-                  index_cache: str = "bf16", model=None):
+                  index_cache: Optional[str] = None, model=None):
     """Build one step's graph without running it. Returns (graph module, captured). Passing the
-    same `model` (a `shape_model(cfg)`) again reuses its capture."""
+    same `model` (a `shape_model(cfg)`) again reuses its capture. index_cache: the pool's index
+    keys; None: the compile's quantize options' (`cache_formats`), else bf16."""
     kind = step_kind(step, rows)
     compiled = _compile(model if model is not None else shape_model(cfg), target, passes, options)
     if after is not None and after not in compiled.pipeline.names:
@@ -148,11 +150,14 @@ def inspect_graph(cfg, step: str = "decode", rows: int = 2, target: str = "cpu",
         known = "unknown pass" if after not in registered() else "pass"
         raise UsageError(f"--after: {known} '{after}' is not in the pipeline "
                          f"({', '.join(compiled.pipeline.names)})")
-    # the latent cache format quantize.latent_cache asks for, as Engine(compiled) allocates it
-    # (a bad value is left to the quantize pass, whose error names its option)
-    from ..runtime.kv import LATENT_CACHE_KINDS
+    # the cache formats the quantize options ask for, as Engine(compiled) allocates them (a bad
+    # value is left to the quantize pass, whose error names its option)
+    from ..runtime.kv import INDEX_CACHE_KINDS, LATENT_CACHE_KINDS
     latent = compiled.cache_formats.get("latent_cache", "model")
     latent = latent if latent in LATENT_CACHE_KINDS else "model"
+    if index_cache is None:
+        index_cache = compiled.cache_formats.get("index_cache", "bf16")
+        index_cache = index_cache if index_cache in INDEX_CACHE_KINDS else "bf16"
     meta, caches = pool_inputs(cfg, index_cache, latent_cache=latent)
     progress(f"capturing the {step} step and running the passes")
     program = compiled.build(kind, meta, caches, stop_after=after, executable=False)

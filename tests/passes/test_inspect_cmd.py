@@ -35,10 +35,21 @@ def test_text_after_indexer_prolog(run):
 
 
 def test_k31c_only_and_options(run):
-    out = run("--step", "prefill", "--target", "h200", "--k31c-only", "--option", "quantize.mxfp8_indexer=true")
+    out = run("--step", "prefill", "--target", "h200", "--k31c-only", "--option", "quantize.mxfp8_indexer=true",
+              "--index-cache", "bf16")
     body = out.split("nodes:\n")[1].splitlines()[:-1]
     assert "inputs:" not in out and body and all(" = k31c." in line for line in body)
-    assert "kernel=stream" in out and "k31c.index_cache_write(" in out   # MXFP8 splits the fused write
+    # MXFP8 on a bf16 pool is emulated in the graph: it splits the fused write
+    assert "kernel=stream" in out and "k31c.index_cache_write(" in out
+
+
+def test_the_pool_follows_the_quantize_options(run):
+    """Without --index-cache the pool is what Engine(compiled) would allocate: MXFP8 keys for
+    mxfp8_indexer (the ops quantise, the fused write stays), FP8 keys for index_cache=fp8."""
+    out = run("--step", "prefill", "--target", "h200", "--k31c-only", "--option", "quantize.mxfp8_indexer=true")
+    assert "index_cache=mxfp8" in out and "k31c.index_cache_write(" not in out
+    out = run("--step", "decode", "--option", "quantize.index_cache=fp8")
+    assert "index_cache=fp8" in out and "index_cache=bf16" not in out
 
 
 def test_svg_output_file(run, tmp_path):
