@@ -22,7 +22,8 @@ measured it). A peer is skipped with a note where it does not fit; G5b is judged
 fastest of the four, and not at all under --no-compile.
 Every row's note splits the time: indexer scan, top-k and sparse MLA, each replayed alone, and
 the fused select where the op takes it (`indexer_topk.fused_taken`); the sum is of the parts the
-layer runs.
+layer runs. Where both selects can run, the layer with the one the op did not take is timed too
+(`indexer_topk.FUSED_FROM`'s evidence).
 
 Memory: the pools are built per context and freed after it (1M: 19.3 GB latent + 2.2 GB index).
 
@@ -155,6 +156,17 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     if fused:
         split["fused select"] = graph_ms(lambda: itk.fused_indexer_topk(*iargs, K))
     taken = ("fused select", "MLA") if fused else ("indexer", "top-k", "MLA")
+    # the layer with the select the op did not take, where both can run: FUSED_FROM's evidence
+    other = {}
+    if itk.fused_why_not(*iargs, K) is None:
+        if fused:
+            def pick():
+                return tk.topk_select(tix.lightning_indexer(*iargs), row_len, K)
+        else:
+            def pick():
+                return itk.fused_indexer_topk(*iargs, K)
+        name = "layer with the pair" if fused else "layer with the fused select"
+        other[name] = graph_ms(lambda: sparse(*margs, pick(), bm.SM_SCALE, DV))
     agree = same_sets(select(*iargs, K), idx)
     out = sparse(*margs, idx, bm.SM_SCALE, DV)[0].float()
     ref = bm.plain_sparse_mla(*margs, idx, bm.SM_SCALE, DV)[0].float()
@@ -164,7 +176,7 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     long_ctx = ctx >= (256 << 10)
     dense_ms = graph_ms(lambda: dense(*margs, row_len, bm.SM_SCALE, DV),
                        warmup=1 if long_ctx else 3, reps=3 if ctx >= (1 << 20) else 10)
-    peers = {"dense_mla (graph)": dense_ms, **{f"{k} alone": v for k, v in split.items()}}
+    peers = {"dense_mla (graph)": dense_ms, **{f"{k} alone": v for k, v in split.items()}, **other}
     notes = []
     plain_args = (*iargs[:3], table, rr, row_len, lat.q, lat.cache)
     # Appendix B's contiguous tensors, built from the same pools (FP8 keys dequantised to bf16)
@@ -195,6 +207,7 @@ def _context_row(m: Machine, ctx: int, fns: dict, pair_name: str, compiled) -> t
     split_txt = " / ".join(f"{k} {v * 1e3:.1f}" for k, v in split.items())
     notes = [f"split us: {split_txt} (sum of {' + '.join(taken)} {sum(split[k] for k in taken) * 1e3:.1f}, "
              f"layer graph {ms * 1e3:.1f})",
+             *(f"{name} {t * 1e3:.1f} us ({t / ms:.2f}x the op's)" for name, t in other.items()),
              f"floor us: fused {floor * 1e3:.1f} = idx bytes {bytes_floor_ms(index_bytes(ctx), m) * 1e3:.1f}"
              f" + MLA flops {flops_floor_ms(sparse_flops(), m.bf16_tflops) * 1e3:.1f}; with fp32 logits "
              f"round trip {unfused * 1e3:.1f} ({ms / unfused:.2f}x)",

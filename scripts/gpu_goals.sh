@@ -4,7 +4,7 @@
 #   topk-quick.md   bench_topk.py --quick        G2: the select alone, per kernel, ring of 10
 #   topk-pair.md    bench_topk.py --pair         G3: the op, the pair, the fused select, its parts
 #   topk-short.md   bench_topk.py --pair --rows 32   32K rows in 128K / 1M tables (the op's choice)
-#   layer.md        bench_layer.py --quick       G5, G5b: the sparse layer at 128K and 1M
+#   layer.md        bench_layer.py --quick       G5, G5b: the sparse layer at 128K and 1M, with both selects
 #   mla-heads.md    try_sparse_mla.py --head-probe   G4: the sparse kernel on 64 / 96 / 128 heads
 #   kda-decode.md   bench_kda.py --decode        G8 (fla-core importable: carry build/vend)
 # About 8 minutes on a warm H100. Run from the repository root with the machine's python3:
