@@ -11,7 +11,8 @@
 # --kernels-only runs part 2 alone. --shard I/N runs the I-th of N shards of parts 1 and 2 (the
 # slowest tests spread first by their measured times, tests/pytest_shard.py, the rest round
 # robin): the N commands with I = 1..N run them all once. --parallel N runs those N shards at once,
-# each in its own process, its log in $LOGS/gpu-check-I.log ($LOGS: $OUT, else .), and prints each
+# each in its own process, its log in $LOGS/gpu-check[-programs|-kernels]-I.log ($LOGS: $OUT, else
+# .; the part in the name with --no-kernels or --kernels-only, so two calls keep both), and prints each
 # shard's pytest summary: the tests are mostly Inductor and Triton compiling on the CPU cores, so
 # one H200 machine (16 cores) runs them side by side. On a cold H200 part 1 took more than 7
 # minutes and part 2 about 8 run one after the other; in three sequential shards 499 / 370 / 353 s.
@@ -68,16 +69,19 @@ if [ "$parallel" -gt 0 ]; then
     cores=$(nproc)
     export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$(( cores / parallel > 1 ? cores / parallel : 1 ))}
     echo "gpu_check: $parallel shards, $TORCHINDUCTOR_COMPILE_THREADS Inductor compile threads each"
+    part=""
+    [ "$kernels" = 0 ] && part="-programs"
+    [ "$program" = 0 ] && part="-kernels"
     pids=()
     for i in $(seq 1 "$parallel"); do
-        bash "$0" "${own[@]}" --shard "$i/$parallel" > "$logs/gpu-check-$i.log" 2>&1 &
+        bash "$0" "${own[@]}" --shard "$i/$parallel" > "$logs/gpu-check$part-$i.log" 2>&1 &
         pids+=($!)
     done
     status=0
     for i in $(seq 1 "$parallel"); do
         wait "${pids[$((i - 1))]}" || status=1
         echo "shard $i/$parallel: $(grep -E '^[0-9]+ (passed|failed)|^(FAILED|ERROR) |(passed|failed|error).* in [0-9.]+s' \
-            "$logs/gpu-check-$i.log" | tr '\n' ' ')"
+            "$logs/gpu-check$part-$i.log" | tr '\n' ' ')"
     done
     exit $status
 fi
