@@ -206,6 +206,8 @@ from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 shapes = default_shapes("h200")
 indexer_topk.FUSED_FROM = None
 off = {spec_name(s) for s in indexer_topk.aot_specs(shapes)}
+indexer_topk.FUSED_FROM = shapes.context + 1            # above the build's context: none listed
+assert {spec_name(s) for s in indexer_topk.aot_specs(shapes)} == off
 indexer_topk.FUSED_FROM = 0
 fused = [s for s in indexer_topk.aot_specs(shapes) if spec_name(s) not in off]
 assert indexer_topk.fused_aot_specs(default_shapes("mi350x")) == []
