@@ -26,6 +26,12 @@ def run(args) -> int:
         print(f"  {part:<30} {n / div:10.3f} {unit}")
     print(f"  {'total':<30} {total / div:10.3f} {unit} parameters")
     c = cache_bytes(cfg)
-    print(f"  cache per token: {c.latent_per_token} B latent + {c.index_per_token} B FP8 index keys; "
-          f"per request KDA state {c.kda_state_per_request / 2**20:.1f} MiB")
+
+    names = {"model": f"model ({cfg.dtype})", "bf16": "bf16" if cfg.dtype != "float32" else "bf16 (float32 keys)"}
+
+    def formats(by_format):
+        return " / ".join(f"{n} B {names.get(fmt, fmt)}" for fmt, n in by_format.items())
+    print(f"  cache per token, by pool format: latent {formats(c.latent_per_token)}"
+          + (f"; index keys {formats(c.index_per_token)}" if c.index_per_token else ""))
+    print(f"  per request: KDA state {c.kda_state_per_request / 2**20:.1f} MiB")
     return 0

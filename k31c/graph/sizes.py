@@ -54,17 +54,24 @@ def parameter_groups(cfg: K31Config) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class CacheBytes:
-    latent_per_token: int        # MLA latent rows [c_kv ‖ k_rope], all MLA layers
-    index_per_token: int         # FP8 index keys + their scales, all MLA layers
+    latent_per_token: dict       # CachePool latent_cache format -> bytes a token, all MLA layers
+    index_per_token: dict        # index_cache format -> bytes a token (empty without an indexer)
     kda_state_per_request: int   # KDA recurrent state (fp32) + short-conv windows
 
 
 def cache_bytes(cfg: K31Config) -> CacheBytes:
+    """Cache bytes in each of the pool's formats (runtime/kv.py allocates these rows)."""
+    from .ops.cache_write import index_row_bytes
+    from .ops.fp8_layouts import latent_fp8_row_bytes, mx_row_bytes
     itemsize = torch.empty((), dtype=cfg.torch_dtype).element_size()
     n_mla, n_kda = len(cfg.mla_layers), len(cfg.kda_layers)
-    P, K = cfg.kda_proj_dim, cfg.kda_head_dim
+    P, K, d = cfg.kda_proj_dim, cfg.kda_head_dim, cfg.index_head_dim
+    float_keys = 4 if cfg.torch_dtype == torch.float32 else 2     # the pool's "bf16" keys (fp32 in fp32)
+    index = ({"bf16": d * float_keys, "fp8": index_row_bytes(d), "mxfp8": mx_row_bytes(d)}
+             if cfg.has_indexer else {})
     return CacheBytes(
-        latent_per_token=n_mla * cfg.latent_dim * itemsize,
-        index_per_token=n_mla * (cfg.index_head_dim + 4) if cfg.has_indexer else 0,
+        latent_per_token={"model": n_mla * cfg.latent_dim * itemsize,
+                          "fp8": n_mla * latent_fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)},
+        index_per_token={k: n_mla * v for k, v in index.items()},
         kda_state_per_request=n_kda * (cfg.kda_num_heads * K * K * 4
                                        + (cfg.short_conv_kernel_size - 1) * 3 * P * itemsize))

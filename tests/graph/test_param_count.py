@@ -46,3 +46,27 @@ def test_full_size_counted_from_the_config():
     assert 2.7e12 < n < 2.9e12, n
     # indexer per MLA layer: wq_b 4096x1536 + wk 128x7168 + k_norm 2x128 + weights_proj 32x7168
     assert counts["indexer"] == 24 * (4096 * 1536 + 128 * 7168 + 256 + 32 * 7168)
+
+
+@pytest.mark.parametrize("name", ["tiny", "k3.1-pro", "kimi-k3"])
+def test_cache_bytes_are_what_the_pool_allocates(name):
+    """`k31c info`'s cache bytes a token in each pool format equal the bytes of the MLA planes a
+    CachePool of that format allocates (on the meta device), divided by its tokens; the KDA state
+    a request likewise."""
+    from k31c.graph.sizes import cache_bytes
+    from k31c.runtime.kv import CachePool
+    cfg = preset(name)
+    c = cache_bytes(cfg)
+    index_formats = ("bf16", "fp8", "mxfp8") if cfg.has_indexer else ("bf16",)
+    assert sorted(c.index_per_token) == (sorted(index_formats) if cfg.has_indexer else [])
+    for latent in ("model", "fp8"):
+        for index in index_formats:
+            pool = CachePool(cfg, max_requests=2, max_seq_len=64, block_size=16, index_cache=index,
+                             latent_cache=latent, device="meta")
+            tokens = pool.num_blocks * 16
+            nbytes = [sum(getattr(m, plane).numel() * getattr(m, plane).element_size() for m in pool.mla)
+                      for plane in ("latent", "index")]
+            assert nbytes[0] == c.latent_per_token[latent] * tokens, (latent, index)
+            assert nbytes[1] == c.index_per_token.get(index, 0) * tokens, (latent, index)
+            state = sum(t.numel() * t.element_size() for s in pool.kda for t in (s.conv, s.recurrent))
+            assert state == c.kda_state_per_request * 2
