@@ -62,15 +62,20 @@ def lightning_indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: 
 def fused_taken(q, weights, index_cache, block_table, row_req, row_len, k) -> bool:
     """Whether `lightning_indexer_topk` runs the fused select for these arguments: block tables
     of `FUSED_FROM` keys a row or more, where `fused_why_not` finds nothing."""
-    args = (q, weights, index_cache, block_table, row_req, row_len)
-    return (FUSED_FROM is not None and block_table.shape[1] * check_indexer(*args) >= FUSED_FROM
-            and fused_why_not(*args, k) is None)
-
-
-def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k) -> str | None:
-    """Why the fused select cannot take this call (None: it can): it runs on the warp-specialized
-    scan alone, where the target picks that scan."""
+    if FUSED_FROM is None:
+        return False
     block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
+    return (block_table.shape[1] * block_size >= FUSED_FROM
+            and fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k, block_size) is None)
+
+
+def fused_why_not(q, weights, index_cache, block_table, row_req, row_len, k,
+                  block_size: int | None = None) -> str | None:
+    """Why the fused select cannot take this call (None: it can): it runs on the warp-specialized
+    scan alone, where the target picks that scan. block_size: what `check_indexer` already gave
+    for these arguments (None: check them here)."""
+    if block_size is None:
+        block_size = check_indexer(q, weights, index_cache, block_table, row_req, row_len)
     if target_of(q.device).variant(indexer.OP, "gather") != "warp_specialized":
         return "the target's indexer is not the warp-specialized scan"
     reason = indexer_ws.why_not(q, weights, index_cache, block_table, block_size)

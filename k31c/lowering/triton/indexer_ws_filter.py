@@ -162,7 +162,7 @@ if GLUON_ERROR is None:
     def _indexer_ws_filter_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
                                   len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, n_rows,
                                   n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
-                              PDL: gl.constexpr = False):
+                                  PDL: gl.constexpr = False):
         """PDL: launched as the dependent of the kernel before (the math groups wait for it in
         `_filter`, a no-op without PDL)."""
         if PDL:
@@ -183,7 +183,7 @@ if GLUON_ERROR is None:
             [4, 4, 1], [152, 152, 32])
 
 
-def regions(n_rows: int, capacity: int, device, splits: int) -> torch.Tensor:
+def regions(n_rows: int, device, splits: int) -> torch.Tensor:
     """The filter's scratch: per program, math group, key half and row, REGION (score, position)
     slots (int32 [2, ...])."""
     tiles = -(-n_rows // ROWS)
@@ -200,7 +200,7 @@ def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capaci
     n = q.shape[0]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
-    held = regions(n, capacity, q.device, splits)
+    held = regions(n, q.device, splits)
     k_desc, s_desc = descriptors(index_cache)
     _indexer_ws_filter_kernel[(-(-n // ROWS), splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, state,
