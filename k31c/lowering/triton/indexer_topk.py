@@ -147,7 +147,7 @@ def fused_indexer_topk(q, weights, index_cache, block_table, row_req, row_len, k
     dev = q.device
     out = torch.empty((n, k), dtype=torch.int32, device=dev)
     p = topk_plan.plan(n, capacity, k, sm_count(dev))
-    ws = p.workspace(dev)
+    ws = p.workspace(dev, filter_slots=False)      # the filter scan has its own slots
     stride = topk_plan.sample_stride(capacity, block)
     # its own launches chained by PDL whatever the target's `pdl` (as topk_select's): each after
     # the first waits for the one before, so each reads only what those before it wrote

@@ -68,11 +68,13 @@ class TopkPlan:
     group: int           # the plan's sample narrowed by maxima of groups of `group` keys
     few: int             # to at most `few` keys (gathered in the workspace); the refine's select likewise
 
-    def workspace(self, device) -> dict:
+    def workspace(self, device, filter_slots: bool = True) -> dict:
         """Scratch for one call (one int32 allocation): per-row state, the plan's gathered sample
-        keys, candidate buffers, the filter programs' own slots and per-chunk tie counts."""
+        keys, candidate buffers, the filter programs' own slots and per-chunk tie counts.
+        filter_slots=False: no slots (empty hkey / hpos), for callers whose filter is not
+        `topk._filter_kernel` (the fused select's filter scan keeps its own)."""
         n = self.n_rows
-        held = n * self.n_chunks * self.slots
+        held = n * self.n_chunks * self.slots if filter_slots else 0
         sizes = {"state": n * ROW_STATE, "few": n * self.few, "ckey": n * self.cap, "cpos": n * self.cap,
                  "hkey": held, "hpos": held, "ties": n * self.n_chunks}
         flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
