@@ -106,10 +106,12 @@ def test_unknown_preset():
 
 # ---- every value's type, range and finiteness -----------------------------------------------------
 
-def _with(key: str, value):
-    d = preset_dict("tiny")
+def _with(key: str, value, d: dict | None = None):
+    """The tiny preset's dict (or a copy of d) with key (dotted: inside linear_attn_config) set."""
+    d = dict(d) if d is not None else preset_dict("tiny")
     if key.startswith("linear_attn_config."):
-        d["linear_attn_config"] = d["linear_attn_config"] | {key.split(".", 1)[1]: value}
+        inner = d.get("linear_attn_config")        # an earlier random edit may have replaced it
+        d["linear_attn_config"] = (inner if isinstance(inner, dict) else {}) | {key.split(".", 1)[1]: value}
     else:
         d[key] = value
     return d
@@ -231,9 +233,8 @@ def test_random_values_anywhere_never_raise_anything_but_config_error():
             "architectures", "index_rope", "index_layers", "torch_dtype", "max_position_embeddings"]
     for _ in range(2000):
         d = preset_dict("tiny")
-        for key in rng.sample(keys, rng.randint(1, 3)):
-            d = d | _with(key, _random_value(rng)) if not key.startswith("linear") else \
-                {**d, "linear_attn_config": _with(key, _random_value(rng))["linear_attn_config"]}
+        for key in rng.sample(keys, rng.randint(1, 3)):     # the edits accumulate
+            d = _with(key, _random_value(rng), d)
         try:
             K31Config.from_dict(d)
         except ConfigError:

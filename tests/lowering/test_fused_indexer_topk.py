@@ -175,6 +175,25 @@ def test_fused_select_real_shapes(context, one_split, real_topk_constants, topk_
     assert paths[:4] + paths[12:] == ["sampled"] * (N - 8)
 
 
+@pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
+def test_fused_select_equals_the_reference_op_at_real_shapes(real_topk_constants, topk_paths):
+    """The fused select with the Gluon scans against the reference op (not the registered pair,
+    whose scan and select kernels the fused select shares) at 128K, B = 16, R = 4, 32 heads x
+    128, FP8 keys, k = 2048: exact-grid inputs, so every score is exact in fp32 and the sets
+    must be the reference's under its tie rule (ties abound). 1M is compared with the pair
+    above: its exact-grid cache does not fit."""
+    gen = torch.Generator(device="cuda").manual_seed(35)
+    B, R, H, d, block_size, k, context = 16, 4, 32, 128, 64, 2048, 128 << 10
+    args = _indexer_inputs(gen, B, R, H, d, block_size, context // block_size, torch.bfloat16, "fp8")
+    row_len = (context - 3 + torch.arange(R, device="cuda").repeat(B)).int()
+    row_len[4:8] = torch.tensor([100, 2048, 5000, 70000], dtype=torch.int32)
+    assert indexer_topk.fused_why_not(*args, row_len, k) is None
+    _same_sets(indexer_topk.fused_indexer_topk(*args, row_len, k),
+               torch.ops.k31c.lightning_indexer_topk(*args, row_len, k))
+    paths = topk_paths()
+    assert paths[4:6] == ["direct"] * 2 and paths[6] == "all", paths[4:8]
+
+
 def test_the_op_takes_the_fused_select_only_where_switched_on_and_able(monkeypatch):
     """`lightning_indexer_topk` runs the pair while FUSED_FROM is None or above the rows' keys,
     or `fused_why_not` names a reason (on the CPU: not sm_90a); the fused select otherwise."""

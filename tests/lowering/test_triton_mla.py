@@ -327,7 +327,9 @@ def test_split_dense_plan():
     assert (p1["group"], p1["tiles"], p1["passes"]) == (1, 2, 1)
     assert dense_plan.rows_per_group(10, 4) == 1 and dense_plan.rows_per_group(2, 4) == 1
     # makespan: waves of 132 programs x key blocks per split
-    assert dense_plan.choose_splits(96, 4096, 132, 64) in (4, 11)
+    # 96 programs: s = 11 is the least makespan (8 waves x 373 blocks = 2984), s = 4 (3 waves x
+    # 1024 = 3072) the fewest splits within 3% of it
+    assert dense_plan.choose_splits(96, 4096, 132, 64) == 4
     assert dense_plan.choose_splits(1056, 4096, 132, 64) == 1      # 8 full waves already
     assert dense_plan.choose_splits(1, 4096, 132, 64) == 64
 

@@ -66,7 +66,8 @@ def test_topk_many_rows_fresh_inputs(topk_paths):
     _check_topk(scores.to(DEVICE), row_len.to(DEVICE), k)
     paths = topk_paths()
     # the levels rows: the value histogram puts T between two levels in most, the rest tie at T
-    assert [i for i, p in enumerate(paths) if p == "ties"] == [3, 15]
+    ties = {i for i, p in enumerate(paths) if p == "ties"}
+    assert ties and ties <= set(range(0, 24, 3)), ties
     assert set(paths) == {"ties", "sampled", "all"}
 
 
