@@ -14,28 +14,8 @@ cover (another pool geometry, another input structure) is an error naming the in
 silent rebuild. `build(step, meta, caches)` builds without running (for inspection, goldens, and
 targets that cannot run here).
 
-Executors (`options={"executor": ...}`):
-- `program` (the default on GPU targets): `passes/partition.py` splits the graph into dense pieces
-  between the k31c ops and stream markers, `lowering/build.py` compiles each distinct piece
-  and binds every k31c op to its registered kernel, and `runtime/executor.py` runs the
-  result on real streams; decode and verification steps replay one device graph per batch bucket
-  (`runtime/graphs.py`). Its options: `dense_codegen` (who compiles the pieces: "inductor",
-  "iree" (lowering/iree.py; mi350x's default, built and not run; on the cpu target it runs), or
-  "fx" (none); default: the target record's), `device_graphs`,
-  `buckets`, `streams`, `pdl` (programmatic dependent launch of the k31c kernels and the dense
-  pieces' kernels on sm_90+: each kernel may launch while the one before it runs and waits at its
-  first line; default: the target record's `pdl`). On a machine without a GPU it runs a GPU
-  target's program on CPU tensors when `TRITON_INTERPRET=1` (the Triton kernels in the
-  interpreter, no device graph).
-- `inductor` (the default on the CPU): `compile_fx` on the rewritten graph; the k31c ops run their
-  reference implementations (on the CPU those are its kernels).
-- `fx`: the rewritten graph op by op (no code generation: quick to build, for tests and debugging).
-The report counts the kernels each step calls from what the built program executes: a GPU-target
-step run through its references says so as fallbacks.
-
-Executors `program` (dense_codegen "inductor" or "iree") and `inductor` store what they build in
-the compile cache and load it when it is there (`options={"cache": DIR | True | False}`;
-cached_program.py says where by default).
+The options (`options={...}`: the executors, the compile cache, the passes' own) are described in
+options.py.
 `torch.compile(module, backend="k31c")` runs the same passes on Dynamo's graph (backend.py).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
   wrong. The CLI says it is a k31c bug and exits 1.
 - `RuntimeFailure`: running a program failed for a reason outside the input (no device, a pool
   exhausted). Exits 1.
-They subclass ValueError/RuntimeError as before, so existing `except ValueError` callers keep working.
+They subclass ValueError / RuntimeError, so `except ValueError` also catches input errors.
 """
 from __future__ import annotations
 

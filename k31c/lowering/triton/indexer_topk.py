@@ -1,8 +1,7 @@
 """Triton lowering of `k31c::lightning_indexer_topk`: the indexer's scan, then the top-k select.
 
-indexer.py's scan writes the [N, L] fp32 scores to a workspace, topk.py's select reads them. A
-single fused kernel that selected from scores computed in-kernel, never writing them out, was
-measured 2.6x slower at 128K and removed (BENCHMARKS.md, top-k).
+indexer.py's scan writes the [N, L] fp32 scores to a workspace, topk.py's select reads them (a
+select inside the scoring kernel is slower: BENCHMARKS.md, top-k).
 
 The fused select (`fused_indexer_topk`, taken for rows of `FUSED_FROM` keys or more where
 `fused_why_not` finds nothing) keeps the scores out of memory instead: on an H100 the

@@ -47,7 +47,7 @@ if GLUON_ERROR is None:
     # k takes blocks g % NG == k). On a stage two groups fed, a group could wait for the fill after
     # the one in flight; that parity already reads as complete, and the wait would pass at once
     # (with 3 groups on 8 stages a CPU model of the ring finds such early passes, and deadlocks:
-    # benchmarks/results/h200-2026-12-04zl-indexer-three-math-groups.md).
+    # BENCHMARKS.md, the indexer with three math warp groups).
     NG = gl.constexpr(3)                         # math groups
     NB = gl.constexpr(3 * NG)
     R_C = gl.constexpr(ROWS)                     # the module's sizes as the kernels see them

@@ -4,12 +4,8 @@ the launch plan and the launcher are in kda_decode.py.
 Decode is state-traffic bound (B=16, H=96: 100.7 MB of fp32 state read and written per step;
 activations and windows ~2-10 MB), so the time is roughly (state bytes per SM / state bytes
 resident per SM) x program lifetime: the state pass is kept lean, with nothing on a program's
-latency chain but its [K, BV] state slice and the R delta-rule steps. A kernel that also runs
-the conv, the norms and the gates in every state-tile program, and meets its head's other tiles
-through an atomic counter for the gated norm, was measured slower at every tile (110.6 / 213.0
-us at R = 1 / 4, BENCHMARKS.md) and removed (git history has it); so was a one-launch form, one
-program per (request, head) walking its V slices in turn (86.6-93.1 us at R = 1: a quarter of
-the programs, each holding one slice in flight; commit 3d6b654).
+latency chain but its [K, BV] state slice and the R delta-rule steps. The forms that merge the
+prep into the state programs were measured slower at every tile (BENCHMARKS.md, KDA decode).
 
 Three launches, all with grids from static shapes (CUDA-graph safe; slots read on device):
   1. prep, one program per (request, head): conv + SiLU over the cached window for the R rows,
@@ -24,11 +20,6 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      launched as the prep's PDL dependent (device.pair_launch): its programs load their state
      slice while the prep runs and wait for the prep's scratch after.
   3. norm (only when BV < K): the gated RMSNorm over raw o, [N*H, K] rows.
-A two-launch form with the prep inside the state pass (each V-tile program making its head's q, k,
-gates in registers; norm + window update after) measured slower at every tile on the H200 (R = 1:
-86.3-101.0 vs 65.5-68.3 us; R = 4: 229-499 vs 85.1 us) and was removed; git history has it.
-So was a one-launch form at BV = K (the prep, in registers, while the program's whole-head state
-loads; commit 2698e65): 98.2-108.0 us at B = 16, R = 1 vs 66.4, 33.7 vs 23.4 at B = 4.
 A padding request (slot -1) reads and writes no state; its raw o is forced to 0, so its output
 rows come out 0 from the norm.
 """

@@ -24,9 +24,9 @@ Three launches (four when the state pass splits V):
    the final state and the new conv window. (Optionally V is split into tiles for more programs;
    then the raw O goes to the output, rounded to its dtype as fla's chain rounds it, and
    `_gated_norm_kernel` normalises it in place: no scratch.)
-(The fla / FlashKDA structure, a state pass that carries the state alone and writes each chunk's
-starting state for a parallel output pass, was measured within 1% of this one in two runs and
-needs a [chunks, H, K, K] state scratch, 400 MB at T = 8192: removed, commit d13d1fc has it.)
+(The fla / FlashKDA structure, a state pass writing each chunk's starting state for a parallel
+output pass, is no faster (BENCHMARKS.md, KDA) and needs a [chunks, H, K, K] state scratch,
+400 MB at T = 8192.)
 
 Chunks restart at every request. The chunk grid is sized from static shapes (T tokens, B
 requests); each program finds its request from cu_seqlens on device (CUDA-graph safe).
@@ -202,11 +202,10 @@ PIPELINED_SMEM = 176 * 1024
 
 
 def launch_defaults(target: Target, chunk_size: int) -> dict:
-    """The target's tuning knobs for chunks of `chunk_size` rows (BENCHMARKS.md, KDA, T = 8192 on
-    the H200). Where the state pass's two stages fit: chunks of one 16-row block run the state
-    pass on 4 warps over 64-column value blocks, 4 stages deep (2.73 ms for the prefill vs 3.05
-    with 8 warps over all 128 columns), longer chunks on 8 warps over all columns, 2 stages
-    (1.29 vs 1.41 ms for the pass); the chunk pass on 2 stages (vs the backend's 3)."""
+    """The target's tuning knobs for chunks of `chunk_size` rows: the fastest measured at
+    T = 8192 on the H200 (BENCHMARKS.md, KDA). Where the state pass's stages fit: chunks of one
+    16-row block run the state pass on 4 warps over 64-column value blocks, 4 stages deep,
+    longer chunks on 8 warps over all columns, 2 stages; the chunk pass on 2 stages."""
     if target.shared_memory < PIPELINED_SMEM:
         return dict(state_stages=1, chunk_stages=None, state_warps=8, block_v=None)
     if chunk_size == BC:
@@ -227,8 +226,8 @@ def plan(target: Target, B: int, chunk_size: int, K: int, W: int, dtype: torch.d
     """The launch configuration; its keywords are the launcher's tuning knobs: `knobs` (state_stages,
     chunk_stages, state_warps, block_v) given and not None replace `launch_defaults`' (the
     target's); `inverse_precision` None: the target's `exact_dot_precision` (FMA for fp32
-    inputs). Defaults measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on 2 warps (4.37
-    ms vs 4.72 on 4), the conv pass on 4 (0.91 vs 2.77 on 8) over 16-row blocks."""
+    inputs). Defaults: the fastest measured at T = 8192 (BENCHMARKS.md, KDA): the chunk pass on
+    2 warps, the conv pass on 4 over 16-row blocks."""
     C = chunk_size
     if C < BC or C & (C - 1):
         raise ValueError(f"chunk_size: the kernel needs a power of two >= {BC}, got {C}")
