@@ -6,6 +6,9 @@ fp32 and bf16, x with leading dims and a strided x; on CUDA the bench config's d
 Tolerances: fp32 near its accumulation error over K; bf16 one rounding of the output (the kernel
 accumulates in fp32 like cuBLAS, so bf16 outputs differ from the oracle by the final rounding:
 half an ulp on the GPU, up to one ulp under the interpreter, whose fp32 -> bf16 cast truncates)."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,3 +81,32 @@ def test_bench_config_decode_groups(m):
         weights = [(torch.randn(n, k, generator=gen) * 0.02).to("cuda", torch.bfloat16) for n in widths]
         x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
         _check(x, weights, lg.linear_group(x, weights))
+
+
+
+_FIT_PROBE = """
+import torch
+from k31c.lowering.aot import build_spec
+from k31c.lowering.targets import get_target
+from k31c.lowering.triton import linear_group as lg
+for m, widths, k in [(5, [4096, 32], 64), (16, [4096, 4096, 128], 7168), (40, [2048, 16], 2048),
+                     (1, [8192, 8192], 1536)]:
+    for dt in (torch.float32, torch.bfloat16):
+        spec = lg.group_spec(get_target("h200"), m, widths, k, dt, "probe")
+        assert spec.constexprs["BK"] <= max(16, 1 << (k - 1).bit_length()), (m, widths, k, dt)
+        shared = build_spec(spec, "h200").shared
+        assert shared <= 227 << 10, (m, widths, k, dt, shared)
+print("fits")
+"""
+
+
+def test_the_tiles_fit_an_sm90_program():
+    """The launch `plan` picks, compiled for sm_90a (no GPU needed; a subprocess without the
+    interpreter), fits a program's shared memory (227 KB) in fp32 as in bf16: fp32 tiles take
+    fewer pipeline stages, and BK never passes K rounded up (the tiny model's fp32 group of 5
+    rows on 4096 + 32 index-head rows of K = 64 once asked for 288 KB)."""
+    from test_aot import _env, ROOT
+    out = subprocess.run([sys.executable, "-c", _FIT_PROBE], cwd=ROOT, env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "fits", out.stdout

@@ -24,6 +24,9 @@ from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, upc
 
 MAX_SEGMENTS = 8
 MAX_GEMV_ROWS = 64
+# shared memory the pipeline's stages may take: the bf16 tiles' 4 stages (160 KB) fit, fp32
+# tiles get fewer stages (sm_90's limit is 227 KB a program, with Triton's own scratch beside)
+STAGE_BYTES = 192 << 10
 
 
 @triton.jit
@@ -77,14 +80,24 @@ def _linear_group_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, w5_ptr, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def plan(m: int, total_n: int, k: int, small: bool | None = None) -> dict:
+def plan(m: int, total_n: int, k: int, small: bool | None = None, elem: int = 2) -> dict:
     """Tile sizes: BM the rows (16, 32 or 64), BN/BK by the width of the group and K (wide groups:
     64-column tiles, 32 when K is short; narrower ones: 32 or 16 columns, so the grid still
-    covers the SMs). bench_linear.py --sweep measures the alternatives."""
+    covers the SMs); BK at most K rounded up to a power of two, and as many pipeline stages as
+    fit `STAGE_BYTES` with `elem`-byte operands. bench_linear.py --sweep measures the
+    alternatives."""
     small = interpreting() if small is None else small
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     if small:   # the interpreter pays per operation, not per element: few, large tiles
         return dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=1)
+    bn, bk, stages = _tiles(bm, total_n, k)
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    stages = max(1, min(stages, STAGE_BYTES // ((bm + bn) * bk * elem)))
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
+
+
+def _tiles(bm: int, total_n: int, k: int) -> tuple[int, int, int]:
+    """(BN, BK, stages) for 2-byte operands, as measured on the H200."""
     stages = 4 if bm == 16 else 3
     if total_n > 4096 and 1024 < k <= 2048:   # short K: 32-column tiles, more programs stream it
         bn, bk, stages = 32, 128, 3
@@ -94,7 +107,7 @@ def plan(m: int, total_n: int, k: int, small: bool | None = None) -> dict:
         bn, bk = 32, 512 if bm <= 16 else 128
     else:
         bn, bk = 16, 512 if bm == 16 else 128
-    return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
+    return bn, bk, stages
 
 
 def _segment_starts(widths: list[int], bn: int) -> list[int]:
@@ -143,7 +156,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], config: dict | None = N
         for y in outs:
             y.zero_()
     elif m > 0:
-        p = {**plan(m, sum(w.shape[0] for w in weights), k), **(config or {})}
+        p = {**plan(m, sum(w.shape[0] for w in weights), k, elem=x2.element_size()), **(config or {})}
         for i in range(0, len(weights), MAX_SEGMENTS):
             live = [j for j in range(i, min(i + MAX_SEGMENTS, len(weights))) if weights[j].shape[0]]
             if live:
@@ -155,17 +168,22 @@ def aot_specs(shapes) -> list:
     """The launch of a KDA layer's input projections (q, k, v, f_a, b, g: the widest group a
     K3.1 decode step makes) at `shapes.batch` rows, tiles from `plan`."""
     cfg = shapes.cfg
-    dt, hidden = cfg.torch_dtype, cfg.hidden_size
     width = cfg.kda_num_heads * cfg.kda_head_dim
     widths = [width, width, width, cfg.kda_head_dim, cfg.kda_num_heads, width]
-    p = plan(shapes.batch, sum(widths), hidden, small=False)
+    return [group_spec(shapes.target, shapes.batch, widths, cfg.hidden_size, cfg.torch_dtype, "kda_in")]
+
+
+def group_spec(target, m: int, widths: list[int], k: int, dt: torch.dtype, tag: str):
+    """The ahead-of-time spec of one launch: x [m, k] against weights of `widths` rows, in `dt`,
+    tiles from `plan` as `launch` picks them."""
+    p = plan(m, sum(widths), k, small=False, elem=dt.itemsize)
     starts = _segment_starts(widths, p["BN"])
     consts = {f"S{i + 1}": s for i, s in enumerate(starts)}
     consts.update(NSEG=len(widths), BM=p["BM"], BN=p["BN"], BK=p["BK"],
-                  PRECISION=shapes.target.dot_precision(fast=dt != torch.float32),
+                  PRECISION=target.dot_precision(fast=dt != torch.float32),
                   UPCAST=dt == torch.float32)
     ptrs = {"x_ptr": dt, **{f"w{i}_ptr": dt for i in range(8)}, **{f"y{i}_ptr": dt for i in range(8)}}
-    ints = dict(M=shapes.batch, K=hidden, stride_xm=hidden,
+    ints = dict(M=m, K=k, stride_xm=k,
                 **{f"n{i}": w for i, w in enumerate(widths + [0] * (MAX_SEGMENTS - len(widths)))})
-    return [kernel_spec(_linear_group_kernel, "k31c::linear_group", f"kda_in,{dt}".replace("torch.", ""),
-                        consts, ptrs, num_warps=p["num_warps"], num_stages=p["num_stages"], ints=ints)]
+    return kernel_spec(_linear_group_kernel, "k31c::linear_group", f"{tag},{dt}".replace("torch.", ""),
+                       consts, ptrs, num_warps=p["num_warps"], num_stages=p["num_stages"], ints=ints)
