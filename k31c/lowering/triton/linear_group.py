@@ -24,9 +24,9 @@ from k31c.lowering.triton.device import interpreting, pdl_launch, target_of, upc
 
 MAX_SEGMENTS = 8
 MAX_GEMV_ROWS = 64
-# shared memory the pipeline's stages may take: the bf16 tiles' 4 stages (160 KB) fit, fp32
-# tiles get fewer stages (sm_90's limit is 227 KB a program, with Triton's own scratch beside)
-STAGE_BYTES = 192 << 10
+# of the target's shared memory a program may use, what the pipeline's stages may not take:
+# Triton's own scratch beside them (on sm_90 the stages get 192 KB of 227: the bf16 tiles' 4)
+SCRATCH_BYTES = 35 << 10
 
 
 @triton.jit
@@ -80,19 +80,21 @@ def _linear_group_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, w3_ptr, w4_ptr, w5_ptr, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def plan(m: int, total_n: int, k: int, small: bool | None = None, elem: int = 2) -> dict:
+def plan(m: int, total_n: int, k: int, small: bool | None = None, elem: int = 2,
+         shared: int = 0) -> dict:
     """Tile sizes: BM the rows (16, 32 or 64), BN/BK by the width of the group and K (wide groups:
     64-column tiles, 32 when K is short; narrower ones: 32 or 16 columns, so the grid still
-    covers the SMs); BK at most K rounded up to a power of two, and as many pipeline stages as
-    fit `STAGE_BYTES` with `elem`-byte operands. bench_linear.py --sweep measures the
-    alternatives."""
+    covers the SMs); BK at most K rounded up to a power of two, and with `elem`-byte operands
+    as many pipeline stages as fit `shared` (the target's `shared_memory`; 0: not stated, no
+    cap) less `SCRATCH_BYTES`. bench_linear.py --sweep measures the alternatives."""
     small = interpreting() if small is None else small
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     if small:   # the interpreter pays per operation, not per element: few, large tiles
         return dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=1)
     bn, bk, stages = _tiles(bm, total_n, k)
     bk = min(bk, max(16, triton.next_power_of_2(k)))
-    stages = max(1, min(stages, STAGE_BYTES // ((bm + bn) * bk * elem)))
+    if shared:
+        stages = max(1, min(stages, (shared - SCRATCH_BYTES) // ((bm + bn) * bk * elem)))
     return dict(BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=stages)
 
 
@@ -156,7 +158,8 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], config: dict | None = N
         for y in outs:
             y.zero_()
     elif m > 0:
-        p = {**plan(m, sum(w.shape[0] for w in weights), k, elem=x2.element_size()), **(config or {})}
+        p = {**plan(m, sum(w.shape[0] for w in weights), k, elem=x2.element_size(),
+                    shared=target_of(x2.device).shared_memory), **(config or {})}
         for i in range(0, len(weights), MAX_SEGMENTS):
             live = [j for j in range(i, min(i + MAX_SEGMENTS, len(weights))) if weights[j].shape[0]]
             if live:
@@ -176,7 +179,7 @@ def aot_specs(shapes) -> list:
 def group_spec(target, m: int, widths: list[int], k: int, dt: torch.dtype, tag: str):
     """The ahead-of-time spec of one launch: x [m, k] against weights of `widths` rows, in `dt`,
     tiles from `plan` as `launch` picks them."""
-    p = plan(m, sum(widths), k, small=False, elem=dt.itemsize)
+    p = plan(m, sum(widths), k, small=False, elem=dt.itemsize, shared=target.shared_memory)
     starts = _segment_starts(widths, p["BN"])
     consts = {f"S{i + 1}": s for i, s in enumerate(starts)}
     consts.update(NSEG=len(widths), BM=p["BM"], BN=p["BN"], BK=p["BK"],
