@@ -68,32 +68,33 @@ def _latent_format(write: torch.fx.Node) -> str:
     return "fp8"
 
 
-def _check_latent_choice(want: str, found: set) -> None:
-    if want not in LATENT_FORMATS:
-        raise UsageError(f"quantize: option latent_cache must be one of {LATENT_FORMATS}, got {want!r}")
-    if want == "auto" or not found:
+def _check_pool_choice(option: str, want: str, choices: tuple, found: set, accepts) -> None:
+    """The pool's cache formats `found` against the format the option asks for (`accepts`: which
+    found formats that choice takes); "auto" takes whatever the pool has."""
+    if want not in choices:
+        raise UsageError(f"quantize: option {option} must be one of {choices}, got {want!r}")
+    if want == "auto":
         return
-    bad = sorted(found - {"fp8"}) if want == "fp8" else sorted(found & {"fp8"})
+    bad = sorted(f for f in found if not accepts(f))
     if bad:
-        raise UsageError(f"quantize: option latent_cache={want!r} but the pool's latent cache is "
-                         f"{', '.join(bad)}; allocate it with CachePool(..., latent_cache={want!r}) "
+        what = option.split("_")[0]
+        raise UsageError(f"quantize: option {option}={want!r} but the pool's {what} cache is "
+                         f"{', '.join(bad)}; allocate it with CachePool(..., {option}={want!r}) "
                          f"(Engine(compiled) does so)")
+
+
+def _check_latent_choice(want: str, found: set) -> None:
+    _check_pool_choice("latent_cache", want, LATENT_FORMATS, found,
+                       lambda f: (f == "fp8") == (want == "fp8"))
 
 
 def _check_index_choice(want: str, mxfp8: bool, found: set) -> None:
-    if want not in INDEX_FORMATS:
-        raise UsageError(f"quantize: option index_cache must be one of {INDEX_FORMATS}, got {want!r}")
-    if want == "auto":
-        return
-    if mxfp8:
+    if want in INDEX_FORMATS and want != "auto" and mxfp8:
         raise UsageError(f"quantize: options index_cache={want!r} and mxfp8_indexer=True ask for two index "
                          "caches; mxfp8_indexer allocates an MXFP8 one: give one of them")
     floats = {"bf16", "f16", "f32"}
-    bad = sorted(found - {"fp8"}) if want == "fp8" else sorted(found - floats)
-    if bad:
-        raise UsageError(f"quantize: option index_cache={want!r} but the pool's index cache is "
-                         f"{', '.join(bad)}; allocate it with CachePool(..., index_cache={want!r}) "
-                         f"(Engine(compiled) does so)")
+    _check_pool_choice("index_cache", want, INDEX_FORMATS, found,
+                       lambda f: f == "fp8" if want == "fp8" else f in floats)
 
 
 def _check_group(node: torch.fx.Node, width: int) -> None:
