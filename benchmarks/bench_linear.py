@@ -68,7 +68,7 @@ def rows(m: int, sweep: bool, machine) -> list[Row]:
         peers = {"cuBLAS separate": graph_ms(lambda: [[torch.nn.functional.linear(x, w) for w in ws]
                                                       for ws in sets]) / n,
                  "cuBLAS merged": graph_ms(lambda: [torch.nn.functional.linear(x, w) for w in merged]) / n}
-        note = f"max err {_error(x, sets[0], lg.launch(x, sets[0])):.1e}; tiles {lg.plan(m, sum(widths), k)}"
+        note = f"max err {_error(x, sets[0], lg.launch(x, sets[0])):.1e}; tiles {lg.tiles(x, sum(widths))}"
         if sweep:
             best = None
             for bn, bk, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4)):

@@ -158,13 +158,19 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], config: dict | None = N
         for y in outs:
             y.zero_()
     elif m > 0:
-        p = {**plan(m, sum(w.shape[0] for w in weights), k, elem=x2.element_size(),
-                    shared=target_of(x2.device).shared_memory), **(config or {})}
+        p = {**tiles(x2, sum(w.shape[0] for w in weights)), **(config or {})}
         for i in range(0, len(weights), MAX_SEGMENTS):
             live = [j for j in range(i, min(i + MAX_SEGMENTS, len(weights))) if weights[j].shape[0]]
             if live:
                 _launch(x2, [weights[j] for j in live], [outs[j] for j in live], p)
     return [y.view(*lead, y.shape[-1]) for y in outs]
+
+
+def tiles(x2: torch.Tensor, total_n: int) -> dict:
+    """The tiles `launch` takes for rows `x2` [m, k] against `total_n` weight rows: `plan` at the
+    operands' element size and the shared memory of `x2`'s device's target."""
+    return plan(x2.shape[0], total_n, x2.shape[-1], elem=x2.element_size(),
+                shared=target_of(x2.device).shared_memory)
 
 
 def aot_specs(shapes) -> list:
