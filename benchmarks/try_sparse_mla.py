@@ -4,8 +4,8 @@
 A variant is a Python file that defines `launch(q, latent_cache, block_table, row_req, indices,
 sm_scale)` -> (out, lse), as mla_sparse_ws.launch does (a copy of mla_sparse_ws.py without its
 @register line is one; its own kernels compile under their own names). Inputs are bench_mla's
-G4 pool (B16 x R4, 96 heads, k 2048 of 128K, shuffled blocks) with -1 holes in one row and one
-row with no key; rows = 64 (G4), 16, 4 and 1 (key splits).
+G4 pool (B16 x R4, 96 heads, k 2048 of 128K, shuffled blocks) with -1 holes in one row, one
+row with no key and one whose first 64 keys are -1; rows = 64 (G4), 16, 4 and 1 (key splits).
 Per row count:
   1. every form against the reference op (`torch.ops.k31c.sparse_mla`): out max and rms error
      relative to its largest value, max |lse diff| where finite, +inf lse on the same rows;
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
     idx = idx.clone()
     idx[3, 100:400] = -1                 # holes
     idx[5, :] = -1                       # a row with no key
+    idx[7, :64] = -1                     # a row whose first 64-key block has no key
     for rows, label in ROWS:
         args = (pool.q[:rows], pool.cache, table, pool.row_req[:rows], idx[:rows], SM_SCALE)
         want = torch.ops.k31c.sparse_mla(*args, DV)
