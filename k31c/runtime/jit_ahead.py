@@ -13,8 +13,9 @@ nothing. A compile that failed is left to that run, which compiles it again and 
 where it always did.
 
 During the dry run no k31c kernel launches, not even one compiled before or by the pool in
-the meantime: a launch on the unwritten outputs of a skipped one could read out of bounds. Each k31c kernel's JIT caches are split for the dry run (`_SplitCaches`): the dry
-run's thread sees caches of its own that stay empty, so every launch misses and the hook skips
+the meantime: a launch on the unwritten outputs of a skipped one could read out of bounds.
+Each k31c kernel's JIT caches are split for the dry run (`_SplitCaches`): the dry run's thread
+sees caches of its own that stay empty, so every launch misses and the hook skips
 it; the pool's threads see others, which their compiles fill, and which are merged into the
 kernel's own afterwards. The dense pieces (Inductor's kernels, launched outside the JIT) do
 run, on zeros: the executor zeroes what each kernel step returns while `DRY_RUN` is set

@@ -83,7 +83,6 @@ def test_bench_config_decode_groups(m):
         _check(x, weights, lg.linear_group(x, weights))
 
 
-
 _FIT_PROBE = """
 import torch
 from k31c.lowering.aot import build_spec

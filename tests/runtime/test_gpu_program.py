@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get(
 # max relative error of a float32 step's logits against eager: fp32 programs run no tf32 dots
 # (`Target.dot_precision(fast=False)` is "ieee"; KDA's inverse tf32x3), so the errors are summation
 # order and exp/rsqrt approximations. The GPU check's float32 programs measured at most 3.5e-4 a
-# step (`_check` prints them; H100, BENCHMARKS.md "The GPU check's programs part"), so 1e-3 is
-# under 3x the largest seen
+# step (`_check` prints them; H100, BENCHMARKS.md "The fused select in a compiled program"), so
+# 1e-3 is under 3x the largest seen
 TOL_F32 = 1e-3
 KERNEL_FAMILIES = {"cache writes": ("_latent_write_kernel", "_index_write_kernel"),
                    "indexer": ("_indexer_ws_kernel", "_indexer_tma_kernel", "_indexer_kernel"),
