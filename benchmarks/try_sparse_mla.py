@@ -10,7 +10,9 @@ Per row count:
   1. every form against the reference op (`torch.ops.k31c.sparse_mla`): out max and rms error
      relative to its largest value, max |lse diff| where finite, +inf lse on the same rows;
   2. every form timed by CUDA graph replay (5 calls a graph), three rounds alternating the
-     forms; us per call and TFLOP/s of the best round.
+     forms; us per call, TFLOP/s of the best round and the rate its programs gathered rows at
+     (each 64-head tile of a row reads the row's keys; a form that only gathers, timed this
+     way, gives the gathers' own rate).
 
     PYTHONPATH=. python benchmarks/try_sparse_mla.py path/to/variant.py [...]
     PYTHONPATH=. python benchmarks/try_sparse_mla.py --head-probe    # + the kernel on 64 / 128 heads
@@ -86,8 +88,11 @@ def main(argv: list[str]) -> int:
                 times[name].append(graph_ms(functools.partial(fn, *args), calls=5) * 1e3)
         for name, t in times.items():
             flops = 2.0 * rows * heads[name] * TOPK * (WIDTH + DV)
+            # the rows every 64-head program gathers (a row's tiles each read its keys)
+            gathered = rows * -(-heads[name] // 64) * TOPK * WIDTH * pool.cache.element_size()
             print(f"{label} {name}: " + " / ".join(f"{x:.1f}" for x in t)
-                  + f" us; best {min(t):.1f} us = {flops / min(t) / 1e6:.0f} TFLOP/s", flush=True)
+                  + f" us; best {min(t):.1f} us = {flops / min(t) / 1e6:.0f} TFLOP/s, "
+                  + f"{gathered / min(t) / 1e3:.0f} GB/s of gathered rows", flush=True)
     return 0
 
 
