@@ -88,8 +88,9 @@ def main(argv: list[str]) -> int:
                 times[name].append(graph_ms(functools.partial(fn, *args), calls=5) * 1e3)
         for name, t in times.items():
             flops = 2.0 * rows * heads[name] * TOPK * (WIDTH + DV)
-            # the rows every 64-head program gathers (a row's tiles each read its keys)
-            gathered = rows * -(-heads[name] // 64) * TOPK * WIDTH * pool.cache.element_size()
+            # the rows every head-tile program gathers (a row's tiles each read its keys)
+            tiles = -(-heads[name] // registered.HEADS_TILE)
+            gathered = rows * tiles * TOPK * WIDTH * pool.cache.element_size()
             print(f"{label} {name}: " + " / ".join(f"{x:.1f}" for x in t)
                   + f" us; best {min(t):.1f} us = {flops / min(t) / 1e6:.0f} TFLOP/s, "
                   + f"{gathered / min(t) / 1e3:.0f} GB/s of gathered rows", flush=True)
