@@ -1,4 +1,7 @@
-"""Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice.
+"""Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice:
+the registered launcher. bf16 latent rows in cache blocks of a power of two go to the
+half-release seesaw over 64-key blocks (mla_sparse_half.py, faster there); FP8 latent rows, and
+bf16 rows in blocks of other sizes, run the 32-key seesaw below.
 
 One program per (query row, 64-head tile); a row's tiles are adjacent programs, so the second
 finds the row's gathered latent rows in L2. The row's selected keys go in pairs of 32-key blocks
@@ -43,6 +46,7 @@ import torch
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import targets_running
+from k31c.lowering.triton import mla_sparse_half as half
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
@@ -205,8 +209,11 @@ def _why_not_these_args(q, latent_cache, indices, dv) -> str | None:
 
 def runs(q, latent_cache, block_table, row_req, indices, sm_scale, dv):
     """The launcher that runs a call with these arguments on an H200 (the registry's `runs`: the
-    report names the two-pass kernel where this one hands the call to it)."""
-    return two_pass.sparse_mla if _why_not_these_args(q, latent_cache, indices, dv) else sparse_mla
+    report names the two-pass kernel or the half-release seesaw where this one hands the call
+    to it)."""
+    if _why_not_these_args(q, latent_cache, indices, dv):
+        return two_pass.sparse_mla
+    return half.sparse_mla if half.why_not(latent_cache) is None else sparse_mla
 
 
 @register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "warp_specialized"),
@@ -217,6 +224,8 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     two_pass.check_sparse(q, latent_cache, block_table, row_req, indices, dv)
     if why_two_pass(q, latent_cache, indices, dv) is not None:
         return two_pass.sparse_mla(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
+    if half.why_not(latent_cache) is None:
+        return half.launch(q, latent_cache, block_table, row_req, indices, sm_scale)
     return launch(q, latent_cache, block_table, row_req, indices, sm_scale)
 
 
@@ -248,15 +257,17 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
 
 
 def aot_specs(shapes) -> list:
-    """This kernel's launches at `shapes` (aot_spec.AotShapes), for a bf16 cache and FP8 latent
-    rows: one split and the key splits of a one-row decode with their merge, for the
-    ahead-of-time build."""
+    """The launches at `shapes` (aot_spec.AotShapes) for FP8 latent rows and a bf16 cache (the
+    half-release seesaw's, where it takes the shapes' cache blocks): one split and the key
+    splits of a one-row decode with their merge, for the ahead-of-time build."""
     cfg = shapes.cfg
     heads, k, dt = cfg.num_attention_heads, cfg.index_topk, cfg.torch_dtype
     n_tiles, sm = -(-heads // HEADS_TILE), shapes.target.sm_count
-    specs = []
-    caches = {False: dict(cache_ptr=dt, scale_ptr=dt, rope_ptr=dt),
-              True: dict(cache_ptr=torch.uint8, scale_ptr=torch.float32, rope_ptr=dt)}
+    bf16_half = half.block_size_reason(shapes.block_size) is None
+    specs = half.aot_specs(shapes) if bf16_half else []
+    caches = {True: dict(cache_ptr=torch.uint8, scale_ptr=torch.float32, rope_ptr=dt)}
+    if not bf16_half:
+        caches[False] = dict(cache_ptr=dt, scale_ptr=dt, rope_ptr=dt)
     for rows in sorted({shapes.batch * r for r in shapes.rows_per_request}):
         splits = plan_splits(rows, heads, k, sm)
         per_split = split_keys(k, splits)
