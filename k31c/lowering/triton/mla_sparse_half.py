@@ -33,7 +33,8 @@ import torch
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
-from k31c.lowering.triton.mla_common import merge_spec, merge_splits, split_outputs, table_width
+from k31c.lowering.triton.mla_common import (key_splits, merge_spec, merge_splits, sparse_outputs,
+                                             split_outputs, split_width, table_width)
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, scores_scale_log2
 
 HEADS_TILE = 64                     # one wgmma M: the heads a program takes
@@ -334,14 +335,12 @@ def block_size_reason(block_size: int) -> str | None:
 def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
     """Key splits a (row, head tile) takes: as many as keep every program on an SM of its own
     (one wave), each at least MIN_SPLIT_STEPS pairs; 1 when the programs alone fill the SMs."""
-    programs = n_rows * -(-n_heads // HEADS_TILE)
-    steps = -(-n_keys // KEYS_STEP)
-    return max(1, min(sm_count // max(programs, 1), steps // MIN_SPLIT_STEPS))
+    return key_splits(n_rows * -(-n_heads // HEADS_TILE), n_keys, KEYS_STEP, MIN_SPLIT_STEPS, sm_count)
 
 
 def split_keys(n_keys: int, splits: int) -> int:
     """Keys a split takes: a whole number of 128-key pairs."""
-    return -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+    return split_width(n_keys, splits, KEYS_STEP)
 
 
 def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
@@ -356,13 +355,10 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     """The kernel's launch on checked arguments `mla_sparse_ws` takes and `why_not` passes;
     `splits` overrides `plan_splits` (tests, benchmarks)."""
     n, n_heads, _ = q.shape
-    out = q.new_empty((n, n_heads, DV))
-    lse = q.new_empty((n, n_heads), dtype=torch.float32)
     n_keys = indices.shape[1]
-    if n == 0 or n_heads == 0:
+    out, lse, done = sparse_outputs(q, n_keys, DV)
+    if done:
         return out, lse
-    if n_keys == 0:
-        return out.zero_(), lse.fill_(float("inf"))
     n_tiles = -(-n_heads // HEADS_TILE)
     if splits is None:
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)

@@ -50,8 +50,9 @@ from k31c.lowering.triton import mla_sparse_half as half
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.mla_common import (fp8_latent_views, merge_spec, merge_splits,
-                                             split_outputs, table_width)
+from k31c.lowering.triton.mla_common import (fp8_latent_views, key_splits, merge_spec,
+                                             merge_splits, sparse_outputs, split_outputs,
+                                             split_width, table_width)
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason, scores_scale_log2
 
 if GLUON_ERROR is None:
@@ -180,14 +181,12 @@ def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
     """Key splits a (row, head tile) takes: as many as keep every program on an SM of its own
     (one wave), each at least MIN_SPLIT_STEPS steps; 1 when the programs alone fill the SMs.
     Splits write fp32 partials that `merge_splits` combines by LSE."""
-    programs = n_rows * -(-n_heads // HEADS_TILE)
-    steps = -(-n_keys // KEYS_STEP)
-    return max(1, min(sm_count // max(programs, 1), steps // MIN_SPLIT_STEPS))
+    return key_splits(n_rows * -(-n_heads // HEADS_TILE), n_keys, KEYS_STEP, MIN_SPLIT_STEPS, sm_count)
 
 
 def split_keys(n_keys: int, splits: int) -> int:
     """Keys a split takes: a whole number of 64-key steps (the kernel's split boundaries)."""
-    return -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+    return split_width(n_keys, splits, KEYS_STEP)
 
 
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
@@ -233,13 +232,10 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     """This kernel's launch (callers check `why_two_pass` first); `splits` overrides
     `plan_splits` (tests, benchmarks)."""
     n, n_heads, _ = q.shape
-    out = q.new_empty((n, n_heads, DV))
-    lse = q.new_empty((n, n_heads), dtype=torch.float32)
     n_keys = indices.shape[1]
-    if n == 0 or n_heads == 0:
+    out, lse, done = sparse_outputs(q, n_keys, DV)
+    if done:
         return out, lse
-    if n_keys == 0:
-        return out.zero_(), lse.fill_(float("inf"))
     n_tiles = -(-n_heads // HEADS_TILE)
     if splits is None:
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
