@@ -1,4 +1,5 @@
-"""A/B of the registered h200 sparse MLA kernel (mla_sparse_ws.py) against variant modules, goal G4
+"""A/B of the registered h200 sparse MLA kernels (mla_sparse_ws.py's 32-key seesaw and
+mla_sparse_half.py's half-release seesaw, which bf16 rows run) against variant modules, goal G4
 (spec §8): the way its forms are compared before one is registered.
 
 A variant is a Python file that defines `launch(q, latent_cache, block_table, row_req, indices,
@@ -57,8 +58,11 @@ def load_variant(path: str):
 
 def main(argv: list[str]) -> int:
     from k31c.graph import ops  # noqa: F401  (torch.ops.k31c.*)
+    from k31c.lowering.triton import mla_sparse_half as half
     from k31c.lowering.triton import mla_sparse_ws as registered
-    forms = {"registered": registered.launch}
+    # the two registered kernels: the 32-key seesaw (FP8 rows) and the half-release seesaw,
+    # which the registered launcher runs on these bf16 rows
+    forms = {"32-key seesaw": registered.launch, "half-release seesaw": half.launch}
     probe = "--head-probe" in argv
     forms.update({Path(a).stem: load_variant(a).launch for a in argv if a != "--head-probe"})
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)

@@ -8,6 +8,7 @@ import torch
 import k31c.graph.ops  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.lowering.registry import lookup
 from k31c.lowering.triton import mla_dense_ws as dws
+from k31c.lowering.triton import mla_sparse_half as half
 from k31c.lowering.triton import mla_sparse_ws as ws
 from test_triton_mla import (CUDA, DEV, K31, assert_close, cuda_only, dense_args, make_case,
                              sparse_args)
@@ -27,13 +28,17 @@ from test_triton_mla_fp8 import f16_values, fp8_case
 ])
 def test_warp_specialized_sparse_matches_reference(heads, k, rows, block_size):
     """bf16 at K3.1 Pro widths against the reference op: -1 holes, a row with no key (out 0,
-    lse +inf), shuffled blocks; every case must take this kernel, not the two-pass fallback."""
+    lse +inf), shuffled blocks; every case must take the one-pass kernels, not the two-pass
+    fallback: the registered launcher (bf16 rows: the half-release seesaw) and the 32-key
+    seesaw's own launch (what bf16 rows in blocks of other sizes run)."""
     c = make_case(**{**K31, "heads": heads, "k": k, "rows": rows, "block_size": block_size,
                      "max_blocks": K31["max_blocks"] * 64 // block_size}, device="cuda",
                   dtype=torch.bfloat16, seed=30 + heads + block_size)
     assert ws.why_two_pass(c["q"], c["latent_cache"], c["indices"], c["dv"]) is None
+    assert half.why_not(c["latent_cache"]) is None
     want = torch.ops.k31c.sparse_mla(*sparse_args(c))
     assert_close(ws.sparse_mla(*sparse_args(c)), want, torch.bfloat16)
+    assert_close(ws.launch(*sparse_args(c)[:-1]), want, torch.bfloat16)
 
 
 @cuda_only
@@ -45,6 +50,31 @@ def test_warp_specialized_sparse_key_splits(splits):
                   dtype=torch.bfloat16, seed=40 + splits)
     want = torch.ops.k31c.sparse_mla(*sparse_args(c))
     assert_close(ws.launch(*sparse_args(c)[:-1], splits=splits), want, torch.bfloat16)
+
+
+@cuda_only
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_half_seesaw_key_splits(splits):
+    """The half-release seesaw's key splits, merged by LSE: 300 keys in splits of 128-key
+    pairs (at 3 splits the last has 44 keys; at 7 the last four have none: no weight)."""
+    c = make_case(**{**K31, "heads": 96, "k": 300, "requests": 3, "rows": 1}, device="cuda",
+                  dtype=torch.bfloat16, seed=50 + splits)
+    want = torch.ops.k31c.sparse_mla(*sparse_args(c))
+    assert_close(half.launch(*sparse_args(c)[:-1], splits=splits), want, torch.bfloat16)
+
+
+@cuda_only
+def test_bf16_rows_in_blocks_of_other_sizes_take_the_32_key_seesaw():
+    """48-row cache blocks (not a power of two): the registered launcher runs the 32-key
+    seesaw on them, which matches the reference."""
+    c = make_case(**{**K31, "heads": 96, "k": 700, "rows": 3, "block_size": 48,
+                     "max_blocks": K31["max_blocks"] * 64 // 48 + 1}, device="cuda",
+                  dtype=torch.bfloat16, seed=61)
+    assert "power of two" in half.why_not(c["latent_cache"])
+    assert lookup("k31c::sparse_mla", "h200").name_for(sparse_args(c)) == \
+        "triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
+    assert_close(ws.sparse_mla(*sparse_args(c)), torch.ops.k31c.sparse_mla(*sparse_args(c)),
+                 torch.bfloat16)
 
 
 @cuda_only
@@ -79,6 +109,32 @@ def test_warp_specialized_sparse_split_plan():
     assert ws.plan_splits(16, 96, 2048, 132) == 4          # B = 16 x R = 1: 32 x 4 = 128
     assert ws.plan_splits(1, 96, 2048, 132) == 8           # 32 steps, 4 a split
     assert ws.plan_splits(2, 96, 300, 132) == 1            # 5 steps: one split
+
+
+def test_half_seesaw_split_plan_and_report_names():
+    """The half-release seesaw's plan (one wave, pairs of 128 keys, at least 2 a split) and the
+    kernel h200's report names for a call: it for bf16 rows in 64- and 16-row blocks, the 32-key
+    seesaw for FP8 rows and 48-row blocks, the two-pass kernel for an fp32 cache."""
+    assert half.plan_splits(64, 96, 2048, 132) == 1
+    assert half.plan_splits(16, 96, 2048, 132) == 4
+    assert half.plan_splits(1, 96, 2048, 132) == 8          # 16 pairs, 2 a split
+    assert half.plan_splits(2, 96, 300, 132) == 1           # 3 pairs: one split
+    assert half.split_keys(300, 3) == 128
+    h200 = lookup("k31c::sparse_mla", "h200")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, idx = torch.empty(16, 96, 576, **meta), torch.empty(16, 2048, device="meta", dtype=torch.int32)
+    table, req = torch.empty(16, 64, device="meta", dtype=torch.int32), torch.empty(16, device="meta", dtype=torch.int32)
+
+    def name(cache):
+        return h200.name_for((q, cache, table, req, idx, 0.1, 512))
+
+    assert name(torch.empty(100, 64, 576, **meta)) == "triton:k31c.lowering.triton.mla_sparse_half.sparse_mla"
+    assert name(torch.empty(100, 16, 576, **meta)) == "triton:k31c.lowering.triton.mla_sparse_half.sparse_mla"
+    seesaw = "triton:k31c.lowering.triton.mla_sparse_ws.sparse_mla"
+    assert name(torch.empty(100, 48, 576, **meta)) == seesaw
+    assert name(torch.empty(100, 64, 656, device="meta", dtype=torch.uint8)) == seesaw
+    assert name(torch.empty(100, 64, 576, device="meta", dtype=torch.float32)) == \
+        "triton:k31c.lowering.triton.mla_two_pass.sparse_mla"
 
 
 def test_warp_specialized_sparse_declines_what_it_cannot_run():

@@ -218,6 +218,34 @@ def merge_splits_kernel(part_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits, n_he
     tl.store(lse_ptr + t.to(tl.int64) * stride_ln + offs_h, lse, mask=h_mask)
 
 
+def key_splits(programs: int, n_keys: int, keys_step: int, min_steps: int, sm_count: int) -> int:
+    """Key splits each of `programs` takes: as many as keep every program on an SM of its own
+    (one wave), each at least `min_steps` steps of `keys_step` keys; 1 when the programs alone
+    fill the SMs."""
+    steps = -(-n_keys // keys_step)
+    return max(1, min(sm_count // max(programs, 1), steps // min_steps))
+
+
+def split_width(n_keys: int, splits: int, keys_step: int) -> int:
+    """Keys a split takes: a whole number of `keys_step`-key steps (the kernels' split
+    boundaries)."""
+    return -(-n_keys // (splits * keys_step)) * keys_step
+
+
+def sparse_outputs(q: torch.Tensor, n_keys: int, dv: int):
+    """out [N, Hq, dv] and lse [N, Hq] of a sparse MLA call on q [N, Hq, ...] with `n_keys`
+    selected keys a row, and whether they are already its result (no row, head or key: a row
+    with no key has out 0 and lse +inf). Returns (out, lse, done)."""
+    n, n_heads = q.shape[:2]
+    out = q.new_empty((n, n_heads, dv))
+    lse = q.new_empty((n, n_heads), dtype=torch.float32)
+    if n == 0 or n_heads == 0:
+        return out, lse, True
+    if n_keys == 0:
+        return out.zero_(), lse.fill_(float("inf")), True
+    return out, lse, False
+
+
 def split_outputs(out: torch.Tensor, lse: torch.Tensor, splits: int):
     """Where a kernel of `splits` key splits writes: out and lse themselves (an empty row's lse
     +inf) for one split, else fp32 partials [S, N, Hq, dv] / [S, N, Hq] (an empty split's lse

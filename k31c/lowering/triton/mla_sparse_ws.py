@@ -1,4 +1,7 @@
-"""Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice.
+"""Warp-specialized one-pass kernel for `k31c::sparse_mla` on sm_90a (Gluon), the h200 choice:
+the registered launcher. bf16 latent rows in cache blocks of a power of two go to the
+half-release seesaw over 64-key blocks (mla_sparse_half.py, faster there); FP8 latent rows, and
+bf16 rows in blocks of other sizes, run the 32-key seesaw below.
 
 One program per (query row, 64-head tile); a row's tiles are adjacent programs, so the second
 finds the row's gathered latent rows in L2. The row's selected keys go in pairs of 32-key blocks
@@ -43,11 +46,13 @@ import torch
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import targets_running
+from k31c.lowering.triton import mla_sparse_half as half
 from k31c.lowering.triton import mla_two_pass as two_pass
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
-from k31c.lowering.triton.mla_common import (fp8_latent_views, merge_spec, merge_splits,
-                                             split_outputs, table_width)
+from k31c.lowering.triton.mla_common import (fp8_latent_views, key_splits, merge_spec,
+                                             merge_splits, sparse_outputs, split_outputs,
+                                             split_width, table_width)
 from k31c.lowering.triton.mla_seesaw import DV, WIDTH, latent_reason, scores_scale_log2
 
 if GLUON_ERROR is None:
@@ -176,14 +181,12 @@ def plan_splits(n_rows: int, n_heads: int, n_keys: int, sm_count: int) -> int:
     """Key splits a (row, head tile) takes: as many as keep every program on an SM of its own
     (one wave), each at least MIN_SPLIT_STEPS steps; 1 when the programs alone fill the SMs.
     Splits write fp32 partials that `merge_splits` combines by LSE."""
-    programs = n_rows * -(-n_heads // HEADS_TILE)
-    steps = -(-n_keys // KEYS_STEP)
-    return max(1, min(sm_count // max(programs, 1), steps // MIN_SPLIT_STEPS))
+    return key_splits(n_rows * -(-n_heads // HEADS_TILE), n_keys, KEYS_STEP, MIN_SPLIT_STEPS, sm_count)
 
 
 def split_keys(n_keys: int, splits: int) -> int:
     """Keys a split takes: a whole number of 64-key steps (the kernel's split boundaries)."""
-    return -(-n_keys // (splits * KEYS_STEP)) * KEYS_STEP
+    return split_width(n_keys, splits, KEYS_STEP)
 
 
 def why_two_pass(q: torch.Tensor, latent_cache: torch.Tensor, indices: torch.Tensor,
@@ -205,8 +208,11 @@ def _why_not_these_args(q, latent_cache, indices, dv) -> str | None:
 
 def runs(q, latent_cache, block_table, row_req, indices, sm_scale, dv):
     """The launcher that runs a call with these arguments on an H200 (the registry's `runs`: the
-    report names the two-pass kernel where this one hands the call to it)."""
-    return two_pass.sparse_mla if _why_not_these_args(q, latent_cache, indices, dv) else sparse_mla
+    report names the two-pass kernel or the half-release seesaw where this one hands the call
+    to it)."""
+    if _why_not_these_args(q, latent_cache, indices, dv):
+        return two_pass.sparse_mla
+    return half.sparse_mla if half.why_not(latent_cache) is None else sparse_mla
 
 
 @register("k31c::sparse_mla", targets_running("k31c::sparse_mla", "warp_specialized"),
@@ -217,6 +223,8 @@ def sparse_mla(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.T
     two_pass.check_sparse(q, latent_cache, block_table, row_req, indices, dv)
     if why_two_pass(q, latent_cache, indices, dv) is not None:
         return two_pass.sparse_mla(q, latent_cache, block_table, row_req, indices, sm_scale, dv)
+    if half.why_not(latent_cache) is None:
+        return half.launch(q, latent_cache, block_table, row_req, indices, sm_scale)
     return launch(q, latent_cache, block_table, row_req, indices, sm_scale)
 
 
@@ -224,13 +232,10 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
     """This kernel's launch (callers check `why_two_pass` first); `splits` overrides
     `plan_splits` (tests, benchmarks)."""
     n, n_heads, _ = q.shape
-    out = q.new_empty((n, n_heads, DV))
-    lse = q.new_empty((n, n_heads), dtype=torch.float32)
     n_keys = indices.shape[1]
-    if n == 0 or n_heads == 0:
+    out, lse, done = sparse_outputs(q, n_keys, DV)
+    if done:
         return out, lse
-    if n_keys == 0:
-        return out.zero_(), lse.fill_(float("inf"))
     n_tiles = -(-n_heads // HEADS_TILE)
     if splits is None:
         splits = plan_splits(n, n_heads, n_keys, target_of(q.device).sm_count)
@@ -248,15 +253,17 @@ def launch(q, latent_cache, block_table, row_req, indices, sm_scale, splits: int
 
 
 def aot_specs(shapes) -> list:
-    """This kernel's launches at `shapes` (aot_spec.AotShapes), for a bf16 cache and FP8 latent
-    rows: one split and the key splits of a one-row decode with their merge, for the
-    ahead-of-time build."""
+    """The launches at `shapes` (aot_spec.AotShapes) for FP8 latent rows and a bf16 cache (the
+    half-release seesaw's, where it takes the shapes' cache blocks): one split and the key
+    splits of a one-row decode with their merge, for the ahead-of-time build."""
     cfg = shapes.cfg
     heads, k, dt = cfg.num_attention_heads, cfg.index_topk, cfg.torch_dtype
     n_tiles, sm = -(-heads // HEADS_TILE), shapes.target.sm_count
-    specs = []
-    caches = {False: dict(cache_ptr=dt, scale_ptr=dt, rope_ptr=dt),
-              True: dict(cache_ptr=torch.uint8, scale_ptr=torch.float32, rope_ptr=dt)}
+    bf16_half = half.block_size_reason(shapes.block_size) is None
+    specs = half.aot_specs(shapes) if bf16_half else []
+    caches = {True: dict(cache_ptr=torch.uint8, scale_ptr=torch.float32, rope_ptr=dt)}
+    if not bf16_half:
+        caches[False] = dict(cache_ptr=dt, scale_ptr=dt, rope_ptr=dt)
     for rows in sorted({shapes.batch * r for r in shapes.rows_per_request}):
         splits = plan_splits(rows, heads, k, sm)
         per_split = split_keys(k, splits)
