@@ -218,9 +218,9 @@ for spec in tix.mx_aot_specs(shapes, "tma")[:1]:
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
     assert not spill and regs < 128, (spec.variant, regs, spill)
 # the warp-specialized sparse MLA (Gluon kernels) builds for sm_90a: the 32-key seesaw (FP8 rows)
-# without spilling; the half-release seesaw (bf16 rows) with at most 24 B of stack (a math
-# group's values kept across its loop and three producer scalars; its 224 math registers are
-# the fastest measured split, BENCHMARKS.md "Whole-line gathers")
+# without spilling; the half-release seesaw (bf16 rows) with at most 24 B of stack (Triton 3.6's
+# build keeps a math group's loop values there, 3.7's none; its 224 math registers are the fastest
+# measured split, BENCHMARKS.md "Whole-line gathers")
 kinds = set()
 for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
     name = spec.kernel.__name__

@@ -13,13 +13,16 @@ lives over buffer 0's rope part once block a is scored, P of block b in a buffer
   @ V0[:, :256] and frees 0.L; takes the pair max m01 back, rescales P0 to it and stores it for
   group 1; then P1 (shared) @ V1[:, :256]; issues the next block a's scores and frees 1.L once
   its value product is done.
-- group 1 scores block b (R first), takes m0, makes m01, hands it back, runs P1 (registers)
-  @ V1[:, 256:], stores P1, then P0 (shared) @ V0[:, 256:]; frees 1.R, then 0.R.
-- the producer refills the halves in the order they are freed (0.L, 1.R, 0.R, 1.L), each row
-  piece a 16-byte cp.async of threads [4 rows, 8 columns]: a warp copies four whole 128-byte
-  lines an instruction (as [8, 4], half lines of eight rows, the gathers alone ran 1.66x
-  slower). The next pair's positions load at an iteration's start, its block-table entries
-  halfway, so no copy's address waits on a global load issued just before it.
+- group 1 scores block b (R first), takes m0, makes m01, hands it back, stores P1, then runs
+  P0 (shared) @ V0[:, 256:] and P1 (registers) @ V1[:, 256:]; frees 0.R, then 1.R.
+- the producer refills block a whole, then block b (0.L, 0.R, 1.R, 1.L), each row piece a
+  16-byte cp.async of threads [4 rows, 8 columns]: a warp copies four whole 128-byte lines an
+  instruction (as [8, 4], half lines of eight rows, the gathers alone ran 1.66x slower). The next
+  pair's positions load at an iteration's start, its block-table entries halfway, so no copy's
+  address waits on a global load issued just before it.
+The next block a cannot be scored before 0.R, the last half its value products free, is refilled:
+that refill is the loop's critical path, so group 1 frees 0.R first and the producer copies it
+second (refilling in the order the halves are freed, 0.L, 1.R, 0.R, 1.L, ran 8% slower).
 Each group owns 256 output columns, so each value half is read by one group only, and a half is
 refilled while the other half of the same block is still being read.
 
@@ -142,10 +145,10 @@ if GLUON_ERROR is None:
             at_a, left_a = idx_row + (2 * j) * 64, n_keys - (2 * j) * 64
             at_b, left_b = idx_row + (2 * j + 1) * 64, n_keys - (2 * j + 1) * 64
             _copy_half(cache_ptr, pos_a, row_a, kv, kr, ready, free, 0, 0, phase, pos_s, at_a, left_a)
-            _copy_half(cache_ptr, pos_b, row_b, kv, kr, ready, free, 1, 1, phase, pos_s, at_b, left_b)
+            _copy_half(cache_ptr, pos_a, row_a, kv, kr, ready, free, 0, 1, phase, pos_s, at_a, left_a)
             blk_a = _table(table_row, pos_a2, BLOCK_SIZE)
             blk_b = _table(table_row, pos_b2, BLOCK_SIZE)
-            _copy_half(cache_ptr, pos_a, row_a, kv, kr, ready, free, 0, 1, phase, pos_s, at_a, left_a)
+            _copy_half(cache_ptr, pos_b, row_b, kv, kr, ready, free, 1, 1, phase, pos_s, at_b, left_b)
             _copy_half(cache_ptr, pos_b, row_b, kv, kr, ready, free, 1, 0, phase, pos_s, at_b, left_b)
             pos_a, pos_b = pos_a2, pos_b2
 
@@ -261,17 +264,17 @@ if GLUON_ERROR is None:
             l_i = l_i * gamma + gl.sum(p, 1)
             acc = acc * gl.expand_dims(gl.convert_layout(gamma, ROW_O), 1)
             pb = p.to(gl.bfloat16)
-            acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kv.index(1).slice(256, 256, dim=1),
-                                acc, is_async=True)
             s1.store(pb)
             fence_async_shared()
             _arrive(xbar.index(3))                       # P1 stored
             mbarrier.wait(xbar.index(2), ph)             # P0 stored
             acc = warpgroup_mma(s0_smem, kv.index(0).slice(256, 256, dim=1), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(pb, P_OP), kv.index(1).slice(256, 256, dim=1),
+                                acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc,))
-            _arrive(free.index(3))                       # 1.R
-            acc = warpgroup_mma_wait(0, deps=(acc,))
             _arrive(free.index(1))                       # 0.R (and P0's place)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _arrive(free.index(3))                       # 1.R
             m_i = m01
         out, l_i, has = row_sums(1, l_i, acc, l_a, l_b, fin)
         _store(out, 1, out_ptr, head0, n_heads)
