@@ -22,12 +22,13 @@ lives over buffer 0's rope part once block a is scored, P of block b in a buffer
   address waits on a global load issued just before it.
 The next block a cannot be scored before 0.R, the last half its value products free, is refilled:
 that refill is the loop's critical path, so group 1 frees 0.R first and the producer copies it
-second (refilling in the order the halves are freed, 0.L, 1.R, 0.R, 1.L, ran 8% slower).
+second, not in the order the halves are freed.
 Each group owns 256 output columns, so each value half is read by one group only, and a half is
 refilled while the other half of the same block is still being read.
 
 The schedule is the one FlashMLA's SM90 sparse prefill kernel uses (read, not copied). What it
-measured against the 32-key seesaw: BENCHMARKS.md, "Whole-line gathers".
+and its variants measured: BENCHMARKS.md, "Whole-line gathers" and "The half seesaw registered,
+refilling block a whole first".
 """
 from __future__ import annotations
 
