@@ -49,7 +49,8 @@ NUM_WARPS = 4                       # the producer; 12 warps in all
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (async_copy, fence_async_shared, gl, gluon, mbarrier,
                                                  sync, warpgroup_mma, warpgroup_mma_wait)
-    from k31c.lowering.triton.mla_seesaw import row_sums, store_q
+    # the output layout is the seesaw's: its row_sums normalises this kernel's accumulators
+    from k31c.lowering.triton.mla_seesaw import O_L, ROW_O, row_sums, store_q
 
     V_COLS = gl.constexpr(DV)               # the constants below, as the kernels see them
     ROW_W = gl.constexpr(WIDTH)
@@ -58,10 +59,7 @@ if GLUON_ERROR is None:
     MATH_REGS = gl.constexpr(224)   # each math group's; the producer runs on the 64 left
     S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                  instr_shape=[16, 64, 16]))
-    O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                 instr_shape=[16, 256, 16]))
     ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
-    ROW_O = gl.constexpr(gl.SliceLayout(1, O_L))
     P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
     G_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))   # [64, 64] bf16, whole lines
 
