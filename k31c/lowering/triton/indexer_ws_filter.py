@@ -16,7 +16,6 @@ from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
                                              plan_splits, shared_layouts)
-from k31c.lowering.triton.radix_select import WARP_SLOTS_PTX
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
 REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 over 48 warps a row)
@@ -27,17 +26,6 @@ if GLUON_ERROR is None:
                                                  gdc_wait, loader, quantise_q, shared_state, tile_pass)
 
     REGION_C = gl.constexpr(REGION)
-    # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
-    WARP_RANK_PTX = gl.constexpr("""{
-        .reg .pred p;
-        .reg .b32 b, below;
-        setp.ne.b32 p, $2, 0;
-        vote.sync.ballot.b32 b, p, 0xffffffff;
-        mov.u32 below, %lanemask_lt;
-        and.b32 below, below, b;
-        popc.b32 $0, below;
-        popc.b32 $1, b;
-    }""")
     # lane 0 adds $2 (the same in every lane) to the counter at $1, if not 0 (a row past the
     # last or with no candidates touches no counter); every lane gets the old value
     WARP_TAKE_PTX = gl.constexpr("""{
@@ -50,6 +38,48 @@ if GLUON_ERROR is None:
         @lead atom.global.add.u32 d, [$1], $2;
         shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
     }""")
+
+    # one ballot for both paths: $0 the lane's region slot (held $3 + rank), $1 the warp's count.
+    # Where the region overflows (warp-uniform: held + count > REGION) the lanes past it take
+    # buffer slots from the row's counter $4 (one atomic) and store score bits $7 / position $8
+    # at row pointers $5 / $6 while the slot is below cap $9. A uniform branch skips all that in
+    # the common case, which then costs a ballot and two popc an element
+    FILTER_SLOTS_PTX = gl.constexpr(("""{
+        .reg .pred p, full, q, lead, in;
+        .reg .b32 b, below, rank, n, slot, room, ob, orank, on, first, base, at;
+        .reg .b64 off, ak, ap;
+        setp.ne.b32 p, $2, 0;
+        vote.sync.ballot.b32 b, p, 0xffffffff;
+        mov.u32 below, %lanemask_lt;
+        and.b32 rank, below, b;
+        popc.b32 rank, rank;
+        popc.b32 n, b;
+        add.u32 slot, $3, rank;
+        add.u32 room, $3, n;
+        setp.gt.u32 full, room, REGION;
+        @!full bra.uni DONE;
+        setp.ge.and.u32 q, slot, REGION, p;
+        vote.sync.ballot.b32 ob, q, 0xffffffff;
+        and.b32 orank, below, ob;
+        popc.b32 orank, orank;
+        popc.b32 on, ob;
+        brev.b32 first, ob;
+        bfind.shiftamt.u32 first, first;
+        setp.eq.and.u32 lead, orank, 0, q;
+        mov.u32 base, 0;
+        @lead atom.global.add.u32 base, [$4], on;
+        shfl.sync.idx.b32 base, base, first, 0x1f, 0xffffffff;
+        add.u32 at, base, orank;
+        setp.lt.and.u32 in, at, $9, q;
+        mul.wide.u32 off, at, 4;
+        add.s64 ak, $5, off;
+        add.s64 ap, $6, off;
+        @in st.global.b32 [ak], $7;
+        @in st.global.b32 [ap], $8;
+    DONE:
+        mov.u32 $0, slot;
+        mov.u32 $1, n;
+    }""").replace("REGION", str(REGION)))
 
     @gluon.jit
     def _order_key(x):
@@ -105,21 +135,15 @@ if GLUON_ERROR is None:
                     cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
                             & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
                             & gl.expand_dims(sel, 0))
-                    rank, n_cand = gl.inline_asm_elementwise(
-                        WARP_RANK_PTX, "=r,=r,r", [cand.to(gl.int32)], dtype=(gl.int32, gl.int32),
-                        is_pure=False, pack=1)
-                    slot = held + rank
                     bits = sc.to(gl.int32, bitcast=True)
                     posi = gl.expand_dims(pos, 1) + zero_i
+                    slot, n_cand = gl.inline_asm_elementwise(
+                        FILTER_SLOTS_PTX, "=r,=r,r,r,l,l,l,r,r,r",
+                        [cand.to(gl.int32), held, ctr, ckey_ptr + buf, cpos_ptr + buf, bits, posi,
+                         zero_i + cap], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
                     mine = cand & (slot < REGION_C)
                     gl.store(hkey_ptr + region + slot, bits, mask=mine)
                     gl.store(hpos_ptr + region + slot, posi, mask=mine)
-                    over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
-                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r",
-                                                   [ctr, over.to(gl.int32)], dtype=gl.int32,
-                                                   is_pure=False, pack=1)
-                    gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
-                    gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
                     held += n_cand
                 base += n_my
         # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
