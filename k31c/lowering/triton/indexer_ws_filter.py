@@ -16,6 +16,7 @@ from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
                                              plan_splits, shared_layouts)
+from k31c.lowering.triton.radix_select import warp_slots_ptx
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
 REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 over 48 warps a row)
@@ -39,19 +40,20 @@ if GLUON_ERROR is None:
         shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
     }""")
 
-    # one ballot for both paths: $0 the lane's region slot (held $3 + rank), $1 the warp's count.
-    # Where the region overflows (warp-uniform: held + count > REGION) the lanes past it take
-    # buffer slots from the row's counter $4 (one atomic) and store score bits $7 / position $8
-    # at row pointers $5 / $6 while the slot is below cap $9. A uniform branch skips all that in
-    # the common case, which then costs a ballot and two popc an element
+    # a key's slots, from one ballot of the candidates $2: $0 the lane's region slot (held $3 + its
+    # rank), $1 the warp's count. Where the region overflows (warp-uniform: held + count > REGION,
+    # held being the same in every lane) the lanes past it take buffer slots from the row's
+    # counter $4 (`warp_slots_ptx`: one atomic) and store score bits $7 / position $8 at row
+    # pointers $5 / $6 while the slot is below cap $9. A uniform branch skips that path in the
+    # common case, which then costs a ballot and two popc an element
     FILTER_SLOTS_PTX = gl.constexpr(("""{
-        .reg .pred p, full, q, lead, in;
-        .reg .b32 b, below, rank, n, slot, room, ob, orank, on, first, base, at;
+        .reg .pred p, full, q, in;
+        .reg .b32 b, rank, n, slot, room, at;
         .reg .b64 off, ak, ap;
         setp.ne.b32 p, $2, 0;
         vote.sync.ballot.b32 b, p, 0xffffffff;
-        mov.u32 below, %lanemask_lt;
-        and.b32 rank, below, b;
+        mov.u32 rank, %lanemask_lt;
+        and.b32 rank, rank, b;
         popc.b32 rank, rank;
         popc.b32 n, b;
         add.u32 slot, $3, rank;
@@ -59,17 +61,7 @@ if GLUON_ERROR is None:
         setp.gt.u32 full, room, REGION;
         @!full bra.uni DONE;
         setp.ge.and.u32 q, slot, REGION, p;
-        vote.sync.ballot.b32 ob, q, 0xffffffff;
-        and.b32 orank, below, ob;
-        popc.b32 orank, orank;
-        popc.b32 on, ob;
-        brev.b32 first, ob;
-        bfind.shiftamt.u32 first, first;
-        setp.eq.and.u32 lead, orank, 0, q;
-        mov.u32 base, 0;
-        @lead atom.global.add.u32 base, [$4], on;
-        shfl.sync.idx.b32 base, base, first, 0x1f, 0xffffffff;
-        add.u32 at, base, orank;
+        """ + warp_slots_ptx("q", "$4", "at") + """
         setp.lt.and.u32 in, at, $9, q;
         mul.wide.u32 off, at, 4;
         add.s64 ak, $5, off;
