@@ -74,16 +74,6 @@ if GLUON_ERROR is None:
     }""").replace("REGION", str(REGION)))
 
     @gluon.jit
-    def _order_key(x):
-        """radix_select.order_key for a [64 keys, 4 rows] tile: fp32 -> uint32 in the float order
-        (-0.0 as +0.0, every NaN above +inf)."""
-        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])
-        bits = x.to(gl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) | -0x80000000)).to(gl.uint32, bitcast=True)
-        key = gl.where(x == 0.0, gl.full([BK_C, R_C], 0x80000000, gl.uint32, ST_L), key)
-        return gl.where(x != x, gl.full([BK_C, R_C], 0xFFFFFFFF, gl.uint32, ST_L), key)
-
-    @gluon.jit
     def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
                 cpos_ptr, hkey_ptr, hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits,
                 q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
@@ -108,6 +98,16 @@ if GLUON_ERROR is None:
         st = state_ptr + (row0 + r) * ST_WORDS
         thresh = gl.load(st + ST_THRESH, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
                                                                                 bitcast=True)
+        # the scores compared as floats, ~(x <= t) (order_key(x) > T exactly when x > t or x is
+        # NaN: topk._compare's FLOAT) against t, the fp32 of each row's threshold key T: +inf
+        # for a NaN key (only NaNs lie above it; the all-ones key, above every score, drops the
+        # row), -(the least subnormal) for the key of -0.0's bits (every score >= -0.0 above it)
+        tbits = gl.where(thresh >= 0x80000000, thresh ^ 0x80000000, thresh ^ 0xFFFFFFFF)
+        tbits = gl.where(thresh > 0xFF800000, 0x7F800000, tbits)
+        tbits = gl.where(thresh == 0x7FFFFFFF, 0x80000001, tbits)
+        tf = gl.expand_dims(tbits.to(gl.float32, bitcast=True), 0)
+        live = thresh != 0xFFFFFFFF
+        cap_i = zero_i + cap
         ctr = gl.expand_dims(st + ST_CNT, 0) + zero_i             # each row's counter
         buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
         # this warp's region of each row: (program, group, key half of the block, row)
@@ -124,15 +124,14 @@ if GLUON_ERROR is None:
                 for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
                     sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
                                             s_bufs, ready, empty)
-                    cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
-                            & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
-                            & gl.expand_dims(sel, 0))
+                    cand = (~(sc <= tf) & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
+                            & gl.expand_dims(sel & live, 0))
                     bits = sc.to(gl.int32, bitcast=True)
                     posi = gl.expand_dims(pos, 1) + zero_i
                     slot, n_cand = gl.inline_asm_elementwise(
                         FILTER_SLOTS_PTX, "=r,=r,r,r,l,l,l,r,r,r",
                         [cand.to(gl.int32), held, ctr, ckey_ptr + buf, cpos_ptr + buf, bits, posi,
-                         zero_i + cap], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+                         cap_i], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
                     mine = cand & (slot < REGION_C)
                     gl.store(hkey_ptr + region + slot, bits, mask=mine)
                     gl.store(hpos_ptr + region + slot, posi, mask=mine)
