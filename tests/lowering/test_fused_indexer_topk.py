@@ -227,7 +227,11 @@ def check_filter_scan_thresholds() -> None:
 
 
 @pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
-def test_filter_scan_keeps_the_keys_above_each_rows_threshold():
+@pytest.mark.parametrize("one_split", [False, True])
+def test_filter_scan_keeps_the_keys_above_each_rows_threshold(one_split, monkeypatch):
+    """one_split: one program a request, whose warps' regions overflow into the rows' buffers."""
+    if one_split:
+        monkeypatch.setattr(indexer_ws_filter, "plan_splits", lambda *a: 1)
     check_filter_scan_thresholds()
 
 
