@@ -175,6 +175,66 @@ def test_fused_select_real_shapes(context, one_split, real_topk_constants, topk_
     assert paths[:4] + paths[12:] == ["sampled"] * (N - 8)
 
 
+def check_filter_scan_thresholds() -> None:
+    """The filter scan alone (`launch_filter`) against thresholds set by hand, at 16K keys, B16xR4:
+    a row's count is its keys whose order key is above T, and where they fit the buffer, its
+    buffer holds exactly those (score bits, position). The oracle is torch's order key over the
+    plain scan's scores (the same fp32 values: the scans share the block scores). T ranges over
+    ordinary keys (a row's 2048th score), the key of +0.0, the key of -0.0's bits (which no score
+    has), 0 (every key), the key of +inf and a NaN key (NaNs only) and the all-ones key (none);
+    rows of -0.0 (weights -0.0), of NaN (weights NaN) and of +inf and NaN (one head's weight
+    +inf) meet them."""
+    from benchmarks.bench_topk import N, IndexPool, pair_inputs
+    from k31c.lowering.triton import indexer
+    ctx, k = 16 << 10, 2048
+    q, w, cache, table, row_req, row_len = pair_inputs(IndexPool(ctx), ctx, torch.Generator(
+        device="cuda").manual_seed(37))
+    w[8:16] = -0.0
+    w[16:28] = float("nan")
+    w[36:40, 5] = float("inf")
+    row_len[4:40] = 6000                                       # every key fits the buffer
+    scores = indexer.lightning_indexer(q, w, cache, table, row_req, row_len)
+    keys = order_key(scores)
+    visible = torch.arange(ctx, device="cuda") < row_len[:, None].long()
+    keys = torch.where(visible, keys, -1)
+    t = keys.sort(1, descending=True).values[:, k - 1].clone()   # ordinary: 2047 above
+    INF, NEG0, ONES = 0xFF800000, 0x7FFFFFFF, 0xFFFFFFFF
+    for rows, key in [((4, 12), NEG0), ((12, 16), 0x80000000), ((16, 20), INF),
+                      ((20, 24), INF + 1), ((24, 32), ONES), ((32, 36), 0), ((36, 40), INF)]:
+        t[rows[0]:rows[1]] = key
+    p = topk_plan.plan(N, ctx, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws = p.workspace(q.device, filter_slots=False)
+    state = ws["state"].view(N, topk_plan.ROW_STATE)
+    state[:, topk_plan.ST_THRESH.value] = ((t + (1 << 31)) % (1 << 32) - (1 << 31)).int()  # the bits
+    state[:, topk_plan.ST_CNT.value] = 0
+    indexer_ws_filter.launch_filter(q, w, cache, table, row_req, row_len, ctx, ws["state"],
+                                    ws["ckey"], ws["cpos"], p.cap)
+    above = visible & (keys > t[:, None])
+    count = state[:, topk_plan.ST_CNT.value].long()
+    assert torch.equal(count, above.sum(1)), (count.tolist(), above.sum(1).tolist())
+    assert (count[8:12] == 6000).all() and (count[12:16] == 0).all() and (count[16:24] == 6000).all()
+    assert (count[24:32] == 0).all() and (count[36:40] > 0).all()
+    bits = scores.contiguous().view(torch.int32)
+    for row in range(N):
+        n = int(count[row])
+        if n > p.cap:
+            continue
+        pos = ws["cpos"].view(N, p.cap)[row, :n].long()
+        got = torch.stack([pos, ws["ckey"].view(N, p.cap)[row, :n].long()], 1)
+        want_pos = above[row].nonzero().flatten()
+        want = torch.stack([want_pos, bits[row, want_pos].long()], 1)
+        assert torch.equal(got[got[:, 0].argsort()], want), f"row {row}, T = {int(t[row]):#x}"
+
+
+@pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
+@pytest.mark.parametrize("one_split", [False, True])
+def test_filter_scan_keeps_the_keys_above_each_rows_threshold(one_split, monkeypatch):
+    """one_split: one program a request, whose warps' regions overflow into the rows' buffers."""
+    if one_split:
+        monkeypatch.setattr(indexer_ws_filter, "plan_splits", lambda *a: 1)
+    check_filter_scan_thresholds()
+
+
 @pytest.mark.skipif(not SM90, reason="indexer_ws's scans are sm_90a Gluon kernels")
 def test_fused_select_equals_the_reference_op_at_real_shapes(real_topk_constants, topk_paths):
     """The fused select with the Gluon scans against the reference op (not the registered pair,

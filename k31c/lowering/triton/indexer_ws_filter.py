@@ -16,7 +16,7 @@ from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
 from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
                                              plan_splits, shared_layouts)
-from k31c.lowering.triton.radix_select import WARP_SLOTS_PTX
+from k31c.lowering.triton.radix_select import warp_slots_ptx
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
 REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 over 48 warps a row)
@@ -27,17 +27,6 @@ if GLUON_ERROR is None:
                                                  gdc_wait, loader, quantise_q, shared_state, tile_pass)
 
     REGION_C = gl.constexpr(REGION)
-    # a warp's lanes with $2 set: each one's rank among them ($0) and how many ($1)
-    WARP_RANK_PTX = gl.constexpr("""{
-        .reg .pred p;
-        .reg .b32 b, below;
-        setp.ne.b32 p, $2, 0;
-        vote.sync.ballot.b32 b, p, 0xffffffff;
-        mov.u32 below, %lanemask_lt;
-        and.b32 below, below, b;
-        popc.b32 $0, below;
-        popc.b32 $1, b;
-    }""")
     # lane 0 adds $2 (the same in every lane) to the counter at $1, if not 0 (a row past the
     # last or with no candidates touches no counter); every lane gets the old value
     WARP_TAKE_PTX = gl.constexpr("""{
@@ -51,15 +40,38 @@ if GLUON_ERROR is None:
         shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
     }""")
 
-    @gluon.jit
-    def _order_key(x):
-        """radix_select.order_key for a [64 keys, 4 rows] tile: fp32 -> uint32 in the float order
-        (-0.0 as +0.0, every NaN above +inf)."""
-        ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])
-        bits = x.to(gl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) | -0x80000000)).to(gl.uint32, bitcast=True)
-        key = gl.where(x == 0.0, gl.full([BK_C, R_C], 0x80000000, gl.uint32, ST_L), key)
-        return gl.where(x != x, gl.full([BK_C, R_C], 0xFFFFFFFF, gl.uint32, ST_L), key)
+    # a key's slots, from one ballot of the candidates $2: $0 the lane's region slot (held $3 + its
+    # rank), $1 the warp's count. Where the region overflows (warp-uniform: held + count > REGION,
+    # held being the same in every lane) the lanes past it take buffer slots from the row's
+    # counter $4 (`warp_slots_ptx`: one atomic) and store score bits $7 / position $8 at row
+    # pointers $5 / $6 while the slot is below cap $9. A uniform branch skips that path in the
+    # common case, which then costs a ballot and two popc an element
+    FILTER_SLOTS_PTX = gl.constexpr(("""{
+        .reg .pred p, full, q, in;
+        .reg .b32 b, rank, n, slot, room, at;
+        .reg .b64 off, ak, ap;
+        setp.ne.b32 p, $2, 0;
+        vote.sync.ballot.b32 b, p, 0xffffffff;
+        mov.u32 rank, %lanemask_lt;
+        and.b32 rank, rank, b;
+        popc.b32 rank, rank;
+        popc.b32 n, b;
+        add.u32 slot, $3, rank;
+        add.u32 room, $3, n;
+        setp.gt.u32 full, room, REGION;
+        @!full bra.uni DONE;
+        setp.ge.and.u32 q, slot, REGION, p;
+        """ + warp_slots_ptx("q", "$4", "at") + """
+        setp.lt.and.u32 in, at, $9, q;
+        mul.wide.u32 off, at, 4;
+        add.s64 ak, $5, off;
+        add.s64 ap, $6, off;
+        @in st.global.b32 [ak], $7;
+        @in st.global.b32 [ap], $8;
+    DONE:
+        mov.u32 $0, slot;
+        mov.u32 $1, n;
+    }""").replace("REGION", str(REGION)))
 
     @gluon.jit
     def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
@@ -86,6 +98,16 @@ if GLUON_ERROR is None:
         st = state_ptr + (row0 + r) * ST_WORDS
         thresh = gl.load(st + ST_THRESH, mask=row0 + r < n_rows, other=-1).to(gl.uint32,
                                                                                 bitcast=True)
+        # the scores compared as floats, ~(x <= t) (order_key(x) > T exactly when x > t or x is
+        # NaN: topk._compare's FLOAT) against t, the fp32 of each row's threshold key T: +inf
+        # for a NaN key (only NaNs lie above it; the all-ones key, above every score, drops the
+        # row), -(the least subnormal) for the key of -0.0's bits (every score >= -0.0 above it)
+        tbits = gl.where(thresh >= 0x80000000, thresh ^ 0x80000000, thresh ^ 0xFFFFFFFF)
+        tbits = gl.where(thresh > 0xFF800000, 0x7F800000, tbits)
+        tbits = gl.where(thresh == 0x7FFFFFFF, 0x80000001, tbits)
+        tf = gl.expand_dims(tbits.to(gl.float32, bitcast=True), 0)
+        live = thresh != 0xFFFFFFFF
+        cap_i = zero_i + cap
         ctr = gl.expand_dims(st + ST_CNT, 0) + zero_i             # each row's counter
         buf = gl.expand_dims((row0 + r).to(gl.int64) * cap, 0) + zero_i
         # this warp's region of each row: (program, group, key half of the block, row)
@@ -102,24 +124,17 @@ if GLUON_ERROR is None:
                 for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
                     sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
                                             s_bufs, ready, empty)
-                    cand = ((_order_key(sc) > gl.expand_dims(thresh, 0))
-                            & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
-                            & gl.expand_dims(sel, 0))
-                    rank, n_cand = gl.inline_asm_elementwise(
-                        WARP_RANK_PTX, "=r,=r,r", [cand.to(gl.int32)], dtype=(gl.int32, gl.int32),
-                        is_pure=False, pack=1)
-                    slot = held + rank
+                    cand = (~(sc <= tf) & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
+                            & gl.expand_dims(sel & live, 0))
                     bits = sc.to(gl.int32, bitcast=True)
                     posi = gl.expand_dims(pos, 1) + zero_i
+                    slot, n_cand = gl.inline_asm_elementwise(
+                        FILTER_SLOTS_PTX, "=r,=r,r,r,l,l,l,r,r,r",
+                        [cand.to(gl.int32), held, ctr, ckey_ptr + buf, cpos_ptr + buf, bits, posi,
+                         cap_i], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
                     mine = cand & (slot < REGION_C)
                     gl.store(hkey_ptr + region + slot, bits, mask=mine)
                     gl.store(hpos_ptr + region + slot, posi, mask=mine)
-                    over = cand & (slot >= REGION_C)   # a full region: straight to the buffer
-                    at = gl.inline_asm_elementwise(WARP_SLOTS_PTX, "=r,l,r",
-                                                   [ctr, over.to(gl.int32)], dtype=gl.int32,
-                                                   is_pure=False, pack=1)
-                    gl.store(ckey_ptr + buf + at, bits, mask=over & (at < cap))
-                    gl.store(cpos_ptr + buf + at, posi, mask=over & (at < cap))
                     held += n_cand
                 base += n_my
         # the regions into the rows' buffers (past cap: counted, not stored; the refine sends

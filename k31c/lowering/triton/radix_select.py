@@ -246,24 +246,35 @@ def scan_slots(live):
     return exclusive_scan(live.to(tl.int32))
 
 
-# One ballot ranks a register's live lanes in the warp; the warp's first live lane takes their
-# slots from the counter with one atomic add and shuffles the base to the others.
-WARP_SLOTS_PTX = tl.constexpr("""{
-    .reg .pred p, lead;
+
+def warp_slots_ptx(live: str, counter: str, slot: str) -> str:
+    """PTX that gives the warp's lanes with predicate `live` distinct slots (into register `slot`)
+    from the u32 counter at address operand `counter`: one ballot ranks them, the first live lane
+    takes their slots with one atomic add and shuffles the base to the others. In a scope of its
+    own, so callers can embed it (indexer_ws_filter's overflow path)."""
+    return f"""{{
+    .reg .pred lead;
     .reg .b32 b, below, rank, n, base, first;
-    setp.ne.b32 p, $2, 0;
-    vote.sync.ballot.b32 b, p, 0xffffffff;
+    vote.sync.ballot.b32 b, {live}, 0xffffffff;
     mov.u32 below, %lanemask_lt;
     and.b32 below, below, b;
     popc.b32 rank, below;
     popc.b32 n, b;
     brev.b32 first, b;
     bfind.shiftamt.u32 first, first;
-    setp.eq.and.u32 lead, rank, 0, p;
+    setp.eq.and.u32 lead, rank, 0, {live};
     mov.u32 base, 0;
-    @lead atom.global.add.u32 base, [$1], n;
+    @lead atom.global.add.u32 base, [{counter}], n;
     shfl.sync.idx.b32 base, base, first, 0x1f, 0xffffffff;
-    add.u32 $0, base, rank;
+    add.u32 {slot}, base, rank;
+    }}"""
+
+
+# $0: a distinct slot for each lane whose $2 is not 0, from the counter at $1
+WARP_SLOTS_PTX = tl.constexpr("""{
+    .reg .pred p;
+    setp.ne.b32 p, $2, 0;
+    """ + warp_slots_ptx("p", "$1", "$0") + """
 }""")
 
 
