@@ -246,7 +246,6 @@ def scan_slots(live):
     return exclusive_scan(live.to(tl.int32))
 
 
-
 def warp_slots_ptx(live: str, counter: str, slot: str) -> str:
     """PTX that gives the warp's lanes with predicate `live` distinct slots (into register `slot`)
     from the u32 counter at address operand `counter`: one ballot ranks them, the first live lane
