@@ -22,7 +22,8 @@ import triton.language as tl
 from k31c.graph.ops.fp8_layouts import MX_GROUP
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.cache_write import exp2_int, mx_exponent, round_to_e4m3
-from k31c.lowering.triton.indexer_tile import fill_tail, query_rows, rows_of_tile
+from k31c.lowering.triton.indexer_tile import (fill_tail, query_rows, rows_of_tile, run_rows,
+                                               run_start)
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 MAX_GROUPS = 4
@@ -135,15 +136,11 @@ def _indexer_mx_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, 
     for j in range(ROWS):
         row = first_row + j
         if row < n_rows:
-            req = tl.load(row_req_ptr + row)
-            prev_req = tl.load(row_req_ptr + row - 1, mask=j > 0, other=-1)
-            if (j == 0) | (req != prev_req):             # first row of a run of one request
-                sel = row_ok & (req_of_row == req)
-                req_ok = (req >= 0) & (req < n_req)
-                lens = tl.where(sel & req_ok, len_of_row, 0)
-                length = tl.max(lens, axis=0)
+            req, starts_run = run_start(row_req_ptr, row, j)
+            if starts_run:
+                sel, lens, length, table_row = run_rows(req, row_ok, req_of_row, len_of_row, n_req,
+                                                        table_ptr, table_stride)
                 n_steps = tl.cdiv(length, KEYS)
-                table_row = table_ptr + req.to(tl.int64) * table_stride
                 for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
                                      num_stages=NUM_STAGES):
                     pos = step * KEYS + tl.arange(0, KEYS)

@@ -1,7 +1,9 @@
-"""What both lightning-indexer kernels share (indexer.py gathers keys row by row; indexer_tma.py
-bulk-copies whole cache blocks): the hardware e4m3 quantisation of q, the query tile loaded once
-per program, the tile's rows and requests, and the scoring of one block of keys against it (ReLU,
-head weights, key scale, row-length mask, store). Inlined into each kernel by Triton."""
+"""What the Triton lightning-indexer kernels share (indexer.py gathers keys row by row,
+indexer_tma.py bulk-copies whole cache blocks, indexer_mxfp8.py gathers MXFP8 keys): the hardware
+e4m3 quantisation of q, the query tile loaded once per program, the tile's rows and requests, the
+runs of rows of one request that one pass over the keys serves, and the scoring of one block of
+keys against the tile (ReLU, head weights, key scale, row-length mask, store). Inlined into each
+kernel by Triton."""
 from __future__ import annotations
 
 import triton
@@ -81,6 +83,26 @@ def rows_of_tile(row_req_ptr, row_len_ptr, out_ptr, first_row, n_rows, capacity,
     req_of_row = tl.load(row_req_ptr + rows, mask=row_ok, other=-1)
     len_of_row = tl.minimum(tl.load(row_len_ptr + rows, mask=row_ok, other=0), capacity)
     return row_ok, req_of_row, len_of_row, out_ptr + rows.to(tl.int64) * capacity
+
+
+@triton.jit
+def run_start(row_req_ptr, row, j):
+    """Row `row`, the j-th of its tile: its request, and whether it starts a run of the tile's
+    rows of one request (the first row, or a request other than the previous row's)."""
+    req = tl.load(row_req_ptr + row)
+    prev_req = tl.load(row_req_ptr + row - 1, mask=j > 0, other=-1)
+    return req, (j == 0) | (req != prev_req)
+
+
+@triton.jit
+def run_rows(req, row_ok, req_of_row, len_of_row, n_req, table_ptr, table_stride):
+    """The tile's rows of request `req` (sel), their visible lengths (lens, 0 elsewhere and for a
+    request outside [0, n_req)), the longest of them and the request's block-table row: what
+    one pass over the request's keys reads."""
+    sel = row_ok & (req_of_row == req)
+    req_ok = (req >= 0) & (req < n_req)
+    lens = tl.where(sel & req_ok, len_of_row, 0)
+    return sel, lens, tl.max(lens, axis=0), table_ptr + req.to(tl.int64) * table_stride
 
 
 @triton.jit

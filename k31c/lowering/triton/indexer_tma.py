@@ -43,7 +43,7 @@ from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton.indexer_mxfp8 import mx_dequant_keys, mx_query_tile
 from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
-                                               score_keys)
+                                               run_rows, run_start, score_keys)
 from k31c.lowering.triton.device import pdl_launch, register_cap, wait_for_producers
 
 
@@ -84,15 +84,11 @@ def _indexer_tma_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr,
     for j in range(ROWS):
         row = first_row + j
         if row < n_rows:
-            req = tl.load(row_req_ptr + row)
-            prev_req = tl.load(row_req_ptr + row - 1, mask=j > 0, other=-1)
-            if (j == 0) | (req != prev_req):             # first row of a run of one request
-                sel = row_ok & (req_of_row == req)
-                req_ok = (req >= 0) & (req < n_req)
-                lens = tl.where(sel & req_ok, len_of_row, 0)
-                length = tl.max(lens, axis=0)
+            req, starts_run = run_start(row_req_ptr, row, j)
+            if starts_run:
+                sel, lens, length, table_row = run_rows(req, row_ok, req_of_row, len_of_row, n_req,
+                                                        table_ptr, table_stride)
                 n_steps = tl.cdiv(length, BLOCK_SIZE)
-                table_row = table_ptr + req.to(tl.int64) * table_stride
                 for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
                                      num_stages=NUM_STAGES):
                     block = tl.load(table_row + step)
