@@ -55,8 +55,8 @@ from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.triton import indexer_mxfp8, indexer_tma, indexer_ws
 from k31c.lowering.triton.device import pdl_launch, target_of, wait_for_producers
 from k31c.lowering.triton.indexer_plan import MX_VARIANT, OP, check_variant, mx_plan, plan
-from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, query_tile, rows_of_tile,
-                                               run_rows, run_start, score_keys)
+from k31c.lowering.triton.indexer_tile import (fill_tail, head_weights, key_slots, query_tile,
+                                               rows_of_tile, run_rows, run_start, score_keys)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
 
@@ -104,12 +104,8 @@ def _indexer_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, w_r
                 n_steps = tl.cdiv(length, KEYS)
                 for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
                                      num_stages=NUM_STAGES):
-                    pos = step * KEYS + tl.arange(0, KEYS)
-                    pos_ok = pos < length
-                    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=-1).to(tl.int64)
-                    key_ok = pos_ok & (block >= 0)
-                    offset = pos % BLOCK_SIZE
-                    key_at = block * block_stride + offset * D
+                    pos, key_ok, block, offset, key_at = key_slots(table_row, step, length,
+                                                                   block_stride, KEYS, BLOCK_SIZE, D)
                     k = tl.load(cache_ptr + key_at[:, None] + cols[None, :],
                                 mask=key_ok[:, None] & (col_ok[None, :] | (D == D_PAD)), other=0.0)
                     if FP8_CACHE:

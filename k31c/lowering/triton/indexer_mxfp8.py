@@ -22,8 +22,8 @@ import triton.language as tl
 from k31c.graph.ops.fp8_layouts import MX_GROUP
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.triton.cache_write import exp2_int, mx_exponent, round_to_e4m3
-from k31c.lowering.triton.indexer_tile import (fill_tail, query_rows, rows_of_tile, run_rows,
-                                               run_start)
+from k31c.lowering.triton.indexer_tile import (fill_tail, key_slots, query_rows, rows_of_tile,
+                                               run_rows, run_start)
 from k31c.lowering.triton.device import pdl_launch, wait_for_producers
 
 MAX_GROUPS = 4
@@ -143,12 +143,8 @@ def _indexer_mx_kernel(q_ptr, q_row_stride, q_head_stride, q_col_stride, w_ptr, 
                 n_steps = tl.cdiv(length, KEYS)
                 for step in tl.range(split * n_steps // n_splits, (split + 1) * n_steps // n_splits,
                                      num_stages=NUM_STAGES):
-                    pos = step * KEYS + tl.arange(0, KEYS)
-                    pos_ok = pos < length
-                    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=-1).to(tl.int64)
-                    key_ok = pos_ok & (block >= 0)
-                    offset = pos % BLOCK_SIZE
-                    key_at = block * block_stride + offset * D
+                    pos, key_ok, block, offset, key_at = key_slots(table_row, step, length,
+                                                                   block_stride, KEYS, BLOCK_SIZE, D)
                     scale_at = block * block_stride + BLOCK_SIZE * D + offset * GROUPS
                     logits = _group_dot(cache_ptr, scale_ptr, key_at, scale_at, key_ok, 0, q0, s0,
                                         DOT_DTYPE)

@@ -106,6 +106,20 @@ def run_rows(req, row_ok, req_of_row, len_of_row, n_req, table_ptr, table_stride
 
 
 @triton.jit
+def key_slots(table_row, step, length, block_stride, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+              D: tl.constexpr):
+    """Step `step`'s KEYS key positions through the block table row (the gather kernels):
+    (pos, key_ok: below `length` in a mapped block, block, offset in it, the key's byte/element
+    offset in the cache)."""
+    pos = step * KEYS + tl.arange(0, KEYS)
+    pos_ok = pos < length
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_ok, other=-1).to(tl.int64)
+    key_ok = pos_ok & (block >= 0)
+    offset = pos % BLOCK_SIZE
+    return pos, key_ok, block, offset, block * block_stride + offset * D
+
+
+@triton.jit
 def head_weights(w, ROWS_PAD: tl.constexpr, H_PAD: tl.constexpr, OUT: tl.constexpr,
                  HEAD_DTYPE: tl.constexpr):
     """W [M, OUT] with W[m, r] = w[m] where m is a head of tile row r: the weighted head sum as a
