@@ -40,37 +40,46 @@ if GLUON_ERROR is None:
         shfl.sync.idx.b32 $0, d, 0, 0x1f, 0xffffffff;
     }""")
 
-    # a key's slots, from one ballot of the candidates $2: $0 the lane's region slot (held $3 + its
-    # rank), $1 the warp's count. Where the region overflows (warp-uniform: held + count > REGION,
+    # a key's append, from one ballot of the candidates $1 ($0: the warp's count): each lane's
+    # candidate goes as score bits $6 / position $7 to its region slot (held $2 + its rank) at
+    # region pointers $9 / $10. Where the region overflows (warp-uniform: held + count > REGION,
     # held being the same in every lane) the lanes past it take buffer slots from the row's
-    # counter $4 (`warp_slots_ptx`: one atomic) and store score bits $7 / position $8 at row
-    # pointers $5 / $6 while the slot is below cap $9. A uniform branch skips that path in the
-    # common case, which then costs a ballot and two popc an element
-    FILTER_SLOTS_PTX = gl.constexpr(("""{
-        .reg .pred p, full, q, in;
+    # counter $3 (`warp_slots_ptx`: one atomic) and store at row pointers $4 / $5 while the slot
+    # is below cap $8. Uniform branches skip it all where the warp has no candidate (nearly every
+    # block: a ballot and a branch an element) and the overflow path where the region holds them
+    FILTER_APPEND_PTX = gl.constexpr(("""{
+        .reg .pred p, none, mine, full, q, in;
         .reg .b32 b, rank, n, slot, room, at;
         .reg .b64 off, ak, ap;
-        setp.ne.b32 p, $2, 0;
+        setp.ne.b32 p, $1, 0;
         vote.sync.ballot.b32 b, p, 0xffffffff;
+        mov.u32 n, 0;
+        setp.eq.u32 none, b, 0;
+        @none bra.uni DONE;
         mov.u32 rank, %lanemask_lt;
         and.b32 rank, rank, b;
         popc.b32 rank, rank;
         popc.b32 n, b;
-        add.u32 slot, $3, rank;
-        add.u32 room, $3, n;
+        add.u32 slot, $2, rank;
+        setp.lt.and.u32 mine, slot, REGION, p;
+        mul.wide.u32 off, slot, 4;
+        add.s64 ak, $9, off;
+        add.s64 ap, $10, off;
+        @mine st.global.b32 [ak], $6;
+        @mine st.global.b32 [ap], $7;
+        add.u32 room, $2, n;
         setp.gt.u32 full, room, REGION;
         @!full bra.uni DONE;
         setp.ge.and.u32 q, slot, REGION, p;
-        """ + warp_slots_ptx("q", "$4", "at") + """
-        setp.lt.and.u32 in, at, $9, q;
+        """ + warp_slots_ptx("q", "$3", "at") + """
+        setp.lt.and.u32 in, at, $8, q;
         mul.wide.u32 off, at, 4;
-        add.s64 ak, $5, off;
-        add.s64 ap, $6, off;
-        @in st.global.b32 [ak], $7;
-        @in st.global.b32 [ap], $8;
+        add.s64 ak, $4, off;
+        add.s64 ap, $5, off;
+        @in st.global.b32 [ak], $6;
+        @in st.global.b32 [ap], $7;
     DONE:
-        mov.u32 $0, slot;
-        mov.u32 $1, n;
+        mov.u32 $0, n;
     }""").replace("REGION", str(REGION)))
 
     @gluon.jit
@@ -115,6 +124,10 @@ if GLUON_ERROR is None:
         half = gl.expand_dims(key // 32, 1) + zero_i
         region = (((program * NG + ROLE) * 2 + half) * R_C
                   + gl.expand_dims(r, 0)).to(gl.int64) * REGION_C
+        ckey_buf = ckey_ptr + buf
+        cpos_buf = cpos_ptr + buf
+        hkey_region = hkey_ptr + region
+        hpos_region = hpos_ptr + region
         held = zero_i                                             # keys in the warp's region
         base = n_rows * 0
         for j in range(R_C):
@@ -128,14 +141,10 @@ if GLUON_ERROR is None:
                             & gl.expand_dims(sel & live, 0))
                     bits = sc.to(gl.int32, bitcast=True)
                     posi = gl.expand_dims(pos, 1) + zero_i
-                    slot, n_cand = gl.inline_asm_elementwise(
-                        FILTER_SLOTS_PTX, "=r,=r,r,r,l,l,l,r,r,r",
-                        [cand.to(gl.int32), held, ctr, ckey_ptr + buf, cpos_ptr + buf, bits, posi,
-                         cap_i], dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
-                    mine = cand & (slot < REGION_C)
-                    gl.store(hkey_ptr + region + slot, bits, mask=mine)
-                    gl.store(hpos_ptr + region + slot, posi, mask=mine)
-                    held += n_cand
+                    held += gl.inline_asm_elementwise(
+                        FILTER_APPEND_PTX, "=r,r,r,l,l,l,r,r,r,l,l",
+                        [cand.to(gl.int32), held, ctr, ckey_buf, cpos_buf, bits, posi, cap_i,
+                         hkey_region, hpos_region], dtype=gl.int32, is_pure=False, pack=1)
                 base += n_my
         # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
         # such a row to the whole-row select)
