@@ -34,8 +34,9 @@ from k31c.lowering.triton.device import (PDL_ON, inline_ptx, let_dependent_start
 
 _OP = "k31c::lightning_indexer_topk"
 # the fused select for block tables of this many keys a row or more (a static shape: one choice
-# per captured graph; None: never). From 256K the sparse layer is faster with it; at 128K the
-# layer is the same either way (BENCHMARKS.md, the fused select)
+# per captured graph; None: never). From 256K it is as fast as the pair or faster on the H100 and
+# the H200 (at 1M 7% faster on the H200); at 128K the pair is faster on the H200 (BENCHMARKS.md,
+# the fused select)
 FUSED_FROM: int | None = 256 << 10
 BLOCK = indexer_ws.BLOCK      # keys a cache block (the scans' block)
 LAYOUT_TILE = 1024            # table entries (and rows) a sample-layout program
