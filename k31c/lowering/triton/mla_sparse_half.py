@@ -17,7 +17,9 @@ lives over buffer 0's rope part once block a is scored, P of block b in a buffer
   P0 (shared) @ V0[:, 256:] and P1 (registers) @ V1[:, 256:]; frees 0.R, then 1.R.
 - the producer refills block a whole, then block b (0.L, 0.R, 1.R, 1.L), each row piece a
   16-byte cp.async of threads [4 rows, 8 columns]: a warp copies four whole 128-byte lines an
-  instruction (as [8, 4], half lines of eight rows, the gathers alone ran 1.66x slower). The next
+  instruction (as [8, 4], half lines of eight rows, the gathers alone ran 1.66x slower), and a
+  half's value columns are one [64, 256] copy, so a thread issues a row's four lines one after
+  another (four [64, 64] copies issued line c of each of its rows, then line c + 1). The next
   pair's positions load at an iteration's start, its block-table entries halfway, so no copy's
   address waits on a global load issued just before it.
 The next block a cannot be scored before 0.R, the last half its value products free, is refilled:
@@ -61,7 +63,7 @@ if GLUON_ERROR is None:
                                                  instr_shape=[16, 64, 16]))
     ROW_S = gl.constexpr(gl.SliceLayout(1, S_L))
     P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
-    G_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))   # [64, 64] bf16, whole lines
+    G_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))   # copies: whole 128-byte lines
 
     @gluon.jit
     def _buffers():
@@ -111,16 +113,19 @@ if GLUON_ERROR is None:
     def _copy_half(cache_ptr, pos, row, kv, kr, ready, free, i: gl.constexpr, HALF: gl.constexpr,
                    phase, pos_s, idx_at, n_keys):
         # rows `row` (pos < 0: zero-filled) into half HALF of buffer i, once it is free
-        cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
-        ok = gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0)
-        src = (cache_ptr + gl.expand_dims(gl.multiple_of(row.to(gl.int64) * ROW_W, 64), 1)
-               + gl.expand_dims(cols, 0))
+        # the half's 256 value columns as one [64, 256] copy, so each thread issues a row's four
+        # 128-byte pieces one after another; the rope part as a [64, 64] copy
+        row_at = gl.expand_dims(gl.multiple_of(row.to(gl.int64) * ROW_W, 64), 1)
+        cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 256, gl.SliceLayout(0, G_L)), 8), 8)
         mbarrier.wait(free.index(i * 2 + HALF), phase)
-        for c in gl.static_range(4):
-            async_copy.async_copy_global_to_shared(kv.index(i).slice(256 * HALF + 64 * c, 64, dim=1),
-                                                   src + 256 * HALF + 64 * c, mask=ok)
+        async_copy.async_copy_global_to_shared(
+            kv.index(i).slice(256 * HALF, 256, dim=1), cache_ptr + row_at + gl.expand_dims(cols, 0)
+            + 256 * HALF, mask=gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0))
         if HALF == 1:
-            async_copy.async_copy_global_to_shared(kr.index(i), src + V_COLS, mask=ok)
+            rope = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
+            async_copy.async_copy_global_to_shared(
+                kr.index(i), cache_ptr + row_at + gl.expand_dims(rope, 0) + V_COLS,
+                mask=gl.expand_dims(pos >= 0, 1) & gl.expand_dims(rope >= 0, 0))
         if HALF == 1 - i:       # the positions, with the half its group waits for first
             P_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
             k = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, P_L), 2), 2)
