@@ -56,7 +56,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 if [ "$parallel" -gt 0 ]; then
     [ ${#shard[@]} -eq 0 ] && [ "$bench" = 0 ] || {
         echo "gpu_check: --parallel runs the shards itself (no --shard, no --bench)" >&2; exit 2; }
-    logs=${OUT:-.}
+    logs=${LOGS:-${OUT:-.}}
     own=()        # this command's arguments without --parallel N, for each shard
     skip=0
     for a in "${args[@]}"; do
