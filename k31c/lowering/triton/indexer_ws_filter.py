@@ -24,9 +24,10 @@ REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon
-    from k31c.lowering.triton.indexer_ws import (BK_C, H_C, NG, PASS_SHIFT_C, R_C, STEP_MASK,
-                                                 block_scores, gdc_launch_dependents, gdc_wait, loader,
-                                                 next_block, quantise_q, shared_state, tile_pass)
+    from k31c.lowering.triton.indexer_ws import block_scores, quantise_q, tile_pass
+    from k31c.lowering.triton.indexer_ws_ring import (BK_C, H_C, NG, PASS_SHIFT_C, R_C, STEP_MASK,
+                                                      gdc_launch_dependents, gdc_wait, loader,
+                                                      next_block, shared_state)
 
     REGION_C = gl.constexpr(REGION)
     # lane 0 adds $2 (the same in every lane) to the counter at $1, if not 0 (a row past the
@@ -192,8 +193,8 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _indexer_ws_filter_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                                  len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, claim_ptr, n_rows,
-                                  n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
+                                  len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, claim_ptr,
+                                  n_rows, n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
                                   PDL: gl.constexpr = False):
         """PDL: launched as the dependent of the kernel before (the math groups wait for it in
         `_filter`, the producer before its first claim; no-ops without PDL)."""
@@ -239,8 +240,8 @@ def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capaci
     tiles = -(-n // ROWS)
     _indexer_ws_filter_kernel[(tiles, splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, state,
-        ckey, cpos, held[0], held[1], claim_counters.counters(q.device, tiles), n, block_table.shape[0], capacity, splits, cap,
-        num_warps=NUM_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        ckey, cpos, held[0], held[1], claim_counters.counters(q.device, tiles), n, block_table.shape[0],
+        capacity, splits, cap, num_warps=NUM_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}))
 
 
 def aot_spec(shapes, op: str, cap: int, pdl: bool = False):
