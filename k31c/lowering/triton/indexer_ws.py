@@ -67,6 +67,16 @@ if GLUON_ERROR is None:
         return first, req, sel, lens, gl.cdiv(gl.max(lens, 0), BK_C)
 
     @gluon.jit
+    def word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, r):
+        """The pass j of a stage's word, the rows of its request in the tile and their lengths,
+        read again (`tile_pass`) where the word starts another pass than j."""
+        if (word >> PASS_SHIFT_C) != j:
+            j = word >> PASS_SHIFT_C
+            first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                                       capacity, j, r)
+        return j, sel, lens
+
+    @gluon.jit
     def quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
         # this group's rows of the tile (r % NG == ROLE) -> e4m3 in shared memory, their scales
         # folded into the head weights; then wait for the other groups'
@@ -123,18 +133,13 @@ if GLUON_ERROR is None:
         key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
         out_rows = out_ptr + r.to(gl.int64) * capacity
         zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
-        # this group's stages: g % NG == ROLE; a pass's rows and lengths read when its first
-        # block comes
+        # this group's stages: g % NG == ROLE
         g = n_rows * 0 + ROLE
         word = next_block(g, steps, ready)
-        j = word * 0
-        first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req,
-                                                   capacity, j, r)
+        j, sel, lens = word * 0 - 1, r < 0, r * 0            # no pass read yet
         while word >= 0:
-            if (word >> PASS_SHIFT_C) != j:
-                j = word >> PASS_SHIFT_C
-                first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows,
-                                                           n_req, capacity, j, r)
+            j, sel, lens = word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                     capacity, r)
             sc, pos = block_scores(g, word & STEP_MASK, lens, w, zero, key, q_smem, k_bufs, s_bufs,
                                    empty)
             gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,

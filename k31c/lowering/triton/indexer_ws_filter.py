@@ -24,8 +24,8 @@ REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon
-    from k31c.lowering.triton.indexer_ws import block_scores, quantise_q, tile_pass
-    from k31c.lowering.triton.indexer_ws_ring import (BK_C, H_C, NG, PASS_SHIFT_C, R_C, STEP_MASK,
+    from k31c.lowering.triton.indexer_ws import block_scores, quantise_q, word_pass
+    from k31c.lowering.triton.indexer_ws_ring import (BK_C, H_C, NG, R_C, STEP_MASK,
                                                       gdc_launch_dependents, gdc_wait, loader,
                                                       next_block, shared_state)
 
@@ -135,14 +135,10 @@ if GLUON_ERROR is None:
         # this group's stages, as `_score`'s
         g = n_rows * 0 + ROLE
         word = next_block(g, steps, ready)
-        j = word * 0
-        first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req,
-                                                   capacity, j, r)
+        j, sel, lens = word * 0 - 1, r < 0, r * 0            # no pass read yet
         while word >= 0:
-            if (word >> PASS_SHIFT_C) != j:
-                j = word >> PASS_SHIFT_C
-                first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows,
-                                                           n_req, capacity, j, r)
+            j, sel, lens = word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                     capacity, r)
             sc, pos = block_scores(g, word & STEP_MASK, lens, w, zero, key, q_smem, k_bufs, s_bufs,
                                    empty)
             cand = (~(sc <= tf) & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
