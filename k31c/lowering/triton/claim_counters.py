@@ -28,15 +28,16 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     call for a device, or for more tiles than its buffer holds, allocates, and must not run
     inside a graph capture (run the call once before capturing)."""
     dev = torch.device(device)
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    buf = _BUFFERS.get(key)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    buf = _BUFFERS.get(dev)
     if buf is None or buf.numel() < tiles * WORDS:
-        if torch.cuda.is_current_stream_capturing():
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"indexer scan: claim counters for {tiles} tiles first asked for inside a CUDA graph "
                 "capture; run the call once before capturing")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(tiles, MIN_TILES) * WORDS, dtype=torch.int32, device=device)
-        _BUFFERS[key] = buf
+        _BUFFERS[dev] = buf
     return buf
