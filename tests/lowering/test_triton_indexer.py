@@ -13,7 +13,7 @@ import torch
 import k31c.graph.ops.indexer  # noqa: F401  (registers torch.ops.k31c.*)
 from k31c.graph.ops.cache_write import index_row_bytes, quantize_index_fp8, dequantize_index_fp8
 from k31c.lowering.triton import indexer as tix
-from k31c.lowering.triton import indexer_tma, indexer_ws
+from k31c.lowering.triton import claim_counters, indexer_tma, indexer_ws
 from k31c.lowering.triton.device import target_of, using_target
 
 VARIANTS = ["gather", "tma"]
@@ -318,6 +318,45 @@ def test_warp_specialized_rows_of_several_requests(ws_launches):
     got = tix.launch_indexer(*args, variant="warp_specialized", splits=5)
     assert ws_launches == [16]
     _assert_fp8_scores(got, *args)
+
+
+@gpu_only
+@pytest.mark.parametrize("layout", ["several requests a tile", "long decode rows"])
+def test_warp_specialized_claims_leave_the_counters_zeroed(layout, ws_launches):
+    """A tile's programs claim chunks of its blocks from counters that each launch leaves zeroed
+    (`claim_counters`: the tile's last program zeroes them): the same call three times eagerly,
+    then captured and replayed three times, gives the first call's scores every time (the output
+    NaN-filled before each call, so a block left unclaimed shows), and the counters read zero
+    after. Tiles of several requests (a counter a pass), and long rows of many chunks a split."""
+    if layout == "several requests a tile":
+        row_req = torch.tensor([0, 1, 0, 2, 3, 3, 3, 3, 1, 2, 0, 1, 2, 0, 3, 2]).int()
+        row_len = torch.tensor([900, 130, 5, 1200, 64, 65, 3000, 1, 0, 777, 901, 40, 300, 2, 2999,
+                                1199]).int()
+        args, splits = _ws_problem(row_req, row_len, max_blocks=50, seed=64), 5
+    else:
+        row_req, row_len = _decode_rows([20000, 3001, 9000], r=4)
+        args, splits = _ws_problem(row_req, row_len, max_blocks=320, seed=65), 7
+    first = tix.launch_indexer(*args, variant="warp_specialized", splits=splits)
+    _assert_fp8_scores(first, *args)
+    out = torch.empty_like(first)
+
+    def call():
+        out.fill_(float("nan"))
+        indexer_ws.launch(*args, out, splits=splits)
+
+    for _ in range(3):
+        call()
+        assert torch.equal(out, first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    tiles = -(-first.shape[0] // indexer_ws.ROWS)
+    assert int(claim_counters.counters(first.device, tiles).count_nonzero()) == 0
+    assert ws_launches == [first.shape[0]] * 5
 
 
 def test_warp_specialized_refuses_what_it_cannot_run():

@@ -1,28 +1,32 @@
 """Warp-specialized lightning indexer scan on sm_90a (Gluon): h200's kernel for an FP8 index cache
 read by 4-row verification steps (`indexer.launch_indexer` runs it where `why_not` finds nothing).
 
-A program takes a tile of 4 consecutive query rows (one request in the decode layout: 4 rows x 32
-heads = 128 query columns, m = r * 32 + h) and one of `splits` slices of each request's 64-key
-cache blocks. Three partitions:
+A tile of 4 consecutive query rows (one request in the decode layout: 4 rows x 32 heads = 128
+query columns, m = r * 32 + h) has `splits` programs, which take chunks of CHUNK of the request's
+64-key cache blocks from a counter of the tile's (`claim_counters`), so a program on a slower SM
+takes fewer and the tile's programs end together. Three partitions:
 
 - three math warp groups first quantise q, group k the rows r with r % 3 == k (32 query columns
   each, group 0 also row 3): e4m3 per (row, head), scale
   max(amax, 1e-4) / 448, x / scale computed as x * (1 / scale) plus one FMA correction (the
   correctly rounded quotient, as the TMA kernel's true division gives), clamped to +-448; the
   scales are folded into the head weights. q stays in shared memory;
-- a 1-warp producer bulk-copies each block (its 64 e4m3 keys as a [64, 128] TMA box, its 64 fp32
-  scales as a [2, 32] box of the same 8448-byte block; a -1 block is read as zeros) into a ring
-  of 9 stages, its first copies running under the q prologue;
-- math group k takes blocks g with g % 3 == k, so two groups' epilogues run under the third's
+- a 1-warp producer claims chunks (the next claim in flight while a chunk is copied) and
+  bulk-copies each block (its 64 e4m3 keys as a [64, 128] TMA box, its 64 fp32 scales as a
+  [2, 32] box of the same 8448-byte block; a -1 block is read as zeros) into a ring of 9 stages,
+  each stage's block step in a word beside it, its first copies running under the q prologue;
+  the tile's last program to finish zeroes the tile's counters for the next launch;
+- math group k takes ring stages g with g % 3 == k, so two groups' epilogues run under the third's
   wgmma (the epilogue, not the copies, set the pace with two groups): the
   keys-as-M FP8 wgmma [64 keys, 128 query columns], ReLU, times the head weights, the sum over
   each row's 32 heads, times the key scale, -inf at or past the row's length.
 
 The producer also writes -inf past a request's last block (shared out over the splits). Any
 row_req is taken: a tile whose rows belong to several requests runs one pass per run of rows of
-one request, each pass scoring and writing only its own rows (in the decode layout there is one
-pass). The grid depends on static shapes only (CUDA-graph safe); lengths, requests and blocks are
-read on the device. Splits: one program an SM (the math groups hold 152-176 registers a thread).
+one request, each pass with its own claim counter, scoring and writing only its own rows (in
+the decode layout there is one pass). The grid depends on static shapes only (CUDA-graph safe);
+lengths, requests and blocks are read on the device. The ring, its producer and the sizes are
+`indexer_ws_ring`'s. Splits: one program an SM (the math groups hold 152-176 registers a thread).
 """
 from __future__ import annotations
 
@@ -30,52 +34,27 @@ import torch
 
 from k31c.graph.ops.fp8_layouts import is_mxfp8_index_cache
 from k31c.lowering.aot_spec import descriptor_type, kernel_spec
+from k31c.lowering.triton import claim_counters
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR, why_not_sm90
+from k31c.lowering.triton.indexer_ws_ring import BLOCK, BLOCK_BYTES, D, HEADS, PASS_SHIFT, ROWS
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import (fence_async_shared, gl, gluon, mbarrier, sync,
-                                                 tma, warpgroup_mma, warpgroup_mma_wait)
+                                                 warpgroup_mma, warpgroup_mma_wait)
+    from k31c.lowering.triton.indexer_ws_ring import (BK_C, D_C, H_C, NB, NG, PASS_SHIFT_C, R_C,
+                                                      STEP_MASK, gdc_launch_dependents, gdc_wait,
+                                                      loader, next_block, shared_state)
 
-ROWS, HEADS, D, BLOCK = 4, 32, 128, 64          # what the kernel is written for (K3.1 Pro)
-BLOCK_BYTES = BLOCK * (D + 4)                    # an FP8 cache block: 64 keys, then 64 fp32 scales
 MIN_STEPS = 4                                    # blocks a split takes at least
 NUM_WARPS = 4                                    # the default partition (math group 0)
 
 if GLUON_ERROR is None:
-    # ring stages (9 x 8.4 KB): a multiple of NG, so each stage feeds one math group only (group
-    # k takes blocks g % NG == k). On a stage two groups fed, a group could wait for the fill after
-    # the one in flight; that parity already reads as complete, and the wait would pass at once
-    # (with 3 groups on 8 stages a CPU model of the ring finds such early passes, and deadlocks:
-    # BENCHMARKS.md, the indexer with three math warp groups).
-    NG = gl.constexpr(3)                         # math groups
-    NB = gl.constexpr(3 * NG)
-    R_C = gl.constexpr(ROWS)                     # the module's sizes as the kernels see them
-    H_C = gl.constexpr(HEADS)
-    D_C = gl.constexpr(D)
-    BK_C = gl.constexpr(BLOCK)
-    BOX_ROWS = gl.constexpr(BLOCK_BYTES // D)    # 66 rows of 128 B a block in the descriptors' view
-
     @gluon.jit
-    def gdc_wait():
-        """Programmatic dependent launch: wait until the kernel before this one in the stream has
-        finished, its writes visible (a no-op in a launch without PDL)."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def gdc_launch_dependents():
-        """Programmatic dependent launch: let the next kernel in the stream launch (it waits for
-        this one before it reads what this one writes; a no-op without PDL)."""
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split,
-             n_splits):
-        """Pass j of the tile: whether row j starts a run of one request's rows, the rows of that
-        request in the tile (over `r` = arange(R_C)), their lengths, the request's blocks and
-        this split's share of them."""
+    def tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r):
+        """Pass j of the tile: whether row j starts a run of one request's rows, the request, the
+        rows of that request in the tile (over `r` = arange(R_C)), their lengths and the
+        request's blocks."""
         row = row0 + j
         req = gl.load(row_req_ptr + gl.minimum(row, n_rows - 1))
         prev = gl.load(row_req_ptr + gl.minimum(gl.maximum(row - 1, 0), n_rows - 1))
@@ -85,43 +64,17 @@ if GLUON_ERROR is None:
         req_ok = (req >= 0) & (req < n_req)
         lens = gl.minimum(gl.load(len_ptr + row0 + r, mask=in_tile, other=0), capacity)
         lens = gl.where(sel & req_ok, lens, 0)
-        n_steps = gl.cdiv(gl.max(lens, 0), BK_C)
-        step0 = split * n_steps // n_splits
-        n_my = (split + 1) * n_steps // n_splits - step0
-        return first, req, sel, lens, n_steps, step0, n_my
+        return first, req, sel, lens, gl.cdiv(gl.max(lens, 0), BK_C)
 
     @gluon.jit
-    def loader(k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_ptr, row0,
-                n_rows, n_req, capacity, split, n_splits, write_tail, k_bufs, s_bufs, ready, empty):
-        r = gl.arange(0, R_C, gl.BlockedLayout([1], [32], [1], [0]))
-        T_L: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
-        base = n_rows * 0                          # blocks this program has loaded (ring phases)
-        for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
-            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
-                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
-            if first:
-                table_row = table_ptr + req.to(gl.int64) * table_stride
-                for i in range(n_my):
-                    g = base + i
-                    b = g % NB
-                    blk = gl.load(table_row + step0 + i)     # -1: negative rows, read as zeros
-                    mbarrier.wait(empty.index(b), ((g // NB) & 1) ^ 1)
-                    mbarrier.expect(ready.index(b), k_desc.block_type.nbytes + s_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [blk * BOX_ROWS, 0], ready.index(b),
-                                                    k_bufs.index(b))
-                    tma.async_copy_global_to_shared(s_desc, [blk * BOX_ROWS + BK_C, 0], ready.index(b),
-                                                    s_bufs.index(b))
-                base += n_my
-                # -inf past the request's last block for this pass's rows, shared over the splits
-                n_tail = gl.cdiv(capacity - n_steps * BK_C, 128) * write_tail
-                for rr in gl.static_range(R_C):
-                    row = row0 + rr
-                    mine = (row < n_rows) & (gl.load(row_req_ptr + gl.minimum(row, n_rows - 1)) == req)
-                    for chunk in range(split * n_tail // n_splits, (split + 1) * n_tail // n_splits):
-                        p = n_steps * BK_C + chunk * 128 + gl.arange(0, 128, T_L)
-                        gl.store(out_ptr + rr * capacity + p,
-                                 gl.full([128], float("-inf"), gl.float32, T_L),
-                                 mask=(p < capacity) & mine)
+    def word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, r):
+        """The pass j of a stage's word, the rows of its request in the tile and their lengths,
+        read again (`tile_pass`) where the word starts another pass than j."""
+        if (word >> PASS_SHIFT_C) != j:
+            j = word >> PASS_SHIFT_C
+            first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                                       capacity, j, r)
+        return j, sel, lens
 
     @gluon.jit
     def quantise_q(ROLE: gl.constexpr, q_ptr, w_ptr, row0, n_rows, q_smem, w_smem, q_bar):
@@ -149,13 +102,12 @@ if GLUON_ERROR is None:
         mbarrier.wait(q_bar, 0)
 
     @gluon.jit
-    def block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs, s_bufs, ready, empty):
-        """Block g of the ring, the pass's (g - base)-th: its scores [64 keys, 4 rows] (-inf at
-        or past each row's length) and positions; its stage freed."""
+    def block_scores(g, step, lens, w, zero, key, q_smem, k_bufs, s_bufs, empty):
+        """The block in ring stage g % NB (landed), the request's step-th: its scores [64 keys,
+        4 rows] (-inf at or past each row's length) and positions; its stage freed."""
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
         SC_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         b = g % NB
-        mbarrier.wait(ready.index(b), (g // NB) & 1)
         acc = warpgroup_mma(k_bufs.index(b), q_smem.permute((1, 0)), zero, use_acc=False,
                             is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -164,15 +116,14 @@ if GLUON_ERROR is None:
         ks = s_bufs.index(b)._reinterpret(gl.float32, [BK_C], SC_L).load(gl.SliceLayout(1, ST_L))
         sync()
         mbarrier.arrive(empty.index(b), count=1)        # the stage is free again
-        pos = (step0 + g - base) * BK_C + key
+        pos = step * BK_C + key
         sc = gl.where(gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0),
                       sc * gl.expand_dims(ks, 1), float("-inf"))
         return sc, pos
 
     @gluon.jit
     def _score(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows,
-               n_req, capacity, split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready,
-               empty):
+               n_req, capacity, q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty):
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, 128, 32])
         ST_L: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [2, 2], [0, 1])   # [64 keys, 4 rows]
@@ -182,67 +133,46 @@ if GLUON_ERROR is None:
         key = gl.arange(0, BK_C, gl.SliceLayout(1, ST_L))
         out_rows = out_ptr + r.to(gl.int64) * capacity
         zero = gl.zeros([BK_C, R_C * H_C], gl.float32, ACC_L)
-        base = n_rows * 0                          # blocks the program has scored (ring phases)
-        for j in range(R_C):           # a loop, not unrolled: one copy of the pass's code
-            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
-                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
-            if first:
-                # this group's blocks: g % NG == ROLE
-                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
-                    sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
-                                            s_bufs, ready, empty)
-                    gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,
-                             mask=gl.expand_dims(pos < capacity, 1) & gl.expand_dims(sel, 0))
-                base += n_my
+        # this group's stages: g % NG == ROLE
+        g = n_rows * 0 + ROLE
+        word = next_block(g, steps, ready)
+        j, sel, lens = word * 0 - 1, r < 0, r * 0            # no pass read yet
+        while word >= 0:
+            j, sel, lens = word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                     capacity, r)
+            sc, pos = block_scores(g, word & STEP_MASK, lens, w, zero, key, q_smem, k_bufs, s_bufs,
+                                   empty)
+            gl.store(gl.expand_dims(out_rows, 0) + gl.expand_dims(pos, 1), sc,
+                     mask=gl.expand_dims(pos < capacity, 1) & gl.expand_dims(sel, 0))
+            g += NG
+            word = next_block(g, steps, ready)
 
     @gluon.jit
-    def _score0(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
-                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+    def _score0(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, q_bar,
+                q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty):
         _score(0, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
-               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+               q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
-    def _score1(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
-                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+    def _score1(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, q_bar,
+                q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty):
         _score(1, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
-               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+               q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
-    def _score2(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, split,
-                n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+    def _score2(q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity, q_bar,
+                q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty):
         _score(2, q_ptr, w_ptr, row_req_ptr, len_ptr, out_ptr, row0, n_rows, n_req, capacity,
-               split, n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
-
-    @gluon.jit
-    def shared_state():
-        """The scan's shared memory, its barriers initialised: q (e4m3) and the head weights, the
-        ring of key and scale boxes with its ready / empty barriers, and q's barrier."""
-        Q_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R_C * H_C, D_C], gl.float8e4nv)
-        K_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK_C, D_C], gl.float8e4nv)
-        S_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2, 32], gl.float32)
-        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [R_C * H_C, D_C], Q_SH)
-        w_smem = gl.allocate_shared_memory(gl.float32, [R_C * H_C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        k_bufs = gl.allocate_shared_memory(gl.float8e4nv, [NB, BK_C, D_C], K_SH)
-        s_bufs = gl.allocate_shared_memory(gl.float32, [NB, 2, 32], S_SH)
-        ready = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NB, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=NG)
-        for b in gl.static_range(NB):
-            mbarrier.init(ready.index(b), count=1)
-            mbarrier.init(empty.index(b), count=1)
-        fence_async_shared()          # the barriers' initialisation before any partition uses them
-        sync()
-        return q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar
+               q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
     def _indexer_ws_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                           len_ptr, out_ptr, gate_ptr, n_rows, n_req, capacity, n_splits,
+                           len_ptr, out_ptr, claim_ptr, gate_ptr, n_rows, n_req, capacity, n_splits,
                            gate_stride, gate_offset, gate_value, num_warps: gl.constexpr,
                            GATED: gl.constexpr = False, PDL: gl.constexpr = False):
         """GATED: only tiles with a row whose gate word (gate_ptr[row * gate_stride +
-        gate_offset]) equals gate_value run; the others return at once. PDL: launched as the
-        dependent of the kernel before, waiting for it before any access."""
+        gate_offset]) equals gate_value run; the others return at once (they claim nothing).
+        PDL: launched as the dependent of the kernel before, waiting for it before any access."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -255,17 +185,17 @@ if GLUON_ERROR is None:
                            other=gate_value + 1)
             if gl.max((word == gate_value).to(gl.int32), 0) == 0:
                 return
-        q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
+        q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty, q_bar = shared_state()
         out_row0 = out_ptr + row0.to(gl.int64) * capacity
-        scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity, split,
-                 n_splits, q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty)
+        scans = (q_ptr, w_ptr, row_req_ptr, len_ptr, out_row0, row0, n_rows, n_req, capacity,
+                 q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty)
         gl.warp_specialize([
             (_score0, scans),
             (_score1, scans),
             (_score2, scans),
             (loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, out_row0,
-                       row0, n_rows, n_req, capacity, split, n_splits, 1, k_bufs, s_bufs, ready,
-                       empty))],
+                      claim_ptr, row0, n_rows, n_req, capacity, split, n_splits, 1, k_bufs, s_bufs,
+                      steps, ready, empty, False))],
             [4, 4, 1], [152, 152, 32])   # the default math group gets 176
 
 
@@ -286,6 +216,13 @@ def why_not(q, weights, index_cache, block_table, block_size: int) -> str | None
             or index_cache.stride(0) != BLOCK_BYTES or index_cache.data_ptr() % 16):
         return "a q, weights or cache layout that is not contiguous and aligned"
     return None
+
+
+def check_capacity(capacity: int) -> None:
+    """A stage's word holds a block step below 1 << PASS_SHIFT."""
+    if capacity > BLOCK << PASS_SHIFT:
+        raise ValueError(f"indexer scan: {capacity} keys a row; the warp-specialized scan takes at most "
+                         f"{BLOCK << PASS_SHIFT}")
 
 
 def plan_splits(n_rows: int, capacity: int, sm_count: int) -> int:
@@ -318,14 +255,17 @@ def launch(q, weights, index_cache, block_table, row_req, row_len, scores, split
     tiles with a row whose words[row * stride + offset] == value are scored (the rest of `scores`
     untouched). pdl: launched as the PDL dependent of the kernel before (sm_90)."""
     n, capacity = q.shape[0], scores.shape[1]
+    check_capacity(capacity)
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
     words, stride, offset, value = gate if gate is not None else (row_len, 1, 0, 0)
     k_desc, s_desc = descriptors(index_cache)
-    _indexer_ws_kernel[(-(-n // ROWS), splits)](
+    tiles = -(-n // ROWS)
+    _indexer_ws_kernel[(tiles, splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, scores,
-        words, n, block_table.shape[0], capacity, splits, stride, offset, value, num_warps=NUM_WARPS,
-        GATED=gate is not None, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        claim_counters.counters(q.device, tiles), words, n, block_table.shape[0], capacity, splits,
+        stride, offset, value, num_warps=NUM_WARPS, GATED=gate is not None,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return scores
 
 
@@ -351,7 +291,7 @@ def aot_spec(shapes, op: str, sample_stride: int = 1, gate: tuple | None = None,
         dict(num_warps=NUM_WARPS, GATED=gate is not None, PDL=pdl),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=torch.int32,
              row_req_ptr=torch.int32, len_ptr=torch.int32, out_ptr=torch.float32,
-             gate_ptr=torch.int32,
+             claim_ptr=torch.int32, gate_ptr=torch.int32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,

@@ -14,8 +14,9 @@ import torch
 from k31c.lowering.aot_spec import descriptor_type, kernel_spec
 from k31c.lowering.triton.device import target_of
 from k31c.lowering.triton.gluon_sm90 import GLUON_ERROR
-from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, descriptors,
-                                             plan_splits, shared_layouts)
+from k31c.lowering.triton import claim_counters
+from k31c.lowering.triton.indexer_ws import (BLOCK, D, HEADS, NUM_WARPS, ROWS, check_capacity,
+                                             descriptors, plan_splits, shared_layouts)
 from k31c.lowering.triton.radix_select import warp_slots_ptx
 from k31c.lowering.triton.topk_plan import ST_CNT, ST_THRESH, ST_WORDS
 
@@ -23,8 +24,10 @@ REGION = 256       # slots a warp and row (~107 candidates expected at k = 2048 
 
 if GLUON_ERROR is None:
     from k31c.lowering.triton.gluon_sm90 import gl, gluon
-    from k31c.lowering.triton.indexer_ws import (BK_C, H_C, NG, R_C, block_scores, gdc_launch_dependents,
-                                                 gdc_wait, loader, quantise_q, shared_state, tile_pass)
+    from k31c.lowering.triton.indexer_ws import block_scores, quantise_q, word_pass
+    from k31c.lowering.triton.indexer_ws_ring import (BK_C, H_C, NG, R_C, STEP_MASK,
+                                                      gdc_launch_dependents, gdc_wait, loader,
+                                                      next_block, shared_state)
 
     REGION_C = gl.constexpr(REGION)
     # lane 0 adds $2 (the same in every lane) to the counter at $1, if not 0 (a row past the
@@ -85,7 +88,7 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _filter(ROLE: gl.constexpr, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr,
                 cpos_ptr, hkey_ptr, hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits,
-                q_bar, q_smem, w_smem, k_bufs, s_bufs, ready, empty):
+                q_bar, q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty):
         """`_score` with the top-k filter in place of the score stores: each key above its row's
         threshold (the top-k state's) is kept as (score bits, position). A warp appends its keys
         of a row to a region of its own (hkey / hpos, REGION slots, offsets from a ballot: no
@@ -129,23 +132,25 @@ if GLUON_ERROR is None:
         hkey_region = hkey_ptr + region
         hpos_region = hpos_ptr + region
         held = zero_i                                             # keys in the warp's region
-        base = n_rows * 0
-        for j in range(R_C):
-            first, req, sel, lens, n_steps, step0, n_my = tile_pass(
-                row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r, split, n_splits)
-            if first:
-                for g in range(base + (ROLE + NG - base % NG) % NG, base + n_my, NG):
-                    sc, pos = block_scores(g, base, step0, lens, w, zero, key, q_smem, k_bufs,
-                                            s_bufs, ready, empty)
-                    cand = (~(sc <= tf) & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
-                            & gl.expand_dims(sel & live, 0))
-                    bits = sc.to(gl.int32, bitcast=True)
-                    posi = gl.expand_dims(pos, 1) + zero_i
-                    held += gl.inline_asm_elementwise(
-                        FILTER_APPEND_PTX, "=r,r,r,l,l,l,r,r,r,l,l",
-                        [cand.to(gl.int32), held, ctr, ckey_buf, cpos_buf, bits, posi, cap_i,
-                         hkey_region, hpos_region], dtype=gl.int32, is_pure=False, pack=1)
-                base += n_my
+        # this group's stages, as `_score`'s
+        g = n_rows * 0 + ROLE
+        word = next_block(g, steps, ready)
+        j, sel, lens = word * 0 - 1, r < 0, r * 0            # no pass read yet
+        while word >= 0:
+            j, sel, lens = word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req,
+                                     capacity, r)
+            sc, pos = block_scores(g, word & STEP_MASK, lens, w, zero, key, q_smem, k_bufs, s_bufs,
+                                   empty)
+            cand = (~(sc <= tf) & (gl.expand_dims(pos, 1) < gl.expand_dims(lens, 0))
+                    & gl.expand_dims(sel & live, 0))
+            bits = sc.to(gl.int32, bitcast=True)
+            posi = gl.expand_dims(pos, 1) + zero_i
+            held += gl.inline_asm_elementwise(
+                FILTER_APPEND_PTX, "=r,r,r,l,l,l,r,r,r,l,l",
+                [cand.to(gl.int32), held, ctr, ckey_buf, cpos_buf, bits, posi, cap_i,
+                 hkey_region, hpos_region], dtype=gl.int32, is_pure=False, pack=1)
+            g += NG
+            word = next_block(g, steps, ready)
         # the regions into the rows' buffers (past cap: counted, not stored; the refine sends
         # such a row to the whole-row select)
         kept = gl.where(gl.expand_dims(row0 + r < n_rows, 0), gl.minimum(held, REGION_C), 0)
@@ -161,49 +166,50 @@ if GLUON_ERROR is None:
     @gluon.jit
     def _filter0(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                  hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
+                 w_smem, k_bufs, s_bufs, steps, ready, empty):
         _filter(0, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
+                w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
     def _filter1(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                  hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
+                 w_smem, k_bufs, s_bufs, steps, ready, empty):
         _filter(1, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
+                w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
     def _filter2(q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                  hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                 w_smem, k_bufs, s_bufs, ready, empty):
+                 w_smem, k_bufs, s_bufs, steps, ready, empty):
         _filter(2, q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                 hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                w_smem, k_bufs, s_bufs, ready, empty)
+                w_smem, k_bufs, s_bufs, steps, ready, empty)
 
     @gluon.jit
     def _indexer_ws_filter_kernel(q_ptr, w_ptr, k_desc, s_desc, table_ptr, table_stride, row_req_ptr,
-                                  len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, n_rows,
-                                  n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
+                                  len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr, hpos_ptr, claim_ptr,
+                                  n_rows, n_req, capacity, n_splits, cap, num_warps: gl.constexpr,
                                   PDL: gl.constexpr = False):
         """PDL: launched as the dependent of the kernel before (the math groups wait for it in
-        `_filter`, a no-op without PDL)."""
+        `_filter`, the producer before its first claim; no-ops without PDL)."""
         if PDL:
             gdc_launch_dependents()   # the refine may launch; it waits for this kernel to finish
         row0 = gl.program_id(0) * R_C
         split = gl.program_id(1)
-        q_smem, w_smem, k_bufs, s_bufs, ready, empty, q_bar = shared_state()
+        q_smem, w_smem, k_bufs, s_bufs, steps, ready, empty, q_bar = shared_state()
         filters = (q_ptr, w_ptr, row_req_ptr, len_ptr, state_ptr, ckey_ptr, cpos_ptr, hkey_ptr,
                    hpos_ptr, row0, n_rows, n_req, capacity, cap, split, n_splits, q_bar, q_smem,
-                   w_smem, k_bufs, s_bufs, ready, empty)
+                   w_smem, k_bufs, s_bufs, steps, ready, empty)
         gl.warp_specialize([
             (_filter0, filters),
             (_filter1, filters),
             (_filter2, filters),
             # no score rows, so no -inf tails (write_tail 0: the loader's out_ptr is never written)
-            (loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, w_ptr, row0,
-                       n_rows, n_req, capacity, split, n_splits, 0, k_bufs, s_bufs, ready, empty))],
+            (loader, (k_desc, s_desc, table_ptr, table_stride, row_req_ptr, len_ptr, w_ptr, claim_ptr,
+                      row0, n_rows, n_req, capacity, split, n_splits, 0, k_bufs, s_bufs, steps, ready,
+                      empty, PDL))],
             [4, 4, 1], [152, 152, 32])
 
 
@@ -224,12 +230,14 @@ def launch_filter(q, weights, index_cache, block_table, row_req, row_len, capaci
     n = q.shape[0]
     if splits is None:
         splits = plan_splits(n, capacity, target_of(q.device).sm_count)
+    check_capacity(capacity)
     held = regions(n, q.device, splits)
     k_desc, s_desc = descriptors(index_cache)
-    _indexer_ws_filter_kernel[(-(-n // ROWS), splits)](
+    tiles = -(-n // ROWS)
+    _indexer_ws_filter_kernel[(tiles, splits)](
         q, weights, k_desc, s_desc, block_table, block_table.stride(0), row_req, row_len, state,
-        ckey, cpos, held[0], held[1], n, block_table.shape[0], capacity, splits, cap,
-        num_warps=NUM_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}))
+        ckey, cpos, held[0], held[1], claim_counters.counters(q.device, tiles), n, block_table.shape[0],
+        capacity, splits, cap, num_warps=NUM_WARPS, **({"PDL": True, "launch_pdl": True} if pdl else {}))
 
 
 def aot_spec(shapes, op: str, cap: int, pdl: bool = False):
@@ -248,7 +256,7 @@ def aot_spec(shapes, op: str, cap: int, pdl: bool = False):
         _indexer_ws_filter_kernel, op, f"fp8,R={ROWS},ws,filter" + (",pdl" if pdl else ""),
         dict(num_warps=NUM_WARPS, PDL=pdl),
         dict(q_ptr=cfg.torch_dtype, w_ptr=torch.float32, table_ptr=i32, row_req_ptr=i32, len_ptr=i32,
-             state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32,
+             state_ptr=i32, ckey_ptr=i32, cpos_ptr=i32, hkey_ptr=i32, hpos_ptr=i32, claim_ptr=i32,
              k_desc=descriptor_type(torch.float8_e4m3fn, (BLOCK, D), k_lay),
              s_desc=descriptor_type(torch.float32, (2, 32), s_lay)),
         num_warps=NUM_WARPS,
