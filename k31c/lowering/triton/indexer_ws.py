@@ -51,29 +51,23 @@ NUM_WARPS = 4                                    # the default partition (math g
 
 if GLUON_ERROR is None:
     @gluon.jit
-    def tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r):
-        """Pass j of the tile: whether row j starts a run of one request's rows, the request, the
-        rows of that request in the tile (over `r` = arange(R_C)), their lengths and the
-        request's blocks."""
-        row = row0 + j
-        req = gl.load(row_req_ptr + gl.minimum(row, n_rows - 1))
-        prev = gl.load(row_req_ptr + gl.minimum(gl.maximum(row - 1, 0), n_rows - 1))
-        first = (row < n_rows) & ((j == 0) | (req != prev))
+    def pass_rows(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r):
+        """Pass j of the tile (the run of rows from row j, one request's): the rows of that
+        request in the tile (over `r` = arange(R_C)) and their lengths (0 outside it)."""
+        req = gl.load(row_req_ptr + gl.minimum(row0 + j, n_rows - 1))
         in_tile = row0 + r < n_rows
         sel = in_tile & (gl.load(row_req_ptr + row0 + r, mask=in_tile, other=-1) == req)
         req_ok = (req >= 0) & (req < n_req)
         lens = gl.minimum(gl.load(len_ptr + row0 + r, mask=in_tile, other=0), capacity)
-        lens = gl.where(sel & req_ok, lens, 0)
-        return first, req, sel, lens, gl.cdiv(gl.max(lens, 0), BK_C)
+        return sel, gl.where(sel & req_ok, lens, 0)
 
     @gluon.jit
     def word_pass(word, j, sel, lens, row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, r):
         """The pass j of a stage's word, the rows of its request in the tile and their lengths,
-        read again (`tile_pass`) where the word starts another pass than j."""
+        read again (`pass_rows`) where the word starts another pass than j."""
         if (word >> PASS_SHIFT_C) != j:
             j = word >> PASS_SHIFT_C
-            first, req, sel, lens, n_steps = tile_pass(row_req_ptr, len_ptr, row0, n_rows, n_req,
-                                                       capacity, j, r)
+            sel, lens = pass_rows(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j, r)
         return j, sel, lens
 
     @gluon.jit

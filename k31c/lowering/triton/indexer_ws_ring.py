@@ -53,9 +53,10 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def pass_blocks(row_req_ptr, len_ptr, row0, n_rows, n_req, capacity, j):
-        """`tile_pass`'s scalars for the producer: whether row j starts a pass, its request, the
-        request's blocks (the longest of its rows in the tile, at most `capacity`), from scalar
-        loads (the producer's 32 registers hold no per-row pointers across its loop)."""
+        """Pass j of the tile for the producer: whether row j starts a pass (a run of one
+        request's rows), its request, the request's blocks (the longest of its rows in the tile,
+        at most `capacity`), from scalar loads (the producer's 32 registers hold no per-row
+        pointers across its loop)."""
         row = row0 + j
         req = gl.load(row_req_ptr + gl.minimum(row, n_rows - 1))
         prev = gl.load(row_req_ptr + gl.minimum(gl.maximum(row - 1, 0), n_rows - 1))

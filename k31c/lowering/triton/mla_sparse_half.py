@@ -117,15 +117,16 @@ if GLUON_ERROR is None:
         # 128-byte pieces one after another; the rope part as a [64, 64] copy
         row_at = gl.expand_dims(gl.multiple_of(row.to(gl.int64) * ROW_W, 64), 1)
         cols = gl.max_contiguous(gl.multiple_of(gl.arange(0, 256, gl.SliceLayout(0, G_L)), 8), 8)
+        live = gl.expand_dims(pos >= 0, 1)
         mbarrier.wait(free.index(i * 2 + HALF), phase)
         async_copy.async_copy_global_to_shared(
             kv.index(i).slice(256 * HALF, 256, dim=1), cache_ptr + row_at + gl.expand_dims(cols, 0)
-            + 256 * HALF, mask=gl.expand_dims(pos >= 0, 1) & gl.expand_dims(cols >= 0, 0))
+            + 256 * HALF, mask=live & gl.expand_dims(cols >= 0, 0))
         if HALF == 1:
             rope = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, gl.SliceLayout(0, G_L)), 8), 8)
             async_copy.async_copy_global_to_shared(
                 kr.index(i), cache_ptr + row_at + gl.expand_dims(rope, 0) + V_COLS,
-                mask=gl.expand_dims(pos >= 0, 1) & gl.expand_dims(rope >= 0, 0))
+                mask=live & gl.expand_dims(rope >= 0, 0))
         if HALF == 1 - i:       # the positions, with the half its group waits for first
             P_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
             k = gl.max_contiguous(gl.multiple_of(gl.arange(0, 64, P_L), 2), 2)
