@@ -149,7 +149,7 @@ def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
     seen = {}
 
     def fake(p, *a):
-        seen.update(tile=(p.block_v, p.num_warps), stages=a[-2], unroll=p.unroll_rows, tma=a[-1])
+        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows)
         return a[0]
     monkeypatch.setattr(kd, "_run", fake)
     gen = torch.Generator().manual_seed(3)
@@ -157,7 +157,7 @@ def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
     tok = make_tokens(2 * rows, 1, 128, torch.float32, "cpu", gen)
     kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                torch.tensor([0, 1]), rows, -5.0, EPS, None, None)
-    assert seen == dict(tile=tile, stages="psn", unroll=True, tma=None)
+    assert seen == dict(tile=tile, stages="psn", unroll=True)
 
 
 # prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
@@ -228,35 +228,6 @@ def test_decode_state_first_is_the_plain_launch_cuda(rows, snaps):
         if a is not None:
             assert torch.equal(a, b), name
             close(name, a, w, torch.bfloat16)
-
-
-@pytest.mark.skipif(not CUDA, reason="the TMA state pass is sm_90a code")
-@pytest.mark.parametrize("rows,snaps,state_first,tma_stages",
-                         [(1, False, None, None), (4, True, None, None), (2, False, False, 3),
-                          (4, False, None, 3)])
-def test_decode_tma_state_pass_cuda(rows, snaps, state_first, tma_stages):
-    """The state pass streamed through a TMA ring (whole heads, the norm fused; paired with the
-    prep or not, 2 or 3 ring stages) against the reference, with a padding request, the state
-    in a slot permutation and more items than programs (B = 16 x 96 heads)."""
-    from k31c.lowering.triton.gluon_sm90 import why_not_sm90
-    if why_not_sm90(torch.device("cuda")):
-        pytest.skip(why_not_sm90(torch.device("cuda")))
-    check_decode(H=96, K=128, B=16, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=50 + rows, num_slots=20,
-                 fn=partial(launch_kda_decode, state_form="tma", state_first=state_first,
-                            tma_stages=tma_stages))
-
-
-def test_decode_tma_state_pass_refuses_what_it_cannot_run():
-    gen = torch.Generator().manual_seed(0)
-    params, conv, state = make_layer(2, 16, 3, torch.float32, "cpu", gen)
-    tok = make_tokens(2, 2, 16, torch.float32, "cpu", gen)
-    with pytest.raises(ValueError, match="state_form='tma'.*K = 128"):
-        launch_kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
-                          torch.tensor([0, 1]), 1, -5.0, EPS, None, None, state_form="tma")
-    with pytest.raises(ValueError, match="state_form"):
-        launch_kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
-                          torch.tensor([0, 1]), 1, -5.0, EPS, None, None, state_form="gluon")
 
 
 def test_decode_rejects_bad_layout():

@@ -14,7 +14,6 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton import kda_decode_tma
 from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
@@ -133,17 +132,14 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, state_form: str = "triton",
-                      tma_stages: int | None = None) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). state_form: "triton" (the state pass of
-    kda_decode_kernels.py) or "tma" (kda_decode_tma.py: whole heads streamed through a TMA ring,
-    the norm fused; sm_90a, K = 128; tma_stages: its ring stages)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
@@ -151,29 +147,17 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
     p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     paired = pair_launch(q.device) and "p" in stages
-    tma = None
-    if state_form == "tma":
-        why = kda_decode_tma.why_not(K, q.device)
-        if why is not None:
-            raise ValueError(f"state_form='tma': {why}")
-        # one persistent program an SM: its grid always fits beside the prep, so it pairs
-        pair = paired and state_first is not False
-        tma = dict(stages=tma_stages or kda_decode_tma.STAGES, state_first=pair,
-                   pdl=pair or bool(pdl_launch(q.device)))
-        state_first = pair
-    elif state_form != "triton":
-        raise ValueError(f"state_form: expected 'triton' or 'tma', got {state_form!r}")
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
     p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
-                recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages, tma)
+                recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
 
 
 def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight,
          conv_state, recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H,
-         stages, tma: dict | None = None) -> torch.Tensor:
+         stages) -> torch.Tensor:
     B = slots.shape[0]
     K = p.K
     P = H * K
@@ -190,13 +174,8 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             H, lb, K ** -0.5,
             **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps, **pdl)
     out = torch.empty_like(q)
-    norm_w = o_norm_weight.contiguous()
-    if tma is not None:
-        if "s" in stages:
-            kda_decode_tma.launch_state(p.rows, qs, ks, vs, ds, bs, out, gate, norm_w, recurrent,
-                                        slots, snap_state, H, eps, sm_count(dev), **tma)
-        return out
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
+    norm_w = o_norm_weight.contiguous()
     if "s" in stages:
         kda_decode_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
