@@ -127,7 +127,7 @@ def test_build_default(default_builds, target):
         assert {op for k in manifest["kernels"] for op in k["ops"]} == set(_registered("mi350x", None))
     else:   # built as the JIT specializes the launches' integers: software-pipelined, no spill
         # (the half-release seesaw: at most 24 B of stack, see the slow families' test)
-        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/_sparse_half_kernel[half,",
+        for name in ("linear_group/_linear_group_kernel[", "mla_sparse_ws/sparse_half_kernel[half,",
                      "mla_sparse_ws/_sparse_ws_kernel[fp8,", "moe_experts/_gate_up_kernel["):
             k = next(k for k in manifest["kernels"] if k["name"].startswith(name))
             assert (k["scratch_bytes"] or 0) <= (24 if "half" in name else 0), k
@@ -224,14 +224,14 @@ for spec in tix.mx_aot_specs(shapes, "tma")[:1]:
 kinds = set()
 for spec in aot.collect_specs("h200", families=["mla_sparse_ws"]):
     name = spec.kernel.__name__
-    if name not in ("_sparse_ws_kernel", "_sparse_half_kernel"):     # the key splits' merge
+    if name not in ("_sparse_ws_kernel", "sparse_half_kernel"):     # the key splits' merge
         continue
     kinds.add(name)
     ck = aot.compile_spec(spec, "h200")
     regs, spill = aot._cuda_registers(ck.asm["cubin"])
-    assert (spill or 0) <= (24 if name == "_sparse_half_kernel" else 0), (spec.variant, regs, spill)
+    assert (spill or 0) <= (24 if name == "sparse_half_kernel" else 0), (spec.variant, regs, spill)
     assert ck.metadata.shared > 200_000, (spec.variant, ck.metadata.shared)
-assert kinds == {"_sparse_ws_kernel", "_sparse_half_kernel"}, kinds
+assert kinds == {"_sparse_ws_kernel", "sparse_half_kernel"}, kinds
 # so does the warp-specialized indexer scan (h200's FP8 scan at 4 rows a request), but for
 # Triton 3.8's build, which keeps 32 B of its partitions' scalars in local memory (other register
 # splits of its partitions spill 24-56 B there; BENCHMARKS.md, "The kernels' sm_90a builds")
