@@ -169,17 +169,6 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-@pytest.mark.parametrize("row_form", [1, 2])
-@pytest.mark.parametrize("rows,lb,block_v,snaps", [(2, -5.0, 8, False), (3, None, 32, False),
-                                                    (4, -5.0, 16, False), (4, None, 8, True)])
-def test_decode_row_forms(row_form, rows, lb, block_v, snaps):
-    """The state pass's other row forms: both sums of a row over the undecayed slice (1), every
-    sum over the step's starting slice and one update after the rows (2; with snapshots it
-    runs the rows in turn)."""
-    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=60 + rows, fn=partial(launch_kda_decode, block_v=block_v, row_form=row_form))
-
-
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))

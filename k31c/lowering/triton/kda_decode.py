@@ -46,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    row_form: int = 0           # the state pass's rows: 0 in turn, 1 sums first, 2 batched
 
     @property
     def fuse_norm(self) -> bool:
@@ -70,7 +69,7 @@ class DecodePlan:
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
-                    FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows), ROW_FORM=self.row_form,
+                    FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows),
                     **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}))
 
     def norm_constexprs(self) -> dict:
@@ -133,7 +132,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, row_form: int = 0) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
@@ -150,7 +149,7 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
-    p = dataclasses.replace(p, state_first=state_first and paired, row_form=row_form)
+    p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)

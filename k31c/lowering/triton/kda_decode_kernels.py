@@ -30,7 +30,7 @@ import triton.language as tl
 
 from k31c.lowering.triton.device import let_dependent_start, wait_for_producers
 from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_norm, kda_gate_math,
-                                             row_of, update_windows)
+                                             update_windows)
 
 
 @triton.jit
@@ -101,18 +101,6 @@ def _delta_row(S, q_r, k_r, d_r, v_r, beta_r, live):
 
 
 @triton.jit
-def _delta_row_sums_first(S, q_r, k_r, d_r, v_r, beta_r, live):
-    """_delta_row with both sums over the undecayed slice, S^T (d k) and S^T (d q): independent of
-    each other, so their reductions overlap; o = S^T (d q) + u (k . q)."""
-    pred = tl.sum(S * (d_r * k_r)[:, None], axis=0)
-    ob = tl.sum(S * (d_r * q_r)[:, None], axis=0)
-    u = beta_r * (v_r - pred)
-    o = ob + u * tl.sum(k_r * q_r, axis=0)
-    S = S * d_r[:, None] + k_r[:, None] * u[None, :]
-    return S, tl.where(live, o, 0.0)
-
-
-@triton.jit
 def _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr,
               eps, K: tl.constexpr, HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr):
     """Row r's o (raw, or gated-normed with FUSE_NORM: the whole head is here) and snapshot."""
@@ -133,61 +121,14 @@ def _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_
 @triton.jit
 def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr, ds_ptr,
                bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-               K: tl.constexpr, HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr,
-               ROW_FORM: tl.constexpr = 0):
+               K: tl.constexpr, HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr):
     """One row of the state pass, its vectors read from the prep launch's scratch."""
     base = (row0_64 + r) * (H * K) + h * K
-    if ROW_FORM == 1:
-        S, o = _delta_row_sums_first(S, tl.load(qs_ptr + base + offs),
-                                     tl.load(ks_ptr + base + offs), tl.load(ds_ptr + base + offs),
-                                     tl.load(vs_ptr + base + offs_v),
-                                     tl.load(bs_ptr + (row0_64 + r) * H + h), live)
-    else:
-        S, o = _delta_row(S, tl.load(qs_ptr + base + offs), tl.load(ks_ptr + base + offs),
-                          tl.load(ds_ptr + base + offs), tl.load(vs_ptr + base + offs_v),
-                          tl.load(bs_ptr + (row0_64 + r) * H + h), live)
+    S, o = _delta_row(S, tl.load(qs_ptr + base + offs), tl.load(ks_ptr + base + offs),
+                      tl.load(ds_ptr + base + offs), tl.load(vs_ptr + base + offs_v),
+                      tl.load(bs_ptr + (row0_64 + r) * H + h), live)
     _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr,
               eps, K, HAS_SNAP, FUSE_NORM)
-    return S
-
-
-@triton.jit
-def _state_rows_batched(S, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr, ds_ptr,
-                        bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-                        ROWS: tl.constexpr, K: tl.constexpr, FUSE_NORM: tl.constexpr):
-    """The R rows of a step with every sum over the step's starting slice S0 (no snapshots):
-    with c_r the decays' running product and u_j = beta_j (v_j - pred_j),
-      pred_r = S0^T (c_r k_r) + sum_{j<r} u_j (kd_j . k_r),  o_r = S0^T (c_r q_r) + sum_{j<=r}
-      u_j (kd_j . q_r),  S_R = c_R S0 + sum_j kd_j u_j^T,
-    where kd_j = k_j times the decays of the rows after j (up to r): the 2R sums over the slice
-    are independent, and the slice is updated once, after the rows."""
-    RB: tl.constexpr = 2 if ROWS <= 2 else (4 if ROWS <= 4 else 8)
-    rr = tl.arange(0, RB)
-    c = tl.full([K], 1.0, tl.float32)
-    kd = tl.zeros([RB, K], tl.float32)           # kd_j, rows j < r so far
-    U = tl.zeros([RB, offs_v.shape[0]], tl.float32)
-    for r in tl.static_range(ROWS):
-        base = (row0_64 + r) * (H * K) + h * K
-        q_r = tl.load(qs_ptr + base + offs)
-        k_r = tl.load(ks_ptr + base + offs)
-        d_r = tl.load(ds_ptr + base + offs)
-        v_r = tl.load(vs_ptr + base + offs_v)
-        beta_r = tl.load(bs_ptr + (row0_64 + r) * H + h)
-        c = c * d_r
-        a_r = tl.sum(S * (c * k_r)[:, None], axis=0)
-        b_r = tl.sum(S * (c * q_r)[:, None], axis=0)
-        kd = tl.where(rr[:, None] < r, kd * d_r[None, :], kd)
-        gam = tl.sum(kd * k_r[None, :], axis=1)        # 0 for rows j >= r
-        eta = tl.sum(kd * q_r[None, :], axis=1)
-        u_r = beta_r * (v_r - a_r - tl.sum(U * gam[:, None], axis=0))
-        o = b_r + tl.sum(U * eta[:, None], axis=0) + u_r * tl.sum(k_r * q_r, axis=0)
-        U = tl.where(rr[:, None] == r, u_r[None, :], U)
-        kd = tl.where(rr[:, None] == r, k_r[None, :], kd)
-        _emit_row(S, tl.where(live, o, 0.0), r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr,
-                  norm_w_ptr, snap_state_ptr, eps, K, False, FUSE_NORM)
-    S = S * c[:, None]
-    for j in tl.static_range(ROWS):
-        S += row_of(kd, rr, j)[:, None] * row_of(U, rr, j)[None, :]
     return S
 
 
@@ -219,8 +160,7 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                             state_ptr, slots_ptr, snap_state_ptr, H, eps,
                             ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                             HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
-                            ROW_FORM: tl.constexpr = 0):
+                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False):
     """STATE_FIRST (launched as the prep's PDL dependent): the slots and the state slice, written
     before the prep ran, are loaded before the wait for the prep's scratch."""
     if not STATE_FIRST:
@@ -229,16 +169,12 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
     if STATE_FIRST:
         wait_for_producers(PDL)
     row0_64 = (b * ROWS).to(tl.int64)
-    if ROW_FORM == 2 and not HAS_SNAP and ROWS > 1:
-        S = _state_rows_batched(S, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
-                                ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-                                ROWS, K, FUSE_NORM)
-    elif UNROLL:
+    if UNROLL:
         # the rows' vector loads do not depend on the state: all can issue up front (registers)
         for r in tl.static_range(ROWS):
             S = _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
-                           K, HAS_SNAP, FUSE_NORM, ROW_FORM % 2)
+                           K, HAS_SNAP, FUSE_NORM)
     else:
         for r in range(ROWS):
             S = _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_ptr,
