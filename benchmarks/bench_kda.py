@@ -165,9 +165,12 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False))
                  for st in ("p", "s") + (("n", "ps") if norm else ())}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
+        if norm:
+            parts["last"] = graph_ms(lambda: run(norm_last=True))
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us"
                      + (f", norm alone {parts['n'] * 1e3:.1f}us, prep + state without the norm "
-                        f"{parts['ps'] * 1e3:.1f}us" if norm else "") + "; "
+                        f"{parts['ps'] * 1e3:.1f}us, the norm by each head's last V tile "
+                        f"{parts['last'] * 1e3:.1f}us" if norm else "") + "; "
                      "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
         try:
             fla_peers = fla_decode_peers(tok, lay, B, R)

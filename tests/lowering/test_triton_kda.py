@@ -169,6 +169,18 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
+@pytest.mark.parametrize("rows,lb,block_v,snaps", [(1, -5.0, 8, False), (4, None, 16, True),
+                                                    (3, -5.0, 8, False)])
+def test_decode_norm_by_the_last_tile(rows, lb, block_v, snaps):
+    """norm_last: no norm launch; the last V-tile program of each head applies the gated norm
+    (a padding request among them), and leaves the head counters zeroed for the next launch."""
+    from k31c.lowering.triton import claim_counters
+    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
+                 seed=70 + rows, fn=partial(launch_kda_decode, block_v=block_v, norm_last=True))
+    ctr = claim_counters.counters(torch.device(DEV), 1, "kda decode")
+    assert int(ctr.count_nonzero()) == 0
+
+
 def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
                  seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
@@ -207,6 +219,17 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
+
+
+@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
+@pytest.mark.parametrize("snaps", [False, True])
+def test_decode_k3_shapes_norm_by_the_last_tile_cuda(snaps):
+    """norm_last at the R = 4 default tile (4 V tiles a head), called twice: the counters the
+    first call leaves must be zero for the second (a graph replays the same buffer)."""
+    for seed in (80, 81):
+        check_decode(H=96, K=128, B=16, rows=4, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
+                     device="cuda", seed=seed, num_slots=20,
+                     fn=partial(launch_kda_decode, norm_last=True))
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")
