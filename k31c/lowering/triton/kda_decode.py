@@ -47,7 +47,7 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    norm_last: bool = False     # BV < K: the head's last V-tile program norms it (no norm launch)
+    norm_last: bool = False     # BV < K: the head's last V-tile program norms it (`plan`: default)
 
     @property
     def fuse_norm(self) -> bool:
@@ -74,7 +74,7 @@ class DecodePlan:
                     FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows),
                     **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}),
                     **({"NORM_LAST": True, "RB": triton.next_power_of_2(self.rows)}
-                       if self.norm_last and not self.fuse_norm else {}))
+                       if self.norm_last else {}))
 
     def norm_constexprs(self) -> dict:
         return dict(ROWS=self.rows, K=self.K, BR=self.norm_rows)
@@ -96,12 +96,15 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True) -> DecodePlan:
-    """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
+         unroll_rows: bool = True, norm_last: bool | None = None) -> DecodePlan:
+    """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the norm
+    by each head's last V tile wherever the tile splits the head (default), the rest as given
+    (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
+    norm_last = BV < K if norm_last is None else norm_last and BV < K
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows,
+                      norm_last=norm_last)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -136,25 +139,25 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, norm_last: bool = False) -> torch.Tensor:
+                      state_first: bool | None = None, norm_last: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). norm_last (BV < K): no norm launch, the
-    head's last V-tile program of the state pass applies the norm."""
+    device has PDL and `DecodePlan.pairs` says so). norm_last (BV < K; default there): no norm
+    launch, the head's last V-tile program of the state pass applies the norm."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, norm_last)
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
-    p = dataclasses.replace(p, state_first=state_first and paired, norm_last=norm_last)
+    p = dataclasses.replace(p, state_first=state_first and paired)
     q, k, v, f, beta, gate = (t.contiguous() for t in (q, k, v, f, beta, gate))
     return _run(p, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_norm_weight, conv_state,
                 recurrent, slots, lower_bound, eps, snap_conv, snap_state, N, H, stages)
@@ -181,16 +184,15 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
-    norm_last = p.norm_last and not p.fuse_norm
     ctr = claim_counters.counters(dev, -(-B * H // claim_counters.WORDS), "kda decode") \
-        if norm_last else slots
+        if p.norm_last else slots
     if "s" in stages:
         kda_decode_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, out, ctr, H, float(eps),
             **{**pdl, **p.state_constexprs(has_snap),
                **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
-    if "n" in stages and not p.fuse_norm and not norm_last:
+    if "n" in stages and not p.fuse_norm and not p.norm_last:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
             num_warps=NORM_WARPS, **pdl)
@@ -219,7 +221,7 @@ def aot_specs(shapes) -> list:
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,
                            o_ptr=dt if base.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
                            state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, out_ptr=dt,
-                           ctr_ptr=i64, eps="fp32")
+                           ctr_ptr=torch.int32 if base.norm_last else i64, eps="fp32")
         for p in (base, dataclasses.replace(base, state_first=True)) if pairs else (base,):
             pair = ",paired" if p.state_first else ""
             for snap in (False, True):
@@ -230,7 +232,7 @@ def aot_specs(shapes) -> list:
                 specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
                                          p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                          ints=dict(H=H)))
-        if not base.fuse_norm:
+        if not base.fuse_norm and not base.norm_last:
             specs.append(kernel_spec(
                 kda_decode_norm_kernel, op, f"R={rows},BR={base.norm_rows}", base.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=i64, out_ptr=dt,
