@@ -204,7 +204,8 @@ def aot_specs(shapes) -> list:
     from `plan`'s defaults; dtypes as the KDA block passes them: for every rows-per-request count,
     with and without per-row snapshots, prep and state (also as a PDL pair where
     `DecodePlan.pairs` allows it at one request), and the norm (one build per R: it maps rows to
-    requests; none when BV = K fuses it into the state pass)."""
+    requests; none when BV = K fuses it into the state pass or each head's last V tile applies
+    it)."""
     cfg = shapes.cfg
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
