@@ -159,18 +159,14 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         paired = graph_ms(lambda: run(state_first=True))
         plain = graph_ms(lambda: run(state_first=False))
         notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
-        # the launches alone (outputs unfinished) and the prep's warps, at the default tile; where
-        # the tile splits a head (BV < K) also the step with a norm launch in place of the norm by
-        # each head's last V tile, the norm launch alone, and the step without any norm
+        # the launches alone (outputs unfinished) and the prep's warps, at the default tile; with
+        # a norm launch (BV < K) also the norm alone and the step without it: what fusing it saves
         norm = decode_tile(R, K)[0] < K
-        parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False, norm_last=False))
+        parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False))
                  for st in ("p", "s") + (("n", "ps") if norm else ())}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
-        if norm:
-            parts["launch"] = graph_ms(lambda: run(norm_last=False))
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us"
-                     + (f", with a norm launch {parts['launch'] * 1e3:.1f}us, the norm launch alone "
-                        f"{parts['n'] * 1e3:.1f}us, prep + state without a norm "
+                     + (f", norm alone {parts['n'] * 1e3:.1f}us, prep + state without the norm "
                         f"{parts['ps'] * 1e3:.1f}us" if norm else "") + "; "
                      "prep warps " + " ".join(f"{w}:{t * 1e3:.1f}us" for w, t in preps.items()))
         try:

@@ -144,13 +144,12 @@ def test_decode_tile_defaults():
 @pytest.mark.parametrize("rows,tile", [(1, (128, 4)), (4, (32, 2))])
 def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
     # the registered `k31c::kda_decode` launcher runs its launches at the per-R tile (R = 1: BV = K,
-    # the norm fused into the state pass; R = 4: the norm by each head's last V tile)
+    # the norm fused into the state pass)
     import k31c.lowering.triton.kda_decode as kd
     seen = {}
 
     def fake(p, *a):
-        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows,
-                    norm_last=p.norm_last)
+        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows)
         return a[0]
     monkeypatch.setattr(kd, "_run", fake)
     gen = torch.Generator().manual_seed(3)
@@ -158,7 +157,7 @@ def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
     tok = make_tokens(2 * rows, 1, 128, torch.float32, "cpu", gen)
     kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                torch.tensor([0, 1]), rows, -5.0, EPS, None, None)
-    assert seen == dict(tile=tile, stages="psn", unroll=True, norm_last=rows > 1)
+    assert seen == dict(tile=tile, stages="psn", unroll=True)
 
 
 # prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
@@ -170,22 +169,9 @@ def test_decode_split(rows, snaps, block_v):
                  fn=partial(launch_kda_decode, block_v=block_v))
 
 
-@pytest.mark.parametrize("rows,lb,block_v,snaps", [(1, -5.0, 8, False), (4, None, 16, True),
-                                                    (3, -5.0, 8, False)])
-def test_decode_norm_by_the_last_tile(rows, lb, block_v, snaps):
-    """norm_last: no norm launch; the last V-tile program of each head applies the gated norm
-    (a padding request among them), and leaves the head counters zeroed for the next launch."""
-    from k31c.lowering.triton import claim_counters
-    check_decode(H=2, K=32, B=3, rows=rows, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=70 + rows, fn=partial(launch_kda_decode, block_v=block_v, norm_last=True))
-    ctr = claim_counters.counters(torch.device(DEV), 1, "kda decode")
-    assert int(ctr.count_nonzero()) == 0
-
-
-def test_decode_split_softplus_fp16_rolled_norm_launch():
+def test_decode_split_softplus_fp16_rolled():
     check_decode(H=2, K=16, B=4, rows=3, lb=None, snaps=True, dtype=torch.float16, device=DEV,
-                 seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False,
-                                     norm_last=False))
+                 seed=31, fn=partial(launch_kda_decode, block_v=8, norm_rows=4, unroll_rows=False))
 
 
 def test_decode_plan_fuses_the_norm_for_whole_heads():
@@ -193,10 +179,6 @@ def test_decode_plan_fuses_the_norm_for_whole_heads():
     assert plan(1, 128, 4, block_v=128).fuse_norm              # BV = K: no norm launch
     assert plan(1, 128, 4).fuse_norm and not plan(4, 128, 4).fuse_norm   # the defaults
     assert not plan(1, 128, 4, block_v=32).fuse_norm
-    # where the tile splits a head, its last V-tile program norms it unless asked otherwise
-    assert plan(4, 128, 4).norm_last and plan(1, 128, 4, block_v=32).norm_last
-    assert not plan(1, 128, 4).norm_last and not plan(4, 128, 4, norm_last=False).norm_last
-    assert not plan(4, 128, 4, block_v=128, norm_last=True).norm_last
 
 
 def test_decode_pairs_the_state_pass_only_when_its_grid_fits_the_sms():
@@ -225,18 +207,6 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("snaps,norm_last", [(False, True), (True, True), (True, False)])
-def test_decode_k3_shapes_norm_by_the_last_tile_or_a_launch_cuda(snaps, norm_last):
-    """The R = 4 default tile (4 V tiles a head) with the norm by each head's last tile, called
-    twice (the counters the first call leaves must be zero for the second: a graph replays the
-    same buffer), and with a norm launch instead."""
-    for seed in (80, 81):
-        check_decode(H=96, K=128, B=16, rows=4, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                     device="cuda", seed=seed, num_slots=20,
-                     fn=partial(launch_kda_decode, norm_last=norm_last))
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")

@@ -1,7 +1,4 @@
-"""Zeroed int32 counters that kernels leave zeroed: the claim counters of the warp-specialized
-indexer scans (indexer_ws, indexer_ws_filter; owner "indexer scan"), and KDA decode's head
-counters (kda_decode: the last V-tile program of a head normalises it; owner "kda decode").
-Each owner has its own buffer a device, so kernels of different owners never share a word.
+"""Claim counters of the warp-specialized indexer scans (indexer_ws, indexer_ws_filter).
 
 A tile's programs take chunks of its blocks from a counter of the tile's, so a program on a
 slower SM takes fewer and the tile's programs end together. The counters must read zero when a
@@ -22,25 +19,25 @@ import torch
 WORDS = 8            # int32 words a tile: a claim counter per pass (4 rows: at most 4), a done counter
 MIN_TILES = 256      # the smallest buffer, so that most programs never grow it
 
-_BUFFERS: dict = {}  # (device, owner) -> buffer
+_BUFFERS: dict = {}
 _RETIRED: list = []  # replaced buffers, still referenced by graphs captured with them
 
 
-def counters(device: torch.device, tiles: int, owner: str = "indexer scan") -> torch.Tensor:
-    """The zeroed counters (int32, at least tiles * WORDS) of `owner` for launches on `device`.
-    The first call for a device, or for more tiles than its buffer holds, allocates, and must not
-    run inside a graph capture (run the call once before capturing)."""
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed counters (int32, at least tiles * WORDS) for launches on `device`. The first
+    call for a device, or for more tiles than its buffer holds, allocates, and must not run
+    inside a graph capture (run the call once before capturing)."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    buf = _BUFFERS.get((dev, owner))
+    buf = _BUFFERS.get(dev)
     if buf is None or buf.numel() < tiles * WORDS:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"{owner}: counters for {tiles} tiles first asked for inside a CUDA graph "
+                f"indexer scan: claim counters for {tiles} tiles first asked for inside a CUDA graph "
                 "capture; run the call once before capturing")
         if buf is not None:
             _RETIRED.append(buf)
         buf = torch.zeros(max(tiles, MIN_TILES) * WORDS, dtype=torch.int32, device=device)
-        _BUFFERS[(dev, owner)] = buf
+        _BUFFERS[dev] = buf
     return buf

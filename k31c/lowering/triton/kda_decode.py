@@ -14,7 +14,6 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton import claim_counters
 from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
@@ -47,7 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    norm_last: bool = False     # BV < K: the head's last V-tile program norms it (`plan`: default)
 
     @property
     def fuse_norm(self) -> bool:
@@ -72,9 +70,7 @@ class DecodePlan:
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
                     FUSE_NORM=self.fuse_norm, UNROLL=bool(self.unroll_rows),
-                    **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}),
-                    **({"NORM_LAST": True, "RB": triton.next_power_of_2(self.rows)}
-                       if self.norm_last else {}))
+                    **({"STATE_FIRST": True, "PDL": True} if self.state_first else {}))
 
     def norm_constexprs(self) -> dict:
         return dict(ROWS=self.rows, K=self.K, BR=self.norm_rows)
@@ -96,15 +92,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, norm_last: bool | None = None) -> DecodePlan:
-    """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the norm
-    by each head's last V tile wherever the tile splits the head (default), the rest as given
-    (the launcher decides `state_first`: `DecodePlan.pairs`)."""
+         unroll_rows: bool = True) -> DecodePlan:
+    """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
+    as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    norm_last = BV < K if norm_last is None else norm_last and BV < K
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows,
-                      norm_last=norm_last)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -139,21 +132,20 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, norm_last: bool | None = None) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). norm_last (BV < K; default there): no norm
-    launch, the head's last V-tile program of the state pass applies the norm."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, norm_last)
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
     paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
@@ -184,15 +176,13 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
-    ctr = claim_counters.counters(dev, -(-B * H // claim_counters.WORDS), "kda decode") \
-        if p.norm_last else slots
     if "s" in stages:
         kda_decode_state_kernel[(B * H * (K // p.block_v),)](
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
-            snap_state if has_snap else recurrent, out, ctr, H, float(eps),
+            snap_state if has_snap else recurrent, H, float(eps),
             **{**pdl, **p.state_constexprs(has_snap),
                **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
-    if "n" in stages and not p.fuse_norm and not p.norm_last:
+    if "n" in stages and not p.fuse_norm:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
             num_warps=NORM_WARPS, **pdl)
@@ -204,8 +194,7 @@ def aot_specs(shapes) -> list:
     from `plan`'s defaults; dtypes as the KDA block passes them: for every rows-per-request count,
     with and without per-row snapshots, prep and state (also as a PDL pair where
     `DecodePlan.pairs` allows it at one request), and the norm (one build per R: it maps rows to
-    requests; none when BV = K fuses it into the state pass or each head's last V tile applies
-    it)."""
+    requests; none when BV = K fuses it into the state pass)."""
     cfg = shapes.cfg
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
@@ -221,8 +210,7 @@ def aot_specs(shapes) -> list:
         pairs = shapes.target.pdl_capable and base.pairs(1, H, shapes.target.sm_count)
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,
                            o_ptr=dt if base.fuse_norm else f32, gate_ptr=dt, norm_w_ptr=dt,
-                           state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, out_ptr=dt,
-                           ctr_ptr=torch.int32 if base.norm_last else i64, eps="fp32")
+                           state_ptr=f32, slots_ptr=i64, snap_state_ptr=f32, eps="fp32")
         for p in (base, dataclasses.replace(base, state_first=True)) if pairs else (base,):
             pair = ",paired" if p.state_first else ""
             for snap in (False, True):
@@ -233,7 +221,7 @@ def aot_specs(shapes) -> list:
                 specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
                                          p.state_constexprs(snap), state_types, num_warps=p.num_warps,
                                          ints=dict(H=H)))
-        if not base.fuse_norm and not base.norm_last:
+        if not base.fuse_norm:
             specs.append(kernel_spec(
                 kda_decode_norm_kernel, op, f"R={rows},BR={base.norm_rows}", base.norm_constexprs(),
                 dict(o_ptr=f32, gate_ptr=dt, norm_w_ptr=dt, slots_ptr=i64, out_ptr=dt,

@@ -133,27 +133,6 @@ def _state_row(S, r, row0_64, h, H, live, offs, offs_v, kv, qs_ptr, ks_ptr, vs_p
 
 
 @triton.jit
-def _norm_if_last(o_ptr, out_ptr, gate_ptr, norm_w_ptr, ctr_ptr, b, h, H, live, row0_64, eps,
-                  ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, NV: tl.constexpr):
-    """NORM_LAST: count this program's V tile of head (b, h) done; the head's last tile to finish
-    applies the gated norm to the head's raw o rows (the other tiles' read after the count's
-    acquire, past L1) and zeroes the head's counter for the next launch."""
-    tl.debug_barrier()                      # every thread's raw o stored before the count
-    done = tl.atomic_add(ctr_ptr + b * H + h, 1, sem="acq_rel")
-    if done == NV - 1:
-        rr = tl.arange(0, RB)
-        offs = tl.arange(0, K)
-        tile = (row0_64 + rr)[:, None] * (H * K) + h * K + offs[None, :]
-        m = (rr < ROWS)[:, None]
-        o = tl.load(o_ptr + tile, mask=m, other=0.0, cache_modifier=".cg")
-        gate = tl.load(gate_ptr + tile, mask=m, other=0.0)
-        y = gated_rms_norm(o, gate, tl.load(norm_w_ptr + offs).to(tl.float32), K, eps)
-        y = tl.where(live, y, 0.0)          # a padding request's gate may hold anything
-        tl.store(out_ptr + tile, y.to(out_ptr.dtype.element_ty), mask=m)
-        tl.store(ctr_ptr + b * H + h, 0)
-
-
-@triton.jit
 def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
     """A state program's (request, head, V tile) from its flat id (the V tile fastest), its slot
     (a padding request's -1 read as slot 0, `live` false) and its [K, BV] fp32 state slice."""
@@ -178,16 +157,12 @@ def _state_slice(slots_ptr, state_ptr, H, K: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr,
-                            state_ptr, slots_ptr, snap_state_ptr, out_ptr, ctr_ptr, H, eps,
+                            state_ptr, slots_ptr, snap_state_ptr, H, eps,
                             ROWS: tl.constexpr, K: tl.constexpr, BV: tl.constexpr,
                             HAS_SNAP: tl.constexpr, FUSE_NORM: tl.constexpr, UNROLL: tl.constexpr,
-                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False,
-                            NORM_LAST: tl.constexpr = False, RB: tl.constexpr = 1):
+                            PDL: tl.constexpr = False, STATE_FIRST: tl.constexpr = False):
     """STATE_FIRST (launched as the prep's PDL dependent): the slots and the state slice, written
-    before the prep ran, are loaded before the wait for the prep's scratch. NORM_LAST (BV < K):
-    the head's last V-tile program applies the gated norm, from raw o (o_ptr) into out_ptr, with
-    ctr_ptr's head counters (zero at launch, left zero); otherwise out_ptr and ctr_ptr are
-    unused."""
+    before the prep ran, are loaded before the wait for the prep's scratch."""
     if not STATE_FIRST:
         wait_for_producers(PDL)
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, BV)
@@ -206,9 +181,6 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
     tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
-    if NORM_LAST:
-        _norm_if_last(o_ptr, out_ptr, gate_ptr, norm_w_ptr, ctr_ptr, b, h, H, live, row0_64, eps,
-                      ROWS, RB, K, K // BV)
 
 
 @triton.jit
