@@ -57,6 +57,7 @@ if [ "$parallel" -gt 0 ]; then
     [ ${#shard[@]} -eq 0 ] && [ "$bench" = 0 ] || {
         echo "gpu_check: --parallel runs the shards itself (no --shard, no --bench)" >&2; exit 2; }
     logs=${LOGS:-${OUT:-.}}
+    mkdir -p "$logs" || exit 1
     own=()        # this command's arguments without --parallel N, for each shard
     skip=0
     for a in "${args[@]}"; do
