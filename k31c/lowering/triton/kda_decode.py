@@ -63,7 +63,7 @@ class DecodePlan:
         return self.state_programs(requests, H) <= sms
 
     def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
-        return dict(ROWS=self.rows, RB=max(triton.next_power_of_2(self.rows), 2), K=self.K, W=self.W,
+        return dict(ROWS=self.rows, RB=triton.next_power_of_2(self.rows), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
                     HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
 
