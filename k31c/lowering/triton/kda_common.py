@@ -62,15 +62,21 @@ def window_rows(in_ptr, conv_row_ptr, pos0, tok0, rel, ch_in, ch_conv, live, mas
 
     ext is one request's cached window (positions < W-1, conv_row_ptr) followed by its new
     rows; tok0 is the token index that position pos0 would have (request start + pos0 - (W-1),
-    possibly negative). Addresses are a scalar base plus small int32 offsets (few registers)."""
+    possibly negative). Addresses are a scalar base plus small int32 offsets (few registers).
+    Where the window and the inputs share a dtype, each element is one load from the address
+    its row selects (not two masked loads and an add)."""
     ext = pos0 + rel
     from_hist = ext < W - 1
     hist_row = tl.where(from_hist, ext, 0)
-    hist = tl.load(conv_row_ptr + (hist_row[:, None] * (3 * P) + ch_conv[None, :]),
-                   mask=(mask_rel & from_hist & live)[:, None], other=0.0)
-    new = tl.load(in_ptr + tok0.to(tl.int64) * P + (rel[:, None] * P + ch_in[None, :]),
-                  mask=(mask_rel & ~from_hist)[:, None], other=0.0)
-    return hist.to(tl.float32) + new.to(tl.float32)
+    hist_ptrs = conv_row_ptr + (hist_row[:, None] * (3 * P) + ch_conv[None, :])
+    new_ptrs = in_ptr + tok0.to(tl.int64) * P + (rel[:, None] * P + ch_in[None, :])
+    if in_ptr.dtype.element_ty == conv_row_ptr.dtype.element_ty:
+        return tl.load(tl.where(from_hist[:, None], hist_ptrs, new_ptrs),
+                       mask=(mask_rel & (live | ~from_hist))[:, None], other=0.0).to(tl.float32)
+    else:
+        hist = tl.load(hist_ptrs, mask=(mask_rel & from_hist & live)[:, None], other=0.0)
+        new = tl.load(new_ptrs, mask=(mask_rel & ~from_hist)[:, None], other=0.0)
+        return hist.to(tl.float32) + new.to(tl.float32)
 
 
 @triton.jit
