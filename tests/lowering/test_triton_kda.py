@@ -124,6 +124,20 @@ def test_decode_value_tiles(lb):
                  seed=12, fn=partial(launch_kda_decode, block_v=8))
 
 
+def test_decode_window_dtype_differs():
+    """An fp32 conv window with fp16 inputs: the window's rows are loaded apart from the new rows
+    (kda_common.window_rows' two-load form); the same-dtype tests take its one-load form."""
+    H, K, B, rows = 2, 16, 3, 2
+    gen = torch.Generator().manual_seed(31)
+    params, conv, state = make_layer(H, K, 6, torch.float32, DEV, gen)
+    tok = make_tokens(B * rows, H, K, torch.float16, DEV, gen)
+    slots = torch.tensor([4, -1, 0], device=DEV)
+    got = run_decode(kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
+    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
+    for name, g, w in zip(("out", "conv_state", "recurrent", "snap_conv", "snap_state"), got, want):
+        close(name, g, w, torch.float16, decode=True)
+
+
 def test_decode_k32_snapshots_fp16():
     check_decode(H=2, K=32, B=2, rows=4, lb=-5.0, snaps=True, dtype=torch.float16, device=DEV,
                  seed=11, fn=partial(launch_kda_decode, block_v=16))

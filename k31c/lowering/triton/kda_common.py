@@ -12,21 +12,43 @@ from k31c.graph.ops.kda import L2_NORM_EPS
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 L2_EPS = tl.constexpr(L2_NORM_EPS)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def exp_ftz(x):
+    """e^x as 2^(x log2 e): Triton lowers exp2 to PTX ex2.approx.ftz (one MUFU op) but exp to the
+    non-ftz form, which adds a denormal-range fixup (a compare, two multiplies) per value. Only
+    results below 2^-126 differ: they flush to 0."""
+    return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def sigmoid_ftz(x, PTX: tl.constexpr = False):
+    """1 / (1 + e^-x) through exp_ftz (tl.sigmoid uses the non-ftz exp). PTX (CUDA builds only):
+    the reciprocal as rcp.approx.ftz, one MUFU op, where `/` is div.full with its range fixups."""
+    d = 1.0 + tl.exp2(x * -LOG2E)
+    if PTX:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / d
 
 
 @triton.jit
 def gated_rms_norm(o, gate, norm_w, K: tl.constexpr, eps):
     """The output's gated RMSNorm over rows of K values: o·rsqrt(mean(o²) + eps)·w·σ(gate)."""
     return o * tl.rsqrt(tl.sum(o * o, axis=1) / K + eps)[:, None] * norm_w[None, :] \
-        * tl.sigmoid(gate.to(tl.float32))
+        * sigmoid_ftz(gate.to(tl.float32))
 
 
 @triton.jit
-def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
+def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr,
+                  PTX: tl.constexpr = False):
     """Per-channel log-decay from the gate input f (fp32, without dt_bias); a = exp(A_log[h])."""
     x = f + dt_bias
     if HAS_LOWER_BOUND:
-        g = lower_bound * tl.sigmoid(a * x)
+        g = lower_bound * sigmoid_ftz(a * x, PTX)
     else:
         # softplus with torch's threshold (x > 20: identity)
         g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -40,27 +62,33 @@ def window_rows(in_ptr, conv_row_ptr, pos0, tok0, rel, ch_in, ch_conv, live, mas
 
     ext is one request's cached window (positions < W-1, conv_row_ptr) followed by its new
     rows; tok0 is the token index that position pos0 would have (request start + pos0 - (W-1),
-    possibly negative). Addresses are a scalar base plus small int32 offsets (few registers)."""
+    possibly negative). Addresses are a scalar base plus small int32 offsets (few registers).
+    Where the window and the inputs share a dtype, each element is one load from the address
+    its row selects (not two masked loads and an add)."""
     ext = pos0 + rel
     from_hist = ext < W - 1
     hist_row = tl.where(from_hist, ext, 0)
-    hist = tl.load(conv_row_ptr + (hist_row[:, None] * (3 * P) + ch_conv[None, :]),
-                   mask=(mask_rel & from_hist & live)[:, None], other=0.0)
-    new = tl.load(in_ptr + tok0.to(tl.int64) * P + (rel[:, None] * P + ch_in[None, :]),
-                  mask=(mask_rel & ~from_hist)[:, None], other=0.0)
-    return hist.to(tl.float32) + new.to(tl.float32)
+    hist_ptrs = conv_row_ptr + (hist_row[:, None] * (3 * P) + ch_conv[None, :])
+    new_ptrs = in_ptr + tok0.to(tl.int64) * P + (rel[:, None] * P + ch_in[None, :])
+    if in_ptr.dtype.element_ty == conv_row_ptr.dtype.element_ty:
+        return tl.load(tl.where(from_hist[:, None], hist_ptrs, new_ptrs),
+                       mask=(mask_rel & (live | ~from_hist))[:, None], other=0.0).to(tl.float32)
+    else:
+        hist = tl.load(hist_ptrs, mask=(mask_rel & from_hist & live)[:, None], other=0.0)
+        new = tl.load(new_ptrs, mask=(mask_rel & ~from_hist)[:, None], other=0.0)
+        return hist.to(tl.float32) + new.to(tl.float32)
 
 
 @triton.jit
 def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv, live, P,
-                   W: tl.constexpr):
+                   W: tl.constexpr, PTX: tl.constexpr = False):
     """SiLU(causal conv) of the new rows at positions pos0 + rel [M] (rv valid; tok0 as in
     window_rows) for a channel vector: y[p, c] = sum_j w[c, j] * ext[p + j, c]. [M, C] fp32."""
     acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
         x = window_rows(in_ptr, conv_row, pos0, tok0, rel + j, ch_in, ch_conv, live, rv, P, W)
         acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
-    return acc * tl.sigmoid(acc)
+    return acc * sigmoid_ftz(acc, PTX)
 
 
 @triton.jit
@@ -72,7 +100,7 @@ def conv_silu_tokens(in_ptr, w_ptr, tok0, rel, rv, ch_in, ch_conv, P, W: tl.cons
     for j in tl.static_range(W):
         x = tl.load(base + ((rel + j)[:, None] * P + ch_in[None, :]), mask=rv[:, None], other=0.0)
         acc += x.to(tl.float32) * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
-    return acc * tl.sigmoid(acc)
+    return acc * sigmoid_ftz(acc)
 
 
 @triton.jit

@@ -29,29 +29,29 @@ import triton
 import triton.language as tl
 
 from k31c.lowering.triton.device import let_dependent_start, wait_for_producers
-from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, gated_rms_norm, kda_gate_math,
-                                             update_windows)
+from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, exp_ftz, gated_rms_norm,
+                                             kda_gate_math, sigmoid_ftz, update_windows)
 
 
 @triton.jit
 def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, conv_row,
                h, H, row0_64, tok0, rr, rv, ch, live, lower_bound, scale,
-               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
+               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PTX: tl.constexpr):
     """A request's R rows of one head, [RB, K] fp32: conv + SiLU over the cached window, q/k L2
     norms (q pre-scaled), v, decay exp(g); and sigmoid(beta) [RB]."""
     P = H * K
-    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W)
-    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W)
-    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W)
+    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W, PTX)
+    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W, PTX)
+    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W, PTX)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
     f = tl.load(f_ptr + row0_64 * P + (rr[:, None] * P + ch[None, :]), mask=rv[:, None],
                 other=0.0).to(tl.float32)
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-    decay = tl.exp(kda_gate_math(f, dt_bias[None, :], a, lower_bound, HAS_LOWER_BOUND))
-    beta = tl.sigmoid(tl.load(beta_ptr + row0_64 * H + (rr * H + h), mask=rv,
-                              other=0.0).to(tl.float32))
+    decay = exp_ftz(kda_gate_math(f, dt_bias[None, :], a, lower_bound, HAS_LOWER_BOUND, PTX))
+    beta = sigmoid_ftz(tl.load(beta_ptr + row0_64 * H + (rr * H + h), mask=rv,
+                               other=0.0).to(tl.float32), PTX)
     return q, k, v, decay, beta
 
 
@@ -61,8 +61,8 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
                            ds_ptr, bs_ptr, H, lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                            WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False,
-                           DEPENDENT: tl.constexpr = False):
+                           HAS_SNAP: tl.constexpr, PTX: tl.constexpr = False,
+                           PDL: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
     wait_for_producers(PDL)
     let_dependent_start(PDL, DEPENDENT)      # the state pass may load its state meanwhile
     b = tl.program_id(0)
@@ -79,7 +79,7 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
     tok0 = b * ROWS - (W - 1)                                          # token of position 0
     q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
                                       dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
-                                      lower_bound, scale, K, W, HAS_LOWER_BOUND)
+                                      lower_bound, scale, K, W, HAS_LOWER_BOUND, PTX)
     base = row0_64 * P + (rr[:, None] * P + ch[None, :])
     m2 = rv[:, None]
     tl.store(qs_ptr + base, q, mask=m2)
@@ -108,7 +108,7 @@ def _emit_row(S, o, r, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_
     if FUSE_NORM:
         gate = tl.load(gate_ptr + base + offs_v).to(tl.float32)
         norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)
-        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * norm_w * tl.sigmoid(gate)
+        y = o * tl.rsqrt(tl.sum(o * o, axis=0) / K + eps) * norm_w * sigmoid_ftz(gate)
         y = tl.where(live, y, 0.0)                 # a padding row's gate may hold anything
         tl.store(o_ptr + base + offs_v, y.to(o_ptr.dtype.element_ty))
     else:
