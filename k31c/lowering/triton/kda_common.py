@@ -24,15 +24,9 @@ def exp_ftz(x):
 
 
 @triton.jit
-def sigmoid_ftz(x, PTX: tl.constexpr = False):
-    """1 / (1 + e^-x) through exp_ftz (tl.sigmoid uses the non-ftz exp). PTX (CUDA builds only):
-    the reciprocal as rcp.approx.ftz, one MUFU op, where `/` is div.full with its range fixups."""
-    d = 1.0 + tl.exp2(x * -LOG2E)
-    if PTX:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return 1.0 / d
+def sigmoid_ftz(x):
+    """1 / (1 + e^-x) through exp_ftz (tl.sigmoid uses the non-ftz exp)."""
+    return 1.0 / (1.0 + tl.exp2(x * -LOG2E))
 
 
 @triton.jit
@@ -43,12 +37,11 @@ def gated_rms_norm(o, gate, norm_w, K: tl.constexpr, eps):
 
 
 @triton.jit
-def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr,
-                  PTX: tl.constexpr = False):
+def kda_gate_math(f, dt_bias, a, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
     """Per-channel log-decay from the gate input f (fp32, without dt_bias); a = exp(A_log[h])."""
     x = f + dt_bias
     if HAS_LOWER_BOUND:
-        g = lower_bound * sigmoid_ftz(a * x, PTX)
+        g = lower_bound * sigmoid_ftz(a * x)
     else:
         # softplus with torch's threshold (x > 20: identity)
         g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -81,14 +74,14 @@ def window_rows(in_ptr, conv_row_ptr, pos0, tok0, rel, ch_in, ch_conv, live, mas
 
 @triton.jit
 def conv_silu_rows(in_ptr, conv_row, w_ptr, pos0, tok0, rel, rv, ch_in, ch_conv, live, P,
-                   W: tl.constexpr, PTX: tl.constexpr = False):
+                   W: tl.constexpr):
     """SiLU(causal conv) of the new rows at positions pos0 + rel [M] (rv valid; tok0 as in
     window_rows) for a channel vector: y[p, c] = sum_j w[c, j] * ext[p + j, c]. [M, C] fp32."""
     acc = tl.zeros([rel.shape[0], ch_in.shape[0]], dtype=tl.float32)
     for j in tl.static_range(W):
         x = window_rows(in_ptr, conv_row, pos0, tok0, rel + j, ch_in, ch_conv, live, rv, P, W)
         acc += x * tl.load(w_ptr + ch_conv * W + j).to(tl.float32)[None, :]
-    return acc * sigmoid_ftz(acc, PTX)
+    return acc * sigmoid_ftz(acc)
 
 
 @triton.jit

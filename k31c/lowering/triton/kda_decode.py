@@ -14,14 +14,14 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import inline_ptx, pair_launch, pdl_launch, sm_count
+from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
 from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
-PREP_WARPS = 1            # prep launch at R > 1: 84.0-84.7 us for the decode at B = 16 vs 85.9 at 4
-PREP_WARPS_ONE_ROW = 2    # at R = 1: 63.6-63.7 us for the decode at B = 16 vs 66.0-66.1 at 4 warps
+PREP_WARPS = 2            # prep launch at R > 1: the decode at B = 16 (H100) 97.1 us vs 98.3 at 1, 98.0 at 4
+PREP_WARPS_ONE_ROW = 2    # at R = 1: 78.2 us (H100), 78.1 at 4 warps, 80.4 at 8
 NORM_WARPS = 4
 NORM_ROWS = 16            # [N*H, K] rows per norm program
 
@@ -62,11 +62,10 @@ class DecodePlan:
         paired are 0-4% slower (early programs wait on SMs the prep needs)."""
         return self.state_programs(requests, H) <= sms
 
-    def prep_constexprs(self, has_lower_bound: bool, has_snap: bool, ptx: bool) -> dict:
-        """ptx: built by Triton's CUDA backend (device.inline_ptx), so the sigmoids may use PTX."""
+    def prep_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, RB=triton.next_power_of_2(self.rows), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
-                    HAS_SNAP=has_snap, PTX=ptx, **({"DEPENDENT": True} if self.state_first else {}))
+                    HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -173,8 +172,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             q, k, v, f, beta, conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
             conv_state, slots, snap_conv if has_snap else conv_state, qs, ks, vs, ds, bs,
             H, lb, K ** -0.5,
-            **p.prep_constexprs(lower_bound is not None, has_snap, inline_ptx(dev)),
-            num_warps=p.prep_warps, **pdl)
+            **p.prep_constexprs(lower_bound is not None, has_snap), num_warps=p.prep_warps, **pdl)
     out = torch.empty_like(q)
     o_raw = out if p.fuse_norm else torch.empty(N, P, device=dev, dtype=torch.float32)
     norm_w = o_norm_weight.contiguous()
@@ -201,7 +199,6 @@ def aot_specs(shapes) -> list:
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
     lb = cfg.gate_lower_bound is not None
-    cuda = shapes.target.triton_backend == "cuda"
     inputs = dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, f_ptr=dt, beta_ptr=dt, conv_w_ptr=f32,
                   a_log_ptr=f32, dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=i64)
     prep_types = dict(inputs, snap_conv_ptr=dt, qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32,
@@ -219,7 +216,7 @@ def aot_specs(shapes) -> list:
             for snap in (False, True):
                 tag = f"R={rows}{',snap' if snap else ''}"
                 specs.append(kernel_spec(kda_decode_prep_kernel, op, tag + pair,
-                                         p.prep_constexprs(lb, snap, cuda), prep_types,
+                                         p.prep_constexprs(lb, snap), prep_types,
                                          num_warps=p.prep_warps, ints=dict(H=H)))
                 specs.append(kernel_spec(kda_decode_state_kernel, op, f"{tag},BV={p.block_v}{pair}",
                                          p.state_constexprs(snap), state_types, num_warps=p.num_warps,

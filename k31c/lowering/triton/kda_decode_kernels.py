@@ -36,22 +36,22 @@ from k31c.lowering.triton.kda_common import (L2_EPS, conv_silu_rows, exp_ftz, ga
 @triton.jit
 def _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, conv_row,
                h, H, row0_64, tok0, rr, rv, ch, live, lower_bound, scale,
-               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, PTX: tl.constexpr):
+               K: tl.constexpr, W: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr):
     """A request's R rows of one head, [RB, K] fp32: conv + SiLU over the cached window, q/k L2
     norms (q pre-scaled), v, decay exp(g); and sigmoid(beta) [RB]."""
     P = H * K
-    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W, PTX)
-    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W, PTX)
-    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W, PTX)
+    q = conv_silu_rows(q_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, ch, live, P, W)
+    k = conv_silu_rows(k_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, P + ch, live, P, W)
+    v = conv_silu_rows(v_ptr, conv_row, conv_w_ptr, 0, tok0, rr, rv, ch, 2 * P + ch, live, P, W)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + L2_EPS) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + L2_EPS)[:, None]
     f = tl.load(f_ptr + row0_64 * P + (rr[:, None] * P + ch[None, :]), mask=rv[:, None],
                 other=0.0).to(tl.float32)
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + ch).to(tl.float32)
-    decay = exp_ftz(kda_gate_math(f, dt_bias[None, :], a, lower_bound, HAS_LOWER_BOUND, PTX))
+    decay = exp_ftz(kda_gate_math(f, dt_bias[None, :], a, lower_bound, HAS_LOWER_BOUND))
     beta = sigmoid_ftz(tl.load(beta_ptr + row0_64 * H + (rr * H + h), mask=rv,
-                               other=0.0).to(tl.float32), PTX)
+                               other=0.0).to(tl.float32))
     return q, k, v, decay, beta
 
 
@@ -61,8 +61,8 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
                            ds_ptr, bs_ptr, H, lower_bound, scale,
                            ROWS: tl.constexpr, RB: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                            WB: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-                           HAS_SNAP: tl.constexpr, PTX: tl.constexpr = False,
-                           PDL: tl.constexpr = False, DEPENDENT: tl.constexpr = False):
+                           HAS_SNAP: tl.constexpr, PDL: tl.constexpr = False,
+                           DEPENDENT: tl.constexpr = False):
     wait_for_producers(PDL)
     let_dependent_start(PDL, DEPENDENT)      # the state pass may load its state meanwhile
     b = tl.program_id(0)
@@ -79,7 +79,7 @@ def kda_decode_prep_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_l
     tok0 = b * ROWS - (W - 1)                                          # token of position 0
     q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
                                       dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rv, ch, live,
-                                      lower_bound, scale, K, W, HAS_LOWER_BOUND, PTX)
+                                      lower_bound, scale, K, W, HAS_LOWER_BOUND)
     base = row0_64 * P + (rr[:, None] * P + ch[None, :])
     m2 = rv[:, None]
     tl.store(qs_ptr + base, q, mask=m2)
