@@ -14,9 +14,10 @@
 # each in its own process, its log in $LOGS/gpu-check[-programs|-kernels]-I.log ($LOGS, created
 # where missing: $OUT, else .; the part in the name with --no-kernels or --kernels-only, so two
 # calls keep both), and prints each shard's pytest summary: the tests are mostly Inductor and
-# Triton compiling on the CPU cores, so one H200 machine (16 cores) runs them side by side. On a
-# cold H200 part 1 took more than 7 minutes and part 2 about 8 run one after the other; in three
-# sequential shards 499 / 370 / 353 s.
+# Triton compiling on the CPU cores, so one H200 machine (16 cores) runs them side by side. On an
+# 80 GB H100, 8 shards at once ran out of GPU memory loading two kernels (session 60): use fewer
+# there (4 has not been tried). On a cold H200 part 1 took more than 7 minutes and part 2 about
+# 8 run one after the other; in three sequential shards 499 / 370 / 353 s.
 # Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands),
 # then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
