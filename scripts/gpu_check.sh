@@ -14,10 +14,11 @@
 # each in its own process, its log in $LOGS/gpu-check[-programs|-kernels]-I.log ($LOGS, created
 # where missing: $OUT, else .; the part in the name with --no-kernels or --kernels-only, so two
 # calls keep both), and prints each shard's pytest summary: the tests are mostly Inductor and
-# Triton compiling on the CPU cores, so one H200 machine (16 cores) runs them side by side. On an
-# 80 GB H100, 8 shards at once ran out of GPU memory loading two kernels (session 60): use fewer
-# there (4 has not been tried). On a cold H200 part 1 took more than 7 minutes and part 2 about
-# 8 run one after the other; in three sequential shards 499 / 370 / 353 s.
+# Triton compiling on the CPU cores, so one H200 machine (16 cores) runs them side by side. N is
+# capped at the GPU's memory over $SHARD_GIB (default 16 GiB a shard; it says so when it caps):
+# 8 shards at once ran out of GPU memory on an 80 GB H100, so there N is at most 4. On a cold H200
+# part 1 took more than 7 minutes and part 2 about 8 run one after the other; in three sequential
+# shards 499 / 370 / 353 s.
 # Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands),
 # then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
@@ -58,6 +59,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 if [ "$parallel" -gt 0 ]; then
     [ ${#shard[@]} -eq 0 ] && [ "$bench" = 0 ] || {
         echo "gpu_check: --parallel runs the shards itself (no --shard, no --bench)" >&2; exit 2; }
+    # Each shard's tests hold up to ~SHARD_GIB of GPU memory at once: more shards than the GPU
+    # holds fail with CUDA out of memory (8 did on an 80 GB H100; an H200's 140 GiB holds 8).
+    gib=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)") || exit 1
+    fit=$(( gib / ${SHARD_GIB:-16} > 1 ? gib / ${SHARD_GIB:-16} : 1 ))
+    if [ "$parallel" -gt "$fit" ]; then
+        echo "gpu_check: --parallel $parallel capped to $fit: the GPU's $gib GiB hold $fit shards of ${SHARD_GIB:-16} GiB (SHARD_GIB)"
+        parallel=$fit
+    fi
     logs=${LOGS:-${OUT:-.}}
     mkdir -p "$logs" || exit 1
     own=()        # this command's arguments without --parallel N, for each shard
