@@ -20,7 +20,7 @@ from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
-PREP_WARPS = 2            # prep launch at R > 1: the decode at B = 16 (H100) 97.1 us vs 98.3 at 1, 98.0 at 4
+PREP_WARPS = 2            # prep at R > 1: the decode at B = 16 (H100) 97.1 us, 98.3 at 1, 98.0 at 4
 PREP_WARPS_ONE_ROW = 2    # at R = 1: 78.2 us (H100), 78.1 at 4 warps, 80.4 at 8
 NORM_WARPS = 4
 NORM_ROWS = 16            # [N*H, K] rows per norm program
