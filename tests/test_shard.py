@@ -40,3 +40,24 @@ def test_the_slowest_tests_spread_over_the_shards(monkeypatch):
     shard = shards_of(ids, 3)
     assert dict(zip(ids, shard)) == {"a": 0, "b": 1, "c": 2, "d": 2, "x1": 1, "x2": 1, "x3": 1, "x4": 1, "x5": 1}
     assert shards_of(["p", "q", "r", "s", "t"], 2) == [0, 1, 0, 1, 0]       # none listed: round robin
+
+
+@pytest.mark.parametrize("gib, shards", [(79, 4), (139, 8), (10, 1)])
+def test_gpu_check_caps_parallel_shards_at_the_gpu_memory(tmp_path, gib, shards):
+    """`gpu_check.sh --parallel 8` runs at most the GPU's GiB / 16 shards, and says so when it
+    caps (8 shards ran out of memory on an 80 GB H100). A stand-in python answers the script's
+    device probes and runs no tests."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase "$*" in\n'
+                    f'  *total_memory*) echo {gib} ;;\n'
+                    '  *is_available*) echo "torch stand-in" ;;\n'
+                    '  *) echo "1 passed in 0.01s" ;;\nesac\n')
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", "scripts/gpu_check.sh", "--parallel", "8"], cwd=ROOT, text=True,
+                         capture_output=True, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake),
+                                                   "LOGS": str(tmp_path / "logs")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    ran = [line for line in out.stdout.splitlines() if line.startswith("shard ")]
+    assert [line.split(":")[0] for line in ran] == [f"shard {i}/{shards}" for i in range(1, shards + 1)]
+    assert ("capped to" in out.stdout) == (shards < 8)
+    assert len(list((tmp_path / "logs").iterdir())) == shards
