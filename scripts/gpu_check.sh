@@ -61,10 +61,11 @@ if [ "$parallel" -gt 0 ]; then
         echo "gpu_check: --parallel runs the shards itself (no --shard, no --bench)" >&2; exit 2; }
     # Each shard's tests hold up to ~SHARD_GIB of GPU memory at once: more shards than the GPU
     # holds fail with CUDA out of memory (8 did on an 80 GB H100; an H200's 140 GiB holds 8).
+    shard_gib=${SHARD_GIB:-16}
     gib=$("$PY" -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)") || exit 1
-    fit=$(( gib / ${SHARD_GIB:-16} > 1 ? gib / ${SHARD_GIB:-16} : 1 ))
+    fit=$(( gib / shard_gib > 1 ? gib / shard_gib : 1 ))
     if [ "$parallel" -gt "$fit" ]; then
-        echo "gpu_check: --parallel $parallel capped to $fit: the GPU's $gib GiB hold $fit shards of ${SHARD_GIB:-16} GiB (SHARD_GIB)"
+        echo "gpu_check: --parallel $parallel capped to $fit: the GPU's $gib GiB hold $fit shards of $shard_gib GiB (SHARD_GIB)"
         parallel=$fit
     fi
     logs=${LOGS:-${OUT:-.}}
