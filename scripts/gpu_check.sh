@@ -18,9 +18,11 @@
 # capped at the GPU's memory over $SHARD_GIB (default 16 GiB a shard; it says so when it caps):
 # 8 shards at once ran out of GPU memory on an 80 GB H100, so there N is at most 4. On a cold H200
 # part 1 took more than 7 minutes and part 2 about 8 run one after the other; in three sequential
-# shards 499 / 370 / 353 s.
-# Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands),
-# then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
+# shards 499 / 370 / 353 s. On a cold H100 at 4 shards part 1 alone took 295-365 s a shard and
+# both parts ran past 590 s.
+# Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands)
+# on an H200; on an H100 `--parallel 4 --no-kernels`, then `--parallel 4 --kernels-only` (37-62 s
+# a shard after the first call's compiles); then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
 # command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
 # A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log;
