@@ -199,9 +199,6 @@ def kda_decode_one_row_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, co
     state, then the head's conv windows moved on. No scratch and no second launch."""
     wait_for_producers(PDL)
     b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, K)
-    # the compilers do not move loads across a barrier: the state's loads issue before the
-    # prep's (unfenced, ptxas sinks them past the prep's window loads and conv)
-    tl.debug_barrier()
     P = H * K
     conv_row = conv_ptr + slot * (W - 1) * 3 * P
     ch = h * K + offs
