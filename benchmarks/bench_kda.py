@@ -165,13 +165,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False))
                  for st in ("p", "s") + (("n", "ps") if norm else ())}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
-        if R == 1:
-            # the whole step as one launch (DecodePlan.fuse_prep) on (warps, register cap): at 4
-            # warps it spills; 8 warps capped at 120 registers fit two programs an SM, no spill
-            ones = {c: graph_ms(lambda c=c: run((K, c[0]), fuse_prep=True, maxnreg=c[1]))
-                    for c in ((4, None), (8, None), (8, 120))}
-            notes.append("one launch (warps,cap) " + " ".join(
-                f"{w},{cap or '-'}:{t * 1e3:.1f}us" for (w, cap), t in ones.items()))
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us"
                      + (f", norm alone {parts['n'] * 1e3:.1f}us, prep + state without the norm "
                         f"{parts['ps'] * 1e3:.1f}us" if norm else "") + "; "
@@ -235,21 +228,18 @@ def small_batch_rows(m: Machine, batches=(1, 4),
 
         turn = itertools.count()
 
-        def run(cfg, state_first=None, **knobs):
+        def run(cfg, state_first=None):
             return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None,
-                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first,
-                                     **knobs)
+                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         paired, plain = (graph_ms(lambda f=f: run(decode_tile(1, K), state_first=f)) for f in (True, False))
-        one = graph_ms(lambda: run((K, 8), fuse_prep=True, maxnreg=120))
         out.append(Row("kda_decode", f"B={B} R=1 H={H} K=V={K}, {slots_in_pool} states cycled", sweep[best],
                        bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
-                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"
-                       + f"; one launch (8 warps, 120 registers) {one * 1e3:.1f}us"))
+                       + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"))
     return out
 
 
