@@ -16,7 +16,7 @@ out=${OUT:-.}
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,clocks.max.sm,driver_version --format=csv,noheader 2>/dev/null
 git log --oneline -1 2>/dev/null
-declare -A limit=([topk-quick]=150 [topk-pair]=120 [topk-short]=90 [layer]=200 [mla-heads]=120 [kda-decode]=120)
+declare -A limit=([topk-quick]=150 [topk-pair]=120 [topk-short]=90 [layer]=200 [mla-heads]=120 [kda-decode]=180)
 declare -A cmd=([topk-quick]="benchmarks/bench_topk.py --quick" [topk-pair]="benchmarks/bench_topk.py --pair"
                 [topk-short]="benchmarks/bench_topk.py --pair --rows 32" [layer]="benchmarks/bench_layer.py --quick"
                 [mla-heads]="benchmarks/try_sparse_mla.py --head-probe" [kda-decode]="benchmarks/bench_kda.py --decode")
