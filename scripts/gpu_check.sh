@@ -22,8 +22,9 @@
 # both parts ran past 590 s.
 # Where one command may run at most 10 minutes, use `--parallel 3` (or the three --shard commands)
 # on an H200; on an H100 `--parallel 4 --no-kernels`, then `--parallel 4 --kernels-only` (37-62 s
-# a shard after the first call's compiles); then `--bench-only` for part 3 alone. Send the output to a file that comes back even when the
-# command is cut off (e.g. `> $OUT/check.log 2>&1`): a pipe through grep or tail loses it.
+# a shard after the first call's compiles); then `--bench-only` for part 3 alone. Send the output
+# to a file that comes back even when the command is cut off (e.g. `> $OUT/check.log 2>&1`): a
+# pipe through grep or tail loses it.
 # Other arguments go to part 1's pytest (e.g. -k bench).
 # A test running longer than $STALL seconds (default 300) has its threads' stacks dumped to the log;
 # each shard's log ends with its 8 slowest tests (what to shorten when the check grows, and the
