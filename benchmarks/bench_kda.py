@@ -15,9 +15,7 @@ conv + chunk + norm chain) and the eager reference op; eager timing for all (ms 
 column is the registered default launch, timed again after a sweep of launch configurations.
 
 Decode at small batches (`small_batch_rows`, with --decode): the state-pass tile at B = 1 and 4,
-k31c alone, cycling through 16 requests' states so the state is not L2-resident. Then
-(`one_launch_rows`, last) the one-row step as one launch (`DecodePlan.fuse_prep`) at B = 16, 1
-and 4 beside the registered launches on the same inputs.
+k31c alone, cycling through 16 requests' states so the state is not L2-resident.
 
 Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill | --decode]   (the prefill or decode
 rows alone; fla-core must be importable for the fla peers)
@@ -131,9 +129,6 @@ def fla_decode_peers(tok, lay, B, R):
     return {"fla recurrent": recurrent_only, "fla chain": chain}
 
 
-STATE_CAPS = (112, 96)      # register caps decode_rows tries on the R > 1 state pass
-
-
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
                 configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4)),
                 rows=(1, 4)) -> list[Row]:
@@ -170,17 +165,6 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False))
                  for st in ("p", "s") + (("n", "ps") if norm else ())}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
-        if R > 1:
-            # the state pass under a register cap: (32, 2) takes 129 registers (7 programs an
-            # SM); capped at 112 / 96 it fits 9 / 10 with 64 / 248 B of stack (sm_90a)
-            capped = {}
-            for cap in STATE_CAPS:
-                try:
-                    capped[cap] = graph_ms(lambda cap=cap: run(maxnreg=cap, state_first=False))
-                except Exception as e:  # noqa: BLE001  (reported, not raised)
-                    notes.append(f"maxnreg {cap} failed: {type(e).__name__}: {str(e)[:80]}")
-            notes.append("state pass capped (registers) " + " ".join(
-                f"{c}:{t * 1e3:.1f}us" for c, t in capped.items()))
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us"
                      + (f", norm alone {parts['n'] * 1e3:.1f}us, prep + state without the norm "
                         f"{parts['ps'] * 1e3:.1f}us" if norm else "") + "; "
@@ -256,52 +240,6 @@ def small_batch_rows(m: Machine, batches=(1, 4),
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
                        + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"))
-    return out
-
-
-# (warps, register cap) of the one-launch step one_launch_rows times: at 4 warps it spills (255
-# registers); at 8, 135 registers leave one program an SM, 120 (no spill) two
-ONE_LAUNCH = ((4, None), (8, None), (8, 120))
-
-
-def one_launch_rows(m: Machine, batches=(16, 1, 4), slots_in_pool: int = 16) -> list[Row]:
-    """KDA decode's one-row step as one launch (`DecodePlan.fuse_prep`) at each of ONE_LAUNCH,
-    beside the registered launches on the same inputs, R = 1, the calls cycling through the
-    states of `slots_in_pool` requests as in small_batch_rows (B = 16: one set, decode_rows'
-    case). Run last and guarded: an option that fails to build or run is reported in its row
-    without costing the rows before it."""
-    from k31c.lowering.triton.kda_decode import launch_kda_decode
-    gen = torch.Generator().manual_seed(2)
-    lay = layer(slots_in_pool, gen)
-    out = []
-    for B in batches:
-        tok = tokens(B, gen)
-        sets = [torch.arange(j * B, (j + 1) * B, device="cuda") % slots_in_pool
-                for j in range(max(slots_in_pool // B, 1))]
-        turn = itertools.count()
-
-        def run(**knobs):
-            return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS,
-                                     None, None, **knobs)
-
-        times, failed = {}, []
-        for cfg in [None, *ONE_LAUNCH]:
-            knobs = {} if cfg is None else dict(block_v=K, num_warps=cfg[0], fuse_prep=True,
-                                                maxnreg=cfg[1])
-            try:
-                times[cfg] = graph_ms(lambda knobs=knobs: run(**knobs))
-            except Exception as e:  # noqa: BLE001  (reported in the row, not raised)
-                failed.append(f"{cfg or 'registered'} failed: {type(e).__name__}: {str(e)[:80]}")
-        ones = {c: t for c, t in times.items() if c is not None}
-        best = min(ones, key=ones.get) if ones else None
-        shape = f"B={B} R=1 H={H} K=V={K}" + (f", {slots_in_pool} states cycled" if B < slots_in_pool else "")
-        notes = [f"registered launches {times[None] * 1e3:.1f}us"] if None in times else []
-        if ones:
-            notes.append(f"one launch at its best (warps, cap) {best}; (warps,cap) " + " ".join(
-                f"{w},{cap or '-'}:{t * 1e3:.1f}us" for (w, cap), t in ones.items()))
-        out.append(Row("kda_decode one launch", shape, times.get(best, float("nan")),
-                       bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
-                       "; ".join(notes + failed)))
     return out
 
 
@@ -423,5 +361,5 @@ if __name__ == "__main__":
         sys.exit(f"bench_kda: expected nothing, --prefill or --decode, got {' '.join(sys.argv[1:])}")
     m = measure_machine()
     rows = prefill_rows(m) if "--prefill" in flags else \
-        decode_rows(m) + small_batch_rows(m) + one_launch_rows(m) if "--decode" in flags else run(m)
+        decode_rows(m) + small_batch_rows(m) if "--decode" in flags else run(m)
     print(markdown(rows, m))

@@ -19,12 +19,11 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-bv8", "one-launch"])
+@pytest.mark.parametrize("kernel", ["split", "split-bv8"])
 def test_decode_padding_rows_with_garbage_inputs(kernel):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
-    H, K, B = 2, 16, 3
-    rows = 1 if kernel == "one-launch" else 2
+    H, K, B, rows = 2, 16, 3, 2
     gen = torch.Generator().manual_seed(21)
     params, conv, state = make_layer(H, K, 6, torch.float32, DEV, gen)
     tok = make_tokens(B * rows, H, K, torch.float32, DEV, gen)
@@ -32,8 +31,7 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     slots[1] = -1
     for t in tok.values():
         t[rows:2 * rows] = float("nan")                        # the padding request's rows
-    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8),
-          "one-launch": partial(launch_kda_decode, fuse_prep=True)}[kernel]
+    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8)}[kernel]
     got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
@@ -126,37 +124,6 @@ def test_decode_pairs_the_state_pass_only_when_its_grid_fits_the_sms():
     assert not plan(4, 128, 4).pairs(1, 96, 132)    # BV = 32: 384 programs at one request
 
 
-@pytest.mark.parametrize("snaps", [False, True])
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_decode_one_launch(snaps, lb):
-    """fuse_prep: the whole one-row step in one launch, each program making its head's prep."""
-    check_decode(H=2, K=16, B=3, rows=1, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=50 + snaps + 2 * (lb is None),
-                 fn=partial(launch_kda_decode, fuse_prep=True, num_warps=8, maxnreg=120))
-
-
-def test_decode_one_launch_fp16_window_dtype():
-    gen = torch.Generator().manual_seed(53)
-    params, conv, state = make_layer(2, 32, 5, torch.float32, DEV, gen)
-    tok = make_tokens(4, 2, 32, torch.float16, DEV, gen)
-    slots = torch.tensor([3, -1, 0, 4], device=DEV)
-    got = run_decode(partial(launch_kda_decode, fuse_prep=True), tok, params, conv, state, slots,
-                     1, -5.0, False)
-    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, 1, -5.0, False)
-    for name, g, w in zip(("out", "conv_state", "recurrent"), got, want):
-        close(name, g, w, torch.float16, decode=True)
-
-
-@pytest.mark.parametrize("rows,block_v,stages,maxnreg,match", [
-    (4, None, "psn", None, "fuse_prep"), (1, 8, "psn", None, "fuse_prep"),
-    (1, None, "ps", None, "stages"), (1, None, "psn", 300, "maxnreg")])
-def test_decode_one_launch_rejects_what_it_cannot_run(rows, block_v, stages, maxnreg, match):
-    with pytest.raises(ValueError, match=match):
-        check_decode(H=2, K=16, B=2, rows=rows, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=0, fn=partial(launch_kda_decode, fuse_prep=True,
-                                                    block_v=block_v, stages=stages, maxnreg=maxnreg))
-
-
 def test_decode_rejects_bad_stages():
     with pytest.raises(ValueError, match="stages"):
         check_decode(H=2, K=16, B=2, rows=1, lb=-5.0, snaps=False, dtype=torch.float32,
@@ -176,17 +143,6 @@ def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
                  seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("snaps", [False, True])
-@pytest.mark.parametrize("num_warps,maxnreg", [(4, None), (8, 120)])
-def test_decode_one_launch_k3_shapes_cuda(snaps, num_warps, maxnreg):
-    """The one launch as bench_kda times it: 4 warps (spilling) and 8 capped at 120 registers."""
-    check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=60 + snaps, num_slots=20,
-                 fn=partial(launch_kda_decode, fuse_prep=True, block_v=128, num_warps=num_warps,
-                            maxnreg=maxnreg))
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")

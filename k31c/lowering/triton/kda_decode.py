@@ -14,11 +14,9 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import pair_launch, pdl_launch, register_cap, sm_count
+from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
-from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel,
-                                                     kda_decode_one_row_kernel,
-                                                     kda_decode_prep_kernel,
+from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
@@ -48,8 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    fuse_prep: bool = False     # one launch: each whole-head program makes its own prep (R = 1)
-    maxnreg: int | None = None  # register cap of the state pass / the one launch (CUDA only)
 
     @property
     def fuse_norm(self) -> bool:
@@ -70,10 +66,6 @@ class DecodePlan:
         return dict(ROWS=self.rows, RB=triton.next_power_of_2(self.rows), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
                     HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
-
-    def one_row_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
-        return dict(K=self.K, W=self.W, WB=triton.next_power_of_2(max(self.W - 1, 1)),
-                    HAS_LOWER_BOUND=has_lower_bound, HAS_SNAP=has_snap)
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -100,20 +92,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, fuse_prep: bool = False,
-         maxnreg: int | None = None) -> DecodePlan:
+         unroll_rows: bool = True) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given (the launcher decides `state_first`: `DecodePlan.pairs`). fuse_prep (one launch)
-    needs one row a request and whole-head programs (BV = K)."""
+    as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
-    if fuse_prep and (rows != 1 or BV != K):
-        raise ValueError(f"fuse_prep: needs one row a request and block_v = K = {K} (one program "
-                         f"a head), got rows={rows}, block_v={BV}")
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    if maxnreg is not None and not 24 <= maxnreg <= 255:
-        raise ValueError(f"maxnreg: expected a register cap in [24, 255], got {maxnreg}")
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, fuse_prep=fuse_prep,
-                      maxnreg=maxnreg)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -148,26 +132,21 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, fuse_prep: bool = False,
-                      maxnreg: int | None = None) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). fuse_prep: the whole step as one launch at
-    one row a request and BV = K (kda_decode_one_row_kernel; stages and state_first do not
-    apply). maxnreg: the state pass's (or the one launch's) register cap, CUDA only."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, fuse_prep, maxnreg)
-    if fuse_prep and stages != "psn":
-        raise ValueError(f"stages: the one-launch step (fuse_prep) has no stages apart, got {stages!r}")
-    paired = pair_launch(q.device) and "p" in stages and not fuse_prep
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
+    paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
     p = dataclasses.replace(p, state_first=state_first and paired)
@@ -186,15 +165,6 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     pdl = pdl_launch(dev)
     has_snap = snap_conv is not None
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    if p.fuse_prep:
-        out = torch.empty_like(q)
-        kda_decode_one_row_kernel[(B * H,)](
-            q, k, v, f, beta, gate, conv_weight.contiguous(), A_log.contiguous(),
-            dt_bias.contiguous(), o_norm_weight.contiguous(), conv_state, recurrent, slots,
-            snap_conv if has_snap else conv_state, snap_state if has_snap else recurrent, out, H,
-            lb, K ** -0.5, float(eps), **p.one_row_constexprs(lower_bound is not None, has_snap),
-            num_warps=p.num_warps, **pdl, **register_cap(dev, p.maxnreg))
-        return out
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
@@ -211,8 +181,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
             **{**pdl, **p.state_constexprs(has_snap),
-               **({"launch_pdl": True} if p.state_first else {}),
-               **register_cap(dev, p.maxnreg)}, num_warps=p.num_warps)
+               **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
     if "n" in stages and not p.fuse_norm:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),

@@ -20,9 +20,6 @@ Three launches, all with grids from static shapes (CUDA-graph safe; slots read o
      launched as the prep's PDL dependent (device.pair_launch): its programs load their state
      slice while the prep runs and wait for the prep's scratch after.
   3. norm (only when BV < K): the gated RMSNorm over raw o, [N*H, K] rows.
-At one row a request with BV = K the three can also run as one launch (`DecodePlan.fuse_prep`,
-kda_decode_one_row_kernel: each program makes its own head's prep while its state loads); an
-option for benchmarks, not the default.
 A padding request (slot -1) reads and writes no state; its raw o is forced to 0, so its output
 rows come out 0 from the norm.
 """
@@ -184,41 +181,6 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
     tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
-
-
-@triton.jit
-def kda_decode_one_row_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, conv_w_ptr, a_log_ptr,
-                              dt_bias_ptr, norm_w_ptr, conv_ptr, state_ptr, slots_ptr,
-                              snap_conv_ptr, snap_state_ptr, o_ptr, H, lower_bound, scale, eps,
-                              K: tl.constexpr, W: tl.constexpr, WB: tl.constexpr,
-                              HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr,
-                              PDL: tl.constexpr = False):
-    """The whole step at one row a request in one launch (`DecodePlan.fuse_prep`), a program per
-    (request, head): the head's [K, K] state slice loaded first (what the program waits on), the
-    prep made meanwhile from the cached window, one delta-rule step, the gated norm, the final
-    state, then the head's conv windows moved on. No scratch and no second launch."""
-    wait_for_producers(PDL)
-    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, K)
-    # the compilers do not move loads across a barrier: the state's loads issue before the
-    # prep's (unfenced, ptxas sinks them past the prep's window loads and conv)
-    tl.debug_barrier()
-    P = H * K
-    conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    ch = h * K + offs
-    rr = tl.arange(0, 1)
-    row0_64 = b.to(tl.int64)
-    tok0 = b - (W - 1)
-    q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rr < 1, ch,
-                                      live, lower_bound, scale, K, W, HAS_LOWER_BOUND)
-    # the one row of each [1, K] tile as a vector
-    S, o = _delta_row(S, tl.sum(q, axis=0), tl.sum(k, axis=0), tl.sum(decay, axis=0),
-                      tl.sum(v, axis=0), tl.sum(beta, axis=0), live)
-    _emit_row(S, o, 0, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr,
-              eps, K, HAS_SNAP, True)
-    tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
-    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
-                   P, HAS_SNAP, 1, W, WB)
 
 
 @triton.jit
