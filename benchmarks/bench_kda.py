@@ -1,8 +1,8 @@
 """KDA decode / verify and prefill at K3 shapes (issue 4; spec/performance.md §8 G8, G9).
 
 Decode: B = 16 requests x R = 1 or 4 rows, 96 heads x 128, bf16 activations and conv window, fp32
-state. k31c's `kda_decode` (the k31c column is the registered launch: at R = 1 one launch, at
-R = 4 prep, state pass, norm; the passes apart at a few (BV, warps) tiles in the note) against, in the same run: fla's
+state. k31c's `kda_decode` (prep, state pass, norm; the k31c column is the registered default
+tile, a few other (BV, warps) tiles in the note) against, in the same run: fla's
 `fused_recurrent_kda` alone (gate, beta sigmoid and q/k L2 norm in its kernel; inputs already
 convolved), fla's chain (its causal conv + fused_recurrent_kda + FusedRMSNormGated), the eager
 reference op and torch.compile of the reference math. Everything but the eager reference is
@@ -14,10 +14,8 @@ Prefill: one request of T = 8192 tokens from a live state, against fla's `chunk_
 conv + chunk + norm chain) and the eager reference op; eager timing for all (ms scale). The k31c
 column is the registered default launch, timed again after a sweep of launch configurations.
 
-Decode at small batches (`small_batch_rows`, with --decode): the passes' state-pass tile at B = 1
-and 4, k31c alone, cycling through 16 requests' states so the state is not L2-resident. Then
-(`one_launch_rows`, last) the one-row step as one launch (`DecodePlan.fuse_prep`) at B = 16, 1
-and 4 at a few (warps, register cap) beside the passes apart on the same inputs.
+Decode at small batches (`small_batch_rows`, with --decode): the state-pass tile at B = 1 and 4,
+k31c alone, cycling through 16 requests' states so the state is not L2-resident.
 
 Run: PYTHONPATH=. python benchmarks/bench_kda.py [--prefill | --decode]   (the prefill or decode
 rows alone; fla-core must be importable for the fla peers)
@@ -131,16 +129,13 @@ def fla_decode_peers(tok, lay, B, R):
     return {"fla recurrent": recurrent_only, "fla chain": chain}
 
 
-STATE_CAPS = (112, 96)      # register caps decode_rows tries on the R > 1 state pass
-
-
 def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
                 configs=((64, 4), (32, 4), (32, 2), (16, 2), (128, 4)),
                 rows=(1, 4)) -> list[Row]:
-    """kda_decode as registered (at R = 1 the one launch, `DecodePlan.fuse_prep`), then its
-    passes as separate launches swept over `configs` (BV, warps; BV = K: one program a head,
-    gated norm fused, no norm launch), the best named; R > 1 also with per-row snapshots."""
-    from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode, plan
+    """kda_decode swept over `configs` (BV, warps; BV = K: one program a head, gated norm fused,
+    no norm launch), the default tile reported and the best named; R > 1 also with per-row
+    snapshots, at the launcher's default tile."""
+    from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     out, B = [], B_DECODE
     gen = torch.Generator().manual_seed(0)
     lay = layer(B, gen)
@@ -155,7 +150,7 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
             return launch_kda_decode(*args(tok, lay), slots, R, LB, EPS, *sn, block_v=cfg[0],
                                      num_warps=cfg[1], state_first=state_first, **knobs)
 
-        sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg, fuse_prep=False)) for cfg in configs}
+        sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
         peers = {}
         notes = ["(BV,warps) " + " ".join(f"{','.join(map(str, cfg))}:{t * 1e3:.1f}us"
@@ -163,25 +158,13 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
         # the default tile with the state pass as the prep's PDL dependent, and after it
         paired = graph_ms(lambda: run(state_first=True))
         plain = graph_ms(lambda: run(state_first=False))
-        notes.append(f"passes apart at the default tile, state pass paired {paired * 1e3:.1f}us, "
-                     f"plain {plain * 1e3:.1f}us")
+        notes.append(f"default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us")
         # the launches alone (outputs unfinished) and the prep's warps, at the default tile; with
         # a norm launch (BV < K) also the norm alone and the step without it: what fusing it saves
         norm = decode_tile(R, K)[0] < K
         parts = {st: graph_ms(lambda st=st: run(stages=st, state_first=False))
                  for st in ("p", "s") + (("n", "ps") if norm else ())}
         preps = {w: graph_ms(lambda w=w: run(prep_warps=w, state_first=False)) for w in (1, 2, 4)}
-        if R > 1:
-            # the state pass under a register cap: (32, 2) takes 129 registers (7 programs an
-            # SM); capped at 112 / 96 it fits 9 / 10 with 64 / 248 B of stack (sm_90a)
-            capped = {}
-            for cap in STATE_CAPS:
-                try:
-                    capped[cap] = graph_ms(lambda cap=cap: run(maxnreg=cap, state_first=False))
-                except Exception as e:  # noqa: BLE001  (reported, not raised)
-                    notes.append(f"maxnreg {cap} failed: {type(e).__name__}: {str(e)[:80]}")
-            notes.append("state pass capped (registers) " + " ".join(
-                f"{c}:{t * 1e3:.1f}us" for c, t in capped.items()))
         notes.append(f"prep alone {parts['p'] * 1e3:.1f}us, state pass alone {parts['s'] * 1e3:.1f}us"
                      + (f", norm alone {parts['n'] * 1e3:.1f}us, prep + state without the norm "
                         f"{parts['ps'] * 1e3:.1f}us" if norm else "") + "; "
@@ -210,16 +193,14 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
             except Exception as e:  # noqa: BLE001
                 notes.append(f"compile failed: {type(e).__name__}: {str(e)[:80]}")
         floor = bytes_floor_ms(decode_bytes(B, R, False), m)
-        default = graph_ms(lambda: run())
-        reg = plan(R, K, W)
-        form = (f"one launch (warps,cap) {(reg.num_warps, reg.maxnreg)}" if reg.fuse_prep
-                else f"(BV,warps) {decode_tile(R, K)}")
+        default = sweep.get(decode_tile(R, K)) or graph_ms(lambda: run())
         fla = peers.get("fla recurrent")
         if fla:
-            notes.append(f"fla/k31c {fla / default:.2f}x registered, "
-                         f"{fla / sweep[best]:.2f}x at the best tile of the passes apart")
+            notes.append(f"fla/k31c {fla / default:.2f}x at the default tile, "
+                         f"{fla / sweep[best]:.2f}x at the best")
         out.append(Row("kda_decode", shape, default, floor, "bytes", peers,
-                       f"k31c registered: {form}; passes apart best {best}; " + "; ".join(notes)))
+                       f"k31c at the default (BV,warps) {decode_tile(R, K)}; best {best}; "
+                       + "; ".join(notes)))
         if R > 1:
             ms = graph_ms(lambda: run(sn=snap))
             out.append(Row("kda_decode +snapshots", shape, ms,
@@ -229,34 +210,27 @@ def decode_rows(m: Machine, torch_peers: bool = True, compile_peer: bool = True,
     return out
 
 
-def cycling_slots(B: int, pool: int):
-    """The next of `pool // B` disjoint sets of B request slots (one set when B >= pool) at each
-    call, so that successive calls in a graph find their states outside the L2."""
-    sets = [torch.arange(j * B, (j + 1) * B, device="cuda") % pool for j in range(max(pool // B, 1))]
-    turn = itertools.count()
-    return lambda: sets[next(turn) % len(sets)]
-
-
 def small_batch_rows(m: Machine, batches=(1, 4),
                      configs=((32, 4), (64, 4), (128, 4), (16, 2)),
                      slots_in_pool: int = 16) -> list[Row]:
-    """The decode tile of the passes apart at the small batches of a serving step (R = 1; the
-    registered one launch: one_launch_rows): k31c only, each (BV, warps) of `configs`, as
-    CUDA-graph replays of 20 calls that cycle through the states of `slots_in_pool` requests
-    (6 MiB each, 96 MiB in all: past the L2, as in a decode step where the weights stream between
-    two layers' states)."""
+    """The decode tile at the small batches of a serving step (R = 1): k31c only, each (BV, warps)
+    of `configs`, as CUDA-graph replays of 20 calls that cycle through the states of
+    `slots_in_pool` requests (6 MiB each, 96 MiB in all: past the L2, as in a decode step where
+    the weights stream between two layers' states)."""
     from k31c.lowering.triton.kda_decode import decode_tile, launch_kda_decode
     gen = torch.Generator().manual_seed(1)
     lay = layer(slots_in_pool, gen)
     out = []
     for B in batches:
         tok = tokens(B, gen)
-        next_slots = cycling_slots(B, slots_in_pool)
+        sets = [torch.arange(j * B, (j + 1) * B, device="cuda") % slots_in_pool
+                for j in range(slots_in_pool // B)]
+
+        turn = itertools.count()
 
         def run(cfg, state_first=None):
-            return launch_kda_decode(*args(tok, lay), next_slots(), 1, LB, EPS, None, None,
-                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first,
-                                     fuse_prep=False)
+            return launch_kda_decode(*args(tok, lay), sets[next(turn) % len(sets)], 1, LB, EPS, None, None,
+                                     block_v=cfg[0], num_warps=cfg[1], state_first=state_first)
 
         sweep = {cfg: graph_ms(lambda cfg=cfg: run(cfg)) for cfg in configs}
         best = min(sweep, key=sweep.get)
@@ -266,52 +240,6 @@ def small_batch_rows(m: Machine, batches=(1, 4),
                        f"best (BV,warps) {best} (default {decode_tile(1, K)}); (BV,warps) "
                        + " ".join(f"{','.join(map(str, c))}:{t * 1e3:.1f}us" for c, t in sweep.items())
                        + f"; default tile, state pass paired {paired * 1e3:.1f}us, plain {plain * 1e3:.1f}us"))
-    return out
-
-
-# (warps, register cap) of the one-launch step one_launch_rows times: at 4 warps it spills (255
-# registers); at 8, 135 registers leave one program an SM, 120 (no spill; the registered
-# kda_decode.ONE_LAUNCH) two
-ONE_LAUNCH = ((4, 0), (8, 0), (8, 120))
-
-
-def one_launch_rows(m: Machine, batches=(16, 1, 4), slots_in_pool: int = 16) -> list[Row]:
-    """KDA decode's one-row step as one launch (`DecodePlan.fuse_prep`, registered at
-    kda_decode.ONE_LAUNCH) at each of ONE_LAUNCH, beside the passes as separate launches (the
-    default tile, the state pass the prep's PDL dependent where `DecodePlan.pairs` says so) on
-    the same inputs, R = 1, the calls cycling through the
-    states of `slots_in_pool` requests as in small_batch_rows (B = 16: one set, decode_rows'
-    case). Run last and guarded: an option that fails to build or run is reported in its row
-    without costing the rows before it."""
-    from k31c.lowering.triton.kda_decode import launch_kda_decode
-    gen = torch.Generator().manual_seed(2)
-    lay = layer(slots_in_pool, gen)
-    out = []
-    for B in batches:
-        tok = tokens(B, gen)
-        next_slots = cycling_slots(B, slots_in_pool)
-
-        def run(**knobs):
-            return launch_kda_decode(*args(tok, lay), next_slots(), 1, LB, EPS, None, None, **knobs)
-
-        times, failed = {}, []
-        for cfg in [None, *ONE_LAUNCH]:
-            knobs = dict(fuse_prep=False) if cfg is None else dict(block_v=K, num_warps=cfg[0],
-                                                                  fuse_prep=True, maxnreg=cfg[1])
-            try:
-                times[cfg] = graph_ms(lambda knobs=knobs: run(**knobs))
-            except Exception as e:  # noqa: BLE001  (reported in the row, not raised)
-                failed.append(f"{cfg or 'passes apart'} failed: {type(e).__name__}: {str(e)[:80]}")
-        ones = {c: t for c, t in times.items() if c is not None}
-        best = min(ones, key=ones.get) if ones else None
-        shape = f"B={B} R=1 H={H} K=V={K}" + (f", {slots_in_pool} states cycled" if B < slots_in_pool else "")
-        notes = [f"passes apart {times[None] * 1e3:.1f}us"] if None in times else []
-        if ones:
-            notes.append(f"one launch at its best (warps, cap) {best}; (warps,cap) " + " ".join(
-                f"{w},{cap or '-'}:{t * 1e3:.1f}us" for (w, cap), t in ones.items()))
-        out.append(Row("kda_decode one launch", shape, times.get(best, float("nan")),
-                       bytes_floor_ms(decode_bytes(B, 1, False), m), "bytes", {},
-                       "; ".join(notes + failed)))
     return out
 
 
@@ -433,5 +361,5 @@ if __name__ == "__main__":
         sys.exit(f"bench_kda: expected nothing, --prefill or --decode, got {' '.join(sys.argv[1:])}")
     m = measure_machine()
     rows = prefill_rows(m) if "--prefill" in flags else \
-        decode_rows(m) + small_batch_rows(m) + one_launch_rows(m) if "--decode" in flags else run(m)
+        decode_rows(m) + small_batch_rows(m) if "--decode" in flags else run(m)
     print(markdown(rows, m))

@@ -19,12 +19,11 @@ def test_decode_small(rows, lb):
                  device=DEV, seed=rows + (lb is None), fn=kda_decode)
 
 
-@pytest.mark.parametrize("kernel", ["split", "split-bv8", "one-launch"])
+@pytest.mark.parametrize("kernel", ["split", "split-bv8"])
 def test_decode_padding_rows_with_garbage_inputs(kernel):
     """A padding request's rows may hold anything (NaN here, as in graph-padded batches): its
     output rows are 0 as in the reference, and the live requests are unaffected."""
-    H, K, B = 2, 16, 3
-    rows = 1 if kernel == "one-launch" else 2
+    H, K, B, rows = 2, 16, 3, 2
     gen = torch.Generator().manual_seed(21)
     params, conv, state = make_layer(H, K, 6, torch.float32, DEV, gen)
     tok = make_tokens(B * rows, H, K, torch.float32, DEV, gen)
@@ -32,8 +31,7 @@ def test_decode_padding_rows_with_garbage_inputs(kernel):
     slots[1] = -1
     for t in tok.values():
         t[rows:2 * rows] = float("nan")                        # the padding request's rows
-    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8),
-          "one-launch": partial(launch_kda_decode, fuse_prep=True)}[kernel]
+    fn = {"split": launch_kda_decode, "split-bv8": partial(launch_kda_decode, block_v=8)}[kernel]
     got = run_decode(fn, tok, params, conv, state, slots, rows, -5.0, True)
     want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, rows, -5.0, True)
     assert not torch.isnan(got[0]).any() and bool((got[0][rows:2 * rows] == 0).all())
@@ -79,16 +77,15 @@ def test_decode_tile_defaults():
         decode_tile(1, 128, num_warps=3)
 
 
-@pytest.mark.parametrize("rows,tile,one", [(1, (128, 8), (True, 120)), (4, (32, 2), (False, None))])
-def test_registered_launcher_runs_the_default_plan(rows, tile, one, monkeypatch):
-    # the registered `k31c::kda_decode` launcher runs the default plan: at R = 1 the one launch
-    # (BV = K at ONE_LAUNCH's warps and register cap), at R = 4 the passes at the per-R tile
+@pytest.mark.parametrize("rows,tile", [(1, (128, 4)), (4, (32, 2))])
+def test_registered_launcher_runs_the_default_plan(rows, tile, monkeypatch):
+    # the registered `k31c::kda_decode` launcher runs its launches at the per-R tile (R = 1: BV = K,
+    # the norm fused into the state pass)
     import k31c.lowering.triton.kda_decode as kd
     seen = {}
 
     def fake(p, *a):
-        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows,
-                    one=(p.fuse_prep, p.maxnreg))
+        seen.update(tile=(p.block_v, p.num_warps), stages=a[-1], unroll=p.unroll_rows)
         return a[0]
     monkeypatch.setattr(kd, "_run", fake)
     gen = torch.Generator().manual_seed(3)
@@ -96,40 +93,7 @@ def test_registered_launcher_runs_the_default_plan(rows, tile, one, monkeypatch)
     tok = make_tokens(2 * rows, 1, 128, torch.float32, "cpu", gen)
     kda_decode(*(tok[n] for n in TOKEN_KEYS), *params.values(), conv, state,
                torch.tensor([0, 1]), rows, -5.0, EPS, None, None)
-    assert seen == dict(tile=tile, stages="psn", unroll=True, one=one)
-    assert not one[0] or (tile[1], one[1]) == kd.ONE_LAUNCH
-
-
-def test_decode_plan_makes_one_launch_where_it_can():
-    """fuse_prep by default at one row a request with whole-head programs, at ONE_LAUNCH's warps
-    and cap unless warps or a cap are asked for; the passes apart elsewhere and where asked
-    (fuse_prep=False, stages, state_first)."""
-    from k31c.lowering.triton.kda_decode import ONE_LAUNCH, plan
-    p = plan(1, 128, 4)
-    assert p.fuse_prep and (p.num_warps, p.maxnreg) == ONE_LAUNCH
-    warps_cap = lambda **knobs: (plan(1, 128, 4, **knobs).num_warps, plan(1, 128, 4, **knobs).maxnreg)
-    assert warps_cap(num_warps=4) == (4, None) and warps_cap(maxnreg=0) == (ONE_LAUNCH[0], 0)
-    assert not plan(4, 128, 4).fuse_prep and not plan(1, 128, 4, block_v=32).fuse_prep
-    apart = plan(1, 128, 4, fuse_prep=False)
-    assert not apart.fuse_prep and (apart.num_warps, apart.maxnreg) == (4, None)
-
-
-@pytest.mark.parametrize("asked", [dict(fuse_prep=False), dict(state_first=False),
-                                   dict(stages="ps")])
-@pytest.mark.parametrize("snaps", [False, True])
-def test_decode_one_row_passes_apart(asked, snaps, monkeypatch):
-    """The one-row step as prep + state pass (whole heads, norm fused) where asked; stages "ps"
-    (prep and state, nothing else at BV = K) is the whole step."""
-    import k31c.lowering.triton.kda_decode as kd
-    forms, run = [], kd._run
-
-    def spy(p, *a):
-        forms.append(p.fuse_prep)
-        return run(p, *a)
-    monkeypatch.setattr(kd, "_run", spy)
-    check_decode(H=2, K=16, B=3, rows=1, lb=-5.0, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=70 + snaps, fn=partial(launch_kda_decode, **asked))
-    assert forms == [False]
+    assert seen == dict(tile=tile, stages="psn", unroll=True)
 
 
 # prep launch, lean state pass over V tiles (or whole heads, norm fused), norm
@@ -138,7 +102,7 @@ def test_decode_one_row_passes_apart(asked, snaps, monkeypatch):
 def test_decode_split(rows, snaps, block_v):
     check_decode(H=2, K=32, B=3, rows=rows, lb=-5.0, snaps=snaps, dtype=torch.float32, device=DEV,
                  seed=20 + rows + block_v, num_slots=5,
-                 fn=partial(launch_kda_decode, block_v=block_v, fuse_prep=False))
+                 fn=partial(launch_kda_decode, block_v=block_v))
 
 
 def test_decode_split_softplus_fp16_rolled():
@@ -155,40 +119,9 @@ def test_decode_plan_fuses_the_norm_for_whole_heads():
 
 def test_decode_pairs_the_state_pass_only_when_its_grid_fits_the_sms():
     from k31c.lowering.triton.kda_decode import plan
-    one_row = plan(1, 128, 4, fuse_prep=False)      # BV = K: a program per (request, head)
+    one_row = plan(1, 128, 4)                       # BV = K: a program per (request, head)
     assert one_row.pairs(1, 96, 132) and not one_row.pairs(2, 96, 132)
     assert not plan(4, 128, 4).pairs(1, 96, 132)    # BV = 32: 384 programs at one request
-
-
-@pytest.mark.parametrize("snaps", [False, True])
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_decode_one_launch(snaps, lb):
-    """fuse_prep: the whole one-row step in one launch, each program making its head's prep."""
-    check_decode(H=2, K=16, B=3, rows=1, lb=lb, snaps=snaps, dtype=torch.float32, device=DEV,
-                 seed=50 + snaps + 2 * (lb is None),
-                 fn=partial(launch_kda_decode, fuse_prep=True, num_warps=8, maxnreg=120))
-
-
-def test_decode_one_launch_fp16_window_dtype():
-    gen = torch.Generator().manual_seed(53)
-    params, conv, state = make_layer(2, 32, 5, torch.float32, DEV, gen)
-    tok = make_tokens(4, 2, 32, torch.float16, DEV, gen)
-    slots = torch.tensor([3, -1, 0, 4], device=DEV)
-    got = run_decode(partial(launch_kda_decode, fuse_prep=True), tok, params, conv, state, slots,
-                     1, -5.0, False)
-    want = run_decode(torch.ops.k31c.kda_decode, tok, params, conv, state, slots, 1, -5.0, False)
-    for name, g, w in zip(("out", "conv_state", "recurrent"), got, want):
-        close(name, g, w, torch.float16, decode=True)
-
-
-@pytest.mark.parametrize("rows,block_v,stages,maxnreg,match", [
-    (4, None, "psn", None, "fuse_prep"), (1, 8, "psn", None, "fuse_prep"),
-    (1, None, "ps", None, "stages"), (1, None, "psn", 300, "maxnreg")])
-def test_decode_one_launch_rejects_what_it_cannot_run(rows, block_v, stages, maxnreg, match):
-    with pytest.raises(ValueError, match=match):
-        check_decode(H=2, K=16, B=2, rows=rows, lb=-5.0, snaps=False, dtype=torch.float32,
-                     device=DEV, seed=0, fn=partial(launch_kda_decode, fuse_prep=True,
-                                                    block_v=block_v, stages=stages, maxnreg=maxnreg))
 
 
 def test_decode_rejects_bad_stages():
@@ -209,19 +142,7 @@ def test_decode_k3_shapes_cuda(rows, snaps):
 def test_decode_k3_shapes_whole_head_cuda(num_warps):
     """BV = K: one program a head with the gated norm fused (bench_kda's sweep times it)."""
     check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=False, dtype=torch.bfloat16, device="cuda",
-                 seed=3, num_slots=20,
-                 fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps, fuse_prep=False))
-
-
-@pytest.mark.skipif(not CUDA, reason="K3 shapes run on the GPU only")
-@pytest.mark.parametrize("snaps", [False, True])
-@pytest.mark.parametrize("num_warps,maxnreg", [(4, None), (8, 120)])
-def test_decode_one_launch_k3_shapes_cuda(snaps, num_warps, maxnreg):
-    """The one launch as bench_kda times it: 4 warps (spilling) and 8 capped at 120 registers."""
-    check_decode(H=96, K=128, B=16, rows=1, lb=-5.0, snaps=snaps, dtype=torch.bfloat16,
-                 device="cuda", seed=60 + snaps, num_slots=20,
-                 fn=partial(launch_kda_decode, fuse_prep=True, block_v=128, num_warps=num_warps,
-                            maxnreg=maxnreg))
+                 seed=3, num_slots=20, fn=partial(launch_kda_decode, block_v=128, num_warps=num_warps))
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL needs the GPU")

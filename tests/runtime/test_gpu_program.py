@@ -25,8 +25,7 @@ KERNEL_FAMILIES = {"cache writes": ("_latent_write_kernel", "_index_write_kernel
                    "indexer": ("_indexer_ws_kernel", "_indexer_tma_kernel", "_indexer_kernel"),
                    "top-k": ("_plan_kernel", "_filter_kernel", "_refine_kernel"),
                    "sparse MLA": ("_scores_kernel", "_values_kernel"),
-                   "KDA decode": ("kda_decode_one_row_kernel", "kda_decode_state_kernel",
-                                  "kda_decode_prep_kernel"),
+                   "KDA decode": ("kda_decode_state_kernel", "kda_decode_prep_kernel"),
                    "MoE router": ("_logits_kernel", "_select_kernel"),
                    "MoE experts": ("_gate_up_kernel", "_down_kernel", "_combine_kernel")}
 

@@ -14,11 +14,9 @@ from k31c.graph.ops.kda import check_decode
 from k31c.lowering.aot_spec import kernel_spec
 from k31c.lowering.registry import register
 from k31c.lowering.targets import GPU_TARGETS
-from k31c.lowering.triton.device import pair_launch, pdl_launch, register_cap, sm_count
+from k31c.lowering.triton.device import pair_launch, pdl_launch, sm_count
 from k31c.lowering.triton.kda_common import check_kda_layout
-from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel,
-                                                     kda_decode_one_row_kernel,
-                                                     kda_decode_prep_kernel,
+from k31c.lowering.triton.kda_decode_kernels import (kda_decode_norm_kernel, kda_decode_prep_kernel,
                                                      kda_decode_state_kernel)
 from k31c.lowering.triton.unit_stride import require_unit_stride
 
@@ -34,10 +32,6 @@ NORM_ROWS = 16            # [N*H, K] rows per norm program
 # B=16, H=96 (BENCHMARKS.md, KDA). For one row BV = K (capped at K: one program per head, the gated
 # norm fused, two launches instead of three) won at B = 1 and 16 in four runs.
 _TILE_ONE_ROW, _TILE_ROWS = (128, 4), (32, 2)
-# (num_warps, register cap) of the one-row step as one launch (`DecodePlan.fuse_prep`, the default
-# at one row a request with whole-head programs): on sm_90a 8 warps capped at 120 registers build
-# without spilling and fit two programs an SM; 4 warps spill (255 registers + 800 B of stack)
-ONE_LAUNCH = (8, 120)
 
 
 @dataclass(frozen=True)
@@ -52,8 +46,6 @@ class DecodePlan:
     norm_rows: int = NORM_ROWS
     unroll_rows: bool = True
     state_first: bool = False   # the state pass launched as the prep's PDL dependent (`pairs`)
-    fuse_prep: bool = False     # one launch: each whole-head program makes its own prep (R = 1)
-    maxnreg: int | None = None  # register cap of the state pass / the one launch (CUDA only; 0 none)
 
     @property
     def fuse_norm(self) -> bool:
@@ -74,10 +66,6 @@ class DecodePlan:
         return dict(ROWS=self.rows, RB=triton.next_power_of_2(self.rows), K=self.K, W=self.W,
                     WB=triton.next_power_of_2(max(self.W - 1, 1)), HAS_LOWER_BOUND=has_lower_bound,
                     HAS_SNAP=has_snap, **({"DEPENDENT": True} if self.state_first else {}))
-
-    def one_row_constexprs(self, has_lower_bound: bool, has_snap: bool) -> dict:
-        return dict(K=self.K, W=self.W, WB=triton.next_power_of_2(max(self.W - 1, 1)),
-                    HAS_LOWER_BOUND=has_lower_bound, HAS_SNAP=has_snap)
 
     def state_constexprs(self, has_snap: bool) -> dict:
         return dict(ROWS=self.rows, K=self.K, BV=self.block_v, HAS_SNAP=has_snap,
@@ -104,26 +92,12 @@ def decode_tile(rows: int, K: int, block_v: int | None = None,
 
 def plan(rows: int, K: int, W: int, block_v: int | None = None, num_warps: int | None = None,
          prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
-         unroll_rows: bool = True, fuse_prep: bool | None = None,
-         maxnreg: int | None = None) -> DecodePlan:
+         unroll_rows: bool = True) -> DecodePlan:
     """The plan for `rows` rows per request: the state pass's tile from `decode_tile`, the rest
-    as given (the launcher decides `state_first`: `DecodePlan.pairs`). fuse_prep (one launch)
-    needs one row a request and whole-head programs (BV = K); None: one launch wherever it can
-    run. A one launch without num_warps takes ONE_LAUNCH's warps and, unless maxnreg is given, its
-    register cap (maxnreg 0: no cap)."""
+    as given (the launcher decides `state_first`: `DecodePlan.pairs`)."""
     BV, nw = decode_tile(rows, K, block_v, num_warps)
-    whole_rows = rows == 1 and BV == K
-    if fuse_prep and not whole_rows:
-        raise ValueError(f"fuse_prep: needs one row a request and block_v = K = {K} (one program "
-                         f"a head), got rows={rows}, block_v={BV}")
-    fuse_prep = whole_rows if fuse_prep is None else fuse_prep
-    if fuse_prep and num_warps is None:
-        nw, maxnreg = ONE_LAUNCH[0], ONE_LAUNCH[1] if maxnreg is None else maxnreg
     prep_warps = (PREP_WARPS_ONE_ROW if rows == 1 else PREP_WARPS) if prep_warps is None else prep_warps
-    if maxnreg is not None and maxnreg != 0 and not 24 <= maxnreg <= 255:
-        raise ValueError(f"maxnreg: expected a register cap in [24, 255] or 0 (none), got {maxnreg}")
-    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows, fuse_prep=fuse_prep,
-                      maxnreg=maxnreg)
+    return DecodePlan(rows, K, W, BV, nw, prep_warps, norm_rows, unroll_rows)
 
 
 # ---- launcher -------------------------------------------------------------------------------
@@ -158,29 +132,21 @@ def launch_kda_decode(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_nor
                       block_v: int | None = None, num_warps: int | None = None,
                       prep_warps: int | None = None, norm_rows: int = NORM_ROWS,
                       unroll_rows: bool = True, stages: str = "psn",
-                      state_first: bool | None = None, fuse_prep: bool | None = None,
-                      maxnreg: int | None = None) -> torch.Tensor:
+                      state_first: bool | None = None) -> torch.Tensor:
     """The launches, with the tuning knobs exposed for benchmarks. block_v, num_warps: tile of
     the state pass (default: `decode_tile`; block_v = K: one program per head, gated norm fused,
     no norm launch). unroll_rows: unroll the row loop (all rows' vector loads early) or not
     (fewer registers). stages: which of prep / state / norm to launch (benchmarks time them
     alone; anything but "psn" leaves the output unfinished). state_first: launch the state pass
     as the prep's PDL dependent, loading its state while the prep runs (default: where the
-    device has PDL and `DecodePlan.pairs` says so). fuse_prep: the whole step as one launch at
-    one row a request and BV = K (kda_decode_one_row_kernel; default: wherever it can run and
-    neither stages nor state_first ask for the passes apart). maxnreg: the state pass's (or the
-    one launch's) register cap, CUDA only (`plan`)."""
+    device has PDL and `DecodePlan.pairs` says so)."""
     N, H, K, W = check_decode_layout(q, k, v, f, beta, gate, conv_weight, A_log, dt_bias,
                                      o_norm_weight, conv_state, recurrent, slots, rows, snap_conv,
                                      snap_state)
     if not stages or set(stages) - set("psn"):
         raise ValueError(f"stages: expected letters of 'psn' (prep, state, norm), got {stages!r}")
-    if fuse_prep is None and (stages != "psn" or state_first is not None):
-        fuse_prep = False                  # the passes apart, as asked
-    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows, fuse_prep, maxnreg)
-    if p.fuse_prep and stages != "psn":
-        raise ValueError(f"stages: the one-launch step (fuse_prep) has no stages apart, got {stages!r}")
-    paired = pair_launch(q.device) and "p" in stages and not p.fuse_prep
+    p = plan(rows, K, W, block_v, num_warps, prep_warps, norm_rows, unroll_rows)
+    paired = pair_launch(q.device) and "p" in stages
     if state_first is None:
         state_first = p.pairs(slots.shape[0], H, sm_count(q.device))
     p = dataclasses.replace(p, state_first=state_first and paired)
@@ -199,15 +165,6 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
     pdl = pdl_launch(dev)
     has_snap = snap_conv is not None
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    if p.fuse_prep:
-        out = torch.empty_like(q)
-        kda_decode_one_row_kernel[(B * H,)](
-            q, k, v, f, beta, gate, conv_weight.contiguous(), A_log.contiguous(),
-            dt_bias.contiguous(), o_norm_weight.contiguous(), conv_state, recurrent, slots,
-            snap_conv if has_snap else conv_state, snap_state if has_snap else recurrent, out, H,
-            lb, K ** -0.5, float(eps), **p.one_row_constexprs(lower_bound is not None, has_snap),
-            num_warps=p.num_warps, **pdl, **register_cap(dev, p.maxnreg))
-        return out
     qs, ks, vs, ds = (torch.empty(N, P, device=dev, dtype=torch.float32) for _ in range(4))
     bs = torch.empty(N, H, device=dev, dtype=torch.float32)
     if "p" in stages:
@@ -224,8 +181,7 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
             qs, ks, vs, ds, bs, o_raw, gate, norm_w, recurrent, slots,
             snap_state if has_snap else recurrent, H, float(eps),
             **{**pdl, **p.state_constexprs(has_snap),
-               **({"launch_pdl": True} if p.state_first else {}),
-               **register_cap(dev, p.maxnreg)}, num_warps=p.num_warps)
+               **({"launch_pdl": True} if p.state_first else {})}, num_warps=p.num_warps)
     if "n" in stages and not p.fuse_norm:
         kda_decode_norm_kernel[(triton.cdiv(N * H, p.norm_rows),)](
             o_raw, gate, norm_w, slots, out, N * H, H, float(eps), **p.norm_constexprs(),
@@ -236,10 +192,9 @@ def _run(p: DecodePlan, q, k, v, f, beta, gate, conv_weight, A_log, dt_bias, o_n
 def aot_specs(shapes) -> list:
     """The launches of `kda_decode` at `shapes` (aot_spec.AotShapes), for the ahead-of-time build,
     from `plan`'s defaults; dtypes as the KDA block passes them: for every rows-per-request count,
-    with and without per-row snapshots, the one launch where the plan makes one (R = 1), else
-    prep and state (also as a PDL pair where `DecodePlan.pairs` allows it at one request) and the
-    norm (one build per R: it maps rows to requests; none when BV = K fuses it into the state
-    pass)."""
+    with and without per-row snapshots, prep and state (also as a PDL pair where
+    `DecodePlan.pairs` allows it at one request), and the norm (one build per R: it maps rows to
+    requests; none when BV = K fuses it into the state pass)."""
     cfg = shapes.cfg
     dt, f32, i64, op = cfg.torch_dtype, torch.float32, torch.int64, "k31c::kda_decode"
     K, W, H = cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_num_heads
@@ -248,17 +203,9 @@ def aot_specs(shapes) -> list:
                   a_log_ptr=f32, dt_bias_ptr=f32, conv_ptr=dt, slots_ptr=i64)
     prep_types = dict(inputs, snap_conv_ptr=dt, qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32,
                       bs_ptr=f32, lower_bound="fp32", scale="fp32")
-    one_row_types = dict(inputs, gate_ptr=dt, norm_w_ptr=dt, state_ptr=f32, snap_conv_ptr=dt,
-                         snap_state_ptr=f32, o_ptr=dt, lower_bound="fp32", scale="fp32", eps="fp32")
     specs = []
     for rows in shapes.rows_per_request:
         base = plan(rows, K, W)
-        if base.fuse_prep:
-            specs += [kernel_spec(kda_decode_one_row_kernel, op, f"R=1{',snap' if snap else ''},one",
-                                  base.one_row_constexprs(lb, snap), one_row_types,
-                                  num_warps=base.num_warps, ints=dict(H=H), maxnreg=base.maxnreg)
-                      for snap in (False, True)]
-            continue
         # paired at one request where the grid allows it (DecodePlan.pairs), plain otherwise
         pairs = shapes.target.pdl_capable and base.pairs(1, H, shapes.target.sm_count)
         state_types = dict(qs_ptr=f32, ks_ptr=f32, vs_ptr=f32, ds_ptr=f32, bs_ptr=f32,

@@ -1,18 +1,13 @@
-"""Triton kernels for `k31c::kda_decode` (spec/model.md §4.2-4.7): the one-row step as one launch,
-prep, a lean state pass, norm;
+"""Triton kernels for `k31c::kda_decode` (spec/model.md §4.2-4.7): prep, a lean state pass, norm;
 the launch plan and the launcher are in kda_decode.py.
 
 Decode is state-traffic bound (B=16, H=96: 100.7 MB of fp32 state read and written per step;
 activations and windows ~2-10 MB), so the time is roughly (state bytes per SM / state bytes
 resident per SM) x program lifetime: the state pass is kept lean, with nothing on a program's
-latency chain but its [K, BV] state slice and the R delta-rule steps. Forms that made the prep
-inside the state programs before their state's load measured slower at every tile (BENCHMARKS.md,
-KDA decode); the one-row step below issues the state's loads first and makes the prep under them.
+latency chain but its [K, BV] state slice and the R delta-rule steps. The forms that merge the
+prep into the state programs were measured slower at every tile (BENCHMARKS.md, KDA decode).
 
-At one row a request with BV = K (the default there: `DecodePlan.fuse_prep`) the step is one
-launch, kda_decode_one_row_kernel: a program per (request, head) loads its state slice, makes its
-head's prep meanwhile, then steps, normalises and moves the windows on; no scratch. Otherwise,
-three launches, all with grids from static shapes (CUDA-graph safe; slots read on device):
+Three launches, all with grids from static shapes (CUDA-graph safe; slots read on device):
   1. prep, one program per (request, head): conv + SiLU over the cached window for the R rows,
      q/k L2 norms (q pre-scaled), decay exp(g), sigmoid(beta) -> fp32 scratch [N, P] / [N, H];
      then the per-row window snapshots and the new window (it is the window's only reader, so
@@ -186,41 +181,6 @@ def kda_decode_state_kernel(qs_ptr, ks_ptr, vs_ptr, ds_ptr, bs_ptr, o_ptr, gate_
                            ds_ptr, bs_ptr, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr, eps,
                            K, HAS_SNAP, FUSE_NORM)
     tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
-
-
-@triton.jit
-def kda_decode_one_row_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, gate_ptr, conv_w_ptr, a_log_ptr,
-                              dt_bias_ptr, norm_w_ptr, conv_ptr, state_ptr, slots_ptr,
-                              snap_conv_ptr, snap_state_ptr, o_ptr, H, lower_bound, scale, eps,
-                              K: tl.constexpr, W: tl.constexpr, WB: tl.constexpr,
-                              HAS_LOWER_BOUND: tl.constexpr, HAS_SNAP: tl.constexpr,
-                              PDL: tl.constexpr = False):
-    """The whole step at one row a request in one launch (`DecodePlan.fuse_prep`), a program per
-    (request, head): the head's [K, K] state slice loaded first (what the program waits on), the
-    prep made meanwhile from the cached window, one delta-rule step, the gated norm, the final
-    state, then the head's conv windows moved on. No scratch and no second launch."""
-    wait_for_producers(PDL)
-    b, h, slot, live, offs, offs_v, kv, state_head, S = _state_slice(slots_ptr, state_ptr, H, K, K)
-    # the compilers do not move loads across a barrier: the state's loads issue before the
-    # prep's (unfenced, ptxas sinks them past the prep's window loads and conv)
-    tl.debug_barrier()
-    P = H * K
-    conv_row = conv_ptr + slot * (W - 1) * 3 * P
-    ch = h * K + offs
-    rr = tl.arange(0, 1)
-    row0_64 = b.to(tl.int64)
-    tok0 = b - (W - 1)
-    q, k, v, decay, beta = _prep_rows(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, conv_w_ptr, a_log_ptr,
-                                      dt_bias_ptr, conv_row, h, H, row0_64, tok0, rr, rr < 1, ch,
-                                      live, lower_bound, scale, K, W, HAS_LOWER_BOUND)
-    # the one row of each [1, K] tile as a vector
-    S, o = _delta_row(S, tl.sum(q, axis=0), tl.sum(k, axis=0), tl.sum(decay, axis=0),
-                      tl.sum(v, axis=0), tl.sum(beta, axis=0), live)
-    _emit_row(S, o, 0, row0_64, h, H, live, offs_v, kv, o_ptr, gate_ptr, norm_w_ptr, snap_state_ptr,
-              eps, K, HAS_SNAP, True)
-    tl.store(state_head + kv, S, mask=live, cache_modifier=".cs")
-    update_windows(q_ptr, k_ptr, v_ptr, conv_ptr, conv_row, snap_conv_ptr, row0_64, tok0, ch, live,
-                   P, HAS_SNAP, 1, W, WB)
 
 
 @triton.jit
